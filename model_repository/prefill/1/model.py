@@ -1,0 +1,28 @@
+"""prefill: prompt token ids -> KV cache + first output token."""
+
+import triton_python_backend_utils as pb_utils
+
+from pdchat import tensors
+from pdchat.core.engine import CausalLM
+from pdchat.core.generation import prefill_for_handoff
+from pdchat.core.settings import resolve_model
+from pdchat.triton import io
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        settings = resolve_model(io.model_parameters(args))
+        self.engine = CausalLM(settings.path, settings.device)
+
+    def execute(self, requests):
+        return [self._prefill(request) for request in requests]
+
+    def _prefill(self, request):
+        try:
+            ids = io.required_token_ids(request)
+            token, kv = prefill_for_handoff(self.engine, ids, io.generation_params(request))
+        except Exception as exc:  # noqa: BLE001
+            return io.error_response(exc)
+        return pb_utils.InferenceResponse(
+            output_tensors=[io.int32_tensor(tensors.FIRST_TOKEN_ID, [token]), pb_utils.Tensor(tensors.KV_CACHE, kv)]
+        )
