@@ -100,7 +100,8 @@ class TritonServer:
     grpc_port: int = 0
     metrics_port: int = 0
     host: str = "127.0.0.1"
-    explicit_model_control: bool = False
+    # Explicit model control: load only these at start; others via the repository API.
+    load_models: tuple[str, ...] | None = None
     log_path: Path | None = None
     extra_args: tuple[str, ...] = ()
     process: subprocess.Popen | None = None
@@ -141,8 +142,8 @@ class TritonServer:
             args.append(f"--backend-directory={backend_dir}")
         if self.role != "monolithic":
             args.append(f"--model-config-name={self.role}")
-        if self.explicit_model_control:
-            args += ["--model-control-mode=explicit", "--load-model=*"]
+        if self.load_models is not None:
+            args += ["--model-control-mode=explicit", *(f"--load-model={m}" for m in self.load_models)]
         args += list(self.extra_args)
         env = {**os.environ, **self.env}
         # The stub runs the first python3 on PATH: make it this interpreter's venv.
@@ -154,11 +155,12 @@ class TritonServer:
 
     def start(self, timeout: float = 300.0) -> TritonServer:
         args, env = self.command()
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        # Own process group: signals reach tritonserver and its stubs, not our caller.
-        self.process = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        if log is not subprocess.DEVNULL:
-            log.close()
+        if self.log_path is None:
+            self.log_path = cache_dir() / "logs" / f"tritonserver-{self.role}-{self.http_port}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            # Own process group: signals reach tritonserver and its stubs, not our caller.
+            self.process = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             self.wait_ready(timeout)
         except BaseException:
@@ -204,7 +206,7 @@ class TritonServer:
             path.unlink(missing_ok=True)
 
     def _log_hint(self) -> str:
-        return f"; see {self.log_path}" if self.log_path else ""
+        return f"; its log: {self.log_path}"
 
     def __enter__(self) -> TritonServer:
         return self.start()

@@ -50,7 +50,7 @@ class CausalLM:
         ids = torch.tensor([prompt_token_ids], dtype=torch.long, device=self.device)
         # logits_to_keep=1: full-prompt logits would be vocab x tokens floats for nothing.
         out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        return PrefillResult(out.logits[0, -1], out.past_key_values)
+        return PrefillResult(out.logits[0, -1], out.cache)
 
     @torch.inference_mode()
     def step(self, token_id: int, cache: object) -> torch.Tensor:

@@ -1,0 +1,130 @@
+"""`pdchat`: serve the model repository, chat with it, run the demo, prepare models."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+DEMO_QUESTION = "In two sentences, why is the sky blue?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdchat", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run tritonserver on the model repository until interrupted")
+    _server_options(serve)
+    serve.add_argument("--role", default="monolithic", choices=("monolithic", "prefill", "decode"))
+
+    chat = commands.add_parser("chat", help="ask one question and print the answer as it streams")
+    chat.add_argument("question")
+    chat.add_argument("--url", default="127.0.0.1:8001", help="server address (gRPC port, or HTTP port with --protocol http)")
+    _chat_options(chat)
+
+    demo = commands.add_parser("demo", help="start a server on SmolLM2, stream one answer, stop")
+    demo.add_argument("question", nargs="?", default=DEMO_QUESTION)
+    demo.add_argument("--model", default="smollm2")
+    _chat_options(demo)
+
+    prepare = commands.add_parser("prepare", help="build an embedded model into the cache")
+    prepare.add_argument("name", choices=("tiny", "smollm2"))
+
+    args = parser.parse_args(argv)
+    return {"serve": _serve, "chat": _chat, "demo": _demo, "prepare": _prepare}[args.command](args)
+
+
+def _server_options(parser: argparse.ArgumentParser) -> None:
+    from pdchat.launcher import DEFAULT_MODEL_REPOSITORY
+
+    parser.add_argument("--model", help="embedded model name (tiny, smollm2) or HF model directory; sets PDCHAT_MODEL")
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+
+
+def _chat_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    parser.add_argument("--model-name", default="chat_ensemble", help="Triton model to call")
+    parser.add_argument("--system", help="system prompt")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--no-stream", action="store_true", help="print the answer once complete")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pdchat.launcher import TritonServer
+
+    env = {"PDCHAT_MODEL": args.model} if args.model else {}
+    server = TritonServer(
+        args.model_repository, role=args.role, env=env,
+        http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+    )
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    _say(f"starting tritonserver ({args.role}) on {args.model_repository}")
+    with server:
+        _say(f"ready: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}; Ctrl-C stops")
+        while not stop.is_set() and server.process.poll() is None:
+            stop.wait(0.5)
+    _say("stopped")
+    return 0 if stop.is_set() else 1
+
+
+def _chat(args: argparse.Namespace, url: str | None = None) -> int:
+    from pdchat.clients.chat import ChatError, chat_inputs, connect
+
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.question}
+    ]
+    request = {"messages": messages, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": not args.no_stream}
+    client = connect(url or args.url, args.protocol, args.model_name)
+    finish = ""
+    try:
+        for output in client.stream(chat_inputs(request)):
+            print(output.text, end="", flush=True)
+            finish = output.finish_reason
+    except ChatError as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(f"\n[finish_reason: {finish}]")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from pdchat import embedded
+    from pdchat.launcher import TritonServer
+
+    if args.model in embedded.EMBEDDED_MODELS:
+        embedded.ensure_model(args.model)  # build before the server starts, with progress shown
+    _say("starting tritonserver with renderer, prefill, decode and chat_ensemble")
+    started = time.monotonic()
+    with TritonServer(env={"PDCHAT_MODEL": args.model}) as server:
+        _say(f"ready in {time.monotonic() - started:.1f} s; asking {args.model_name}: {args.question!r}")
+        url = server.grpc_url if args.protocol == "grpc" else server.http_url
+        status = _chat(args, url)
+        _say("shutting the server down")
+    return status
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from pdchat import embedded
+
+    print(embedded.ensure_model(args.name))
+    return 0
+
+
+def _say(message: str) -> None:
+    print(f"[pdchat] {message}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

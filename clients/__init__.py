@@ -1,0 +1,1 @@
+"""Clients of the pdchat model repository, built on tritonclient (gRPC and HTTP)."""

@@ -1,0 +1,198 @@
+"""Chat with `chat_ensemble` (or `chat`) over tritonclient gRPC streaming or HTTP generate.
+
+Both transports return the same `ChatOutput` per Triton response, so callers (the CLI,
+tests, benchmarks) do not care which one carried it.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pdchat import tensors
+
+DEFAULT_MODEL = "chat_ensemble"
+TIMEOUT_S = 600.0
+
+
+class ChatError(RuntimeError):
+    """The server refused or failed the request; the message is the server's."""
+
+
+@dataclass(frozen=True)
+class ChatOutput:
+    """One response of the stream (or the only one, when not streaming)."""
+
+    text: str
+    response: dict[str, Any]
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    """A whole answer, however many responses carried it."""
+
+    outputs: list[ChatOutput]
+
+    @property
+    def text(self) -> str:
+        return "".join(o.text for o in self.outputs)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return [t for o in self.outputs for t in o.output_token_ids]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.outputs[0].prompt_token_ids if self.outputs else []
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[-1].finish_reason if self.outputs else ""
+
+
+def chat_inputs(request: dict[str, Any] | None = None, text_input: str | None = None, **scalars: Any) -> dict[str, np.ndarray]:
+    """The client contract's input tensors, by name: a JSON body or text_input + scalars."""
+    arrays: dict[str, np.ndarray] = {}
+    if request is not None:
+        arrays[tensors.REQUEST] = np.array([json.dumps(request).encode()], dtype=np.object_)
+    if text_input is not None:
+        arrays[tensors.TEXT_INPUT] = np.array([text_input.encode()], dtype=np.object_)
+    for name, value in scalars.items():
+        if value is not None:
+            arrays[name] = np.array([value], dtype=tensors.SCALAR_INPUTS[name])
+    return arrays
+
+
+def collect(outputs: Iterator[ChatOutput]) -> ChatResult:
+    return ChatResult(list(outputs))
+
+
+def _to_output(text: Any, response: Any, prompt_ids: Any, output_ids: Any, finish: Any) -> ChatOutput:
+    def as_str(value: Any) -> str:
+        value = value[0] if isinstance(value, (list, np.ndarray)) else value
+        return value.decode() if isinstance(value, bytes) else str(value or "")
+
+    def as_ids(value: Any) -> list[int]:
+        return [] if value is None else [int(v) for v in np.asarray(value).reshape(-1)]
+
+    body = as_str(response)
+    return ChatOutput(as_str(text), json.loads(body) if body else {}, as_ids(prompt_ids), as_ids(output_ids), as_str(finish))
+
+
+class GrpcChat:
+    """gRPC streaming: works for streamed and whole answers of decoupled models."""
+
+    def __init__(self, url: str, model: str = DEFAULT_MODEL):
+        import tritonclient.grpc as grpcclient
+
+        self._grpc = grpcclient
+        self.client = grpcclient.InferenceServerClient(url)
+        self.model = model
+
+    def stream(self, inputs: dict[str, np.ndarray], request_id: str = "") -> Iterator[ChatOutput]:
+        responses: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        try:
+            infer_inputs = []
+            for name, array in inputs.items():
+                tensor = self._grpc.InferInput(name, list(array.shape), _triton_dtype(array))
+                tensor.set_data_from_numpy(array)
+                infer_inputs.append(tensor)
+            self.client.async_stream_infer(self.model, infer_inputs, request_id=request_id, enable_empty_final_response=True)
+            while True:
+                result, error = responses.get(timeout=TIMEOUT_S)
+                if error is not None:
+                    raise ChatError(error.message() if hasattr(error, "message") else str(error))
+                final = result.get_response().parameters["triton_final_response"].bool_param
+                if result.as_numpy(tensors.RESPONSE) is not None:
+                    yield _to_output(*(result.as_numpy(n) for n in _OUTPUTS))
+                if final:
+                    return
+        finally:
+            # Leaving early (client gone) cancels the request on the server.
+            self.client.stop_stream(cancel_requests=True)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class HttpChat:
+    """HTTP generate (one JSON answer) and generate_stream (server-sent events)."""
+
+    def __init__(self, url: str, model: str = DEFAULT_MODEL):
+        self.base = f"http://{url}/v2/models/{model}"
+        self.model = model
+
+    def stream(self, inputs: dict[str, np.ndarray], request_id: str = "") -> Iterator[ChatOutput]:
+        body = {name: _json_value(array) for name, array in inputs.items()}
+        if request_id:
+            body["id"] = request_id
+        streaming = bool(inputs.get(tensors.STREAM, [False])[0]) or _json_streams(inputs)
+        request = urllib.request.Request(
+            f"{self.base}/{'generate_stream' if streaming else 'generate'}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=TIMEOUT_S) as reply:
+                if not streaming:
+                    yield _from_json(json.loads(reply.read()))
+                    return
+                for line in reply:
+                    if line.startswith(b"data:"):
+                        yield _from_json(json.loads(line[5:]))
+        except urllib.error.HTTPError as exc:
+            raise ChatError(_http_error_message(exc)) from exc
+
+    def close(self) -> None:
+        pass
+
+
+_OUTPUTS = (tensors.TEXT_OUTPUT, tensors.RESPONSE, tensors.PROMPT_TOKEN_IDS, tensors.OUTPUT_TOKEN_IDS, tensors.FINISH_REASON)
+
+
+def _from_json(event: dict[str, Any]) -> ChatOutput:
+    if "error" in event:
+        raise ChatError(event["error"])
+    return _to_output(*(event.get(n) for n in _OUTPUTS))
+
+
+def _http_error_message(exc: urllib.error.HTTPError) -> str:
+    try:
+        return json.loads(exc.read()).get("error", str(exc))
+    except ValueError:
+        return str(exc)
+
+
+def _json_streams(inputs: dict[str, np.ndarray]) -> bool:
+    body = inputs.get(tensors.REQUEST)
+    return body is not None and bool(json.loads(body[0]).get("stream"))
+
+
+def _json_value(array: np.ndarray) -> Any:
+    value = array.reshape(-1)[0]
+    return value.decode() if isinstance(value, bytes) else value.item()
+
+
+def _triton_dtype(array: np.ndarray) -> str:
+    from tritonclient.utils import np_to_triton_dtype
+
+    return "BYTES" if array.dtype == np.object_ else np_to_triton_dtype(array.dtype)
+
+
+def connect(url: str, protocol: str = "grpc", model: str = DEFAULT_MODEL) -> GrpcChat | HttpChat:
+    if protocol == "grpc":
+        return GrpcChat(url, model)
+    if protocol == "http":
+        return HttpChat(url, model)
+    raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")

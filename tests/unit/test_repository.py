@@ -1,0 +1,56 @@
+"""The model repository's configs agree with the tensor names the code uses."""
+
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from pdchat import tensors
+
+REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+
+
+def load(name):
+    config = model_config_pb2.ModelConfig()
+    text_format.Parse((REPOSITORY / name / "config.pbtxt").read_text(), config)
+    return config
+
+
+def names(entries):
+    return [e.name for e in entries]
+
+
+CLIENT_INPUTS = [tensors.REQUEST, tensors.TEXT_INPUT, *tensors.SCALAR_INPUTS]
+CLIENT_OUTPUTS = [tensors.TEXT_OUTPUT, tensors.RESPONSE, tensors.PROMPT_TOKEN_IDS, tensors.OUTPUT_TOKEN_IDS, tensors.FINISH_REASON]
+
+
+@pytest.mark.parametrize("model", ["renderer", "prefill", "decode", "chat_ensemble"])
+def test_config_names_itself_after_its_directory(model):
+    assert load(model).name == model
+
+
+def test_client_contract_is_the_same_on_renderer_and_ensemble():
+    assert names(load("renderer").input) == CLIENT_INPUTS == names(load("chat_ensemble").input)
+    assert names(load("decode").output) == CLIENT_OUTPUTS == names(load("chat_ensemble").output)
+    for entry in load("chat_ensemble").input:
+        assert entry.optional and list(entry.dims) == [1]
+
+
+def test_stage_tensors():
+    assert names(load("renderer").output) == [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS]
+    assert names(load("prefill").input) == [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS]
+    assert names(load("prefill").output) == [tensors.FIRST_TOKEN_ID, tensors.KV_CACHE]
+    assert names(load("decode").input) == [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.KV_CACHE, tensors.FIRST_TOKEN_ID]
+    assert load("decode").model_transaction_policy.decoupled
+
+
+def test_ensemble_wires_every_stage_input_from_an_earlier_output():
+    produced = set(CLIENT_INPUTS)
+    for step in load("chat_ensemble").ensemble_scheduling.step:
+        stage = load(step.model_name)
+        assert set(step.input_map) == set(names(stage.input))
+        assert set(step.input_map.values()) <= produced
+        assert set(step.output_map) == set(names(stage.output))
+        produced |= set(step.output_map.values())
+    assert set(CLIENT_OUTPUTS) <= produced
