@@ -60,11 +60,13 @@ class ChatResult:
         return self.outputs[-1].finish_reason if self.outputs else ""
 
 
-def chat_inputs(request: dict[str, Any] | None = None, text_input: str | None = None, **scalars: Any) -> dict[str, np.ndarray]:
-    """The client contract's input tensors, by name: a JSON body or text_input + scalars."""
+def chat_inputs(request: dict[str, Any] | str | None = None, text_input: str | None = None, **scalars: Any) -> dict[str, np.ndarray]:
+    """The client contract's input tensors, by name: a JSON body (dict, or str sent as
+    is) or text_input + scalars."""
     arrays: dict[str, np.ndarray] = {}
     if request is not None:
-        arrays[tensors.REQUEST] = np.array([json.dumps(request).encode()], dtype=np.object_)
+        body = request if isinstance(request, str) else json.dumps(request)
+        arrays[tensors.REQUEST] = np.array([body.encode()], dtype=np.object_)
     if text_input is not None:
         arrays[tensors.TEXT_INPUT] = np.array([text_input.encode()], dtype=np.object_)
     for name, value in scalars.items():
@@ -175,8 +177,12 @@ def _http_error_message(exc: urllib.error.HTTPError) -> str:
 
 
 def _json_streams(inputs: dict[str, np.ndarray]) -> bool:
-    body = inputs.get(tensors.REQUEST)
-    return body is not None and bool(json.loads(body[0]).get("stream"))
+    """Whether the JSON body asks to stream; a body that is no JSON object is the server's to refuse."""
+    try:
+        body = json.loads(inputs[tensors.REQUEST][0])
+    except (KeyError, ValueError):
+        return False
+    return isinstance(body, dict) and body.get("stream") is True
 
 
 def _json_value(array: np.ndarray) -> Any:
