@@ -10,7 +10,7 @@ import json
 import queue
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ class ChatOutput:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
+    kv_transfer_params: dict[str, Any] | None = None  # from a prefill (do_remote_decode) answer
 
 
 @dataclass(frozen=True)
@@ -60,13 +61,23 @@ class ChatResult:
         return self.outputs[-1].finish_reason if self.outputs else ""
 
 
-def chat_inputs(request: dict[str, Any] | str | None = None, text_input: str | None = None, **scalars: Any) -> dict[str, np.ndarray]:
+def chat_inputs(
+    request: dict[str, Any] | str | None = None,
+    text_input: str | None = None,
+    *,
+    prompt_token_ids: list[int] | np.ndarray | None = None,
+    kv_transfer_params: dict[str, Any] | str | None = None,
+    **scalars: Any,
+) -> dict[str, np.ndarray]:
     """The client contract's input tensors, by name: a JSON body (dict, or str sent as
-    is) or text_input + scalars."""
+    is) or text_input + scalars; forwarded ids and kv_transfer_params for `chat`."""
     arrays: dict[str, np.ndarray] = {}
-    if request is not None:
-        body = request if isinstance(request, str) else json.dumps(request)
-        arrays[tensors.REQUEST] = np.array([body.encode()], dtype=np.object_)
+    for name, value in ((tensors.REQUEST, request), (tensors.KV_TRANSFER_PARAMS, kv_transfer_params)):
+        if value is not None:
+            text = value if isinstance(value, str) else json.dumps(value)
+            arrays[name] = np.array([text.encode()], dtype=np.object_)
+    if prompt_token_ids is not None:
+        arrays[tensors.PROMPT_TOKEN_IDS] = np.asarray(prompt_token_ids, dtype=np.int32)
     if text_input is not None:
         arrays[tensors.TEXT_INPUT] = np.array([text_input.encode()], dtype=np.object_)
     for name, value in scalars.items():
@@ -79,16 +90,27 @@ def collect(outputs: Iterator[ChatOutput]) -> ChatResult:
     return ChatResult(list(outputs))
 
 
-def _to_output(text: Any, response: Any, prompt_ids: Any, output_ids: Any, finish: Any) -> ChatOutput:
-    def as_str(value: Any) -> str:
+def _to_output(get: Callable[[str], Any]) -> ChatOutput:
+    """One response from `get(output name)`, which gives None for absent outputs."""
+
+    def text(name: str) -> str:
+        value = get(name)
         value = value[0] if isinstance(value, (list, np.ndarray)) else value
         return value.decode() if isinstance(value, bytes) else str(value or "")
 
-    def as_ids(value: Any) -> list[int]:
+    def ids(name: str) -> list[int]:
+        value = get(name)
         return [] if value is None else [int(v) for v in np.asarray(value).reshape(-1)]
 
-    body = as_str(response)
-    return ChatOutput(as_str(text), json.loads(body) if body else {}, as_ids(prompt_ids), as_ids(output_ids), as_str(finish))
+    body, handoff = text(tensors.RESPONSE), text(tensors.KV_TRANSFER_PARAMS)
+    return ChatOutput(
+        text(tensors.TEXT_OUTPUT),
+        json.loads(body) if body else {},
+        ids(tensors.PROMPT_TOKEN_IDS),
+        ids(tensors.OUTPUT_TOKEN_IDS),
+        text(tensors.FINISH_REASON),
+        json.loads(handoff) if handoff else None,
+    )
 
 
 class GrpcChat:
@@ -117,7 +139,7 @@ class GrpcChat:
                     raise ChatError(error.message() if hasattr(error, "message") else str(error))
                 final = result.get_response().parameters["triton_final_response"].bool_param
                 if result.as_numpy(tensors.RESPONSE) is not None:
-                    yield _to_output(*(result.as_numpy(n) for n in _OUTPUTS))
+                    yield _to_output(result.as_numpy)
                 if final:
                     return
         finally:
@@ -160,13 +182,10 @@ class HttpChat:
         pass
 
 
-_OUTPUTS = (tensors.TEXT_OUTPUT, tensors.RESPONSE, tensors.PROMPT_TOKEN_IDS, tensors.OUTPUT_TOKEN_IDS, tensors.FINISH_REASON)
-
-
 def _from_json(event: dict[str, Any]) -> ChatOutput:
     if "error" in event:
         raise ChatError(event["error"])
-    return _to_output(*(event.get(n) for n in _OUTPUTS))
+    return _to_output(event.get)
 
 
 def _http_error_message(exc: urllib.error.HTTPError) -> str:

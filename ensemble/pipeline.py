@@ -4,18 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pdchat.core.engine import CausalLM
-from pdchat.core.generation import Generation, eos_token_ids, prefill_for_handoff
+from pdchat.core.generation import TextModel
 from pdchat.core.protocol import ChatRequest
 from pdchat.core.rendering import ChatRenderer
-from pdchat.core.responses import ClientOutput, ResponseAssembler
+from pdchat.core.responses import ClientOutput
 
 
 class LocalPipeline:
     def __init__(self, model_dir: Path, device: str = "cpu"):
         self.renderer = ChatRenderer(model_dir, model_dir.name)
-        self.engine = CausalLM(model_dir, device)
-        self.eos_ids = eos_token_ids(self.engine, self.renderer.tokenizer)
+        self.model = TextModel(model_dir, device)
 
     def run(self, request: ChatRequest, *, handoff: bool = True) -> list[ClientOutput]:
         """Every output the client would receive. `handoff`: decode starts from prefill's
@@ -24,10 +22,10 @@ class LocalPipeline:
         ids, params = rendered.prompt_token_ids, rendered.params
         handed = {}
         if handoff:
-            token, kv = prefill_for_handoff(self.engine, ids, params)
+            token, kv = self.model.prefill(ids, params)
             handed = {"first_token_id": token, "kv_cache": kv}
-        generation = Generation(self.engine, self.renderer.tokenizer, self.eos_ids, ids, params, **handed)
-        assembler = ResponseAssembler(params, ids)
+        generation = self.model.generation(ids, params, **handed)
+        assembler = self.model.assembler(ids, params)
         outputs = []
         while True:
             delta = generation.advance()

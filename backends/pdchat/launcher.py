@@ -107,6 +107,10 @@ class TritonServer:
     process: subprocess.Popen | None = None
     shm_prefix: str = field(default_factory=lambda: f"pdchat_{uuid.uuid4().hex[:8]}_")
 
+    def __post_init__(self) -> None:
+        self.model_repository = Path(self.model_repository)
+        self.log_path = None if self.log_path is None else Path(self.log_path)
+
     @property
     def http_url(self) -> str:
         return f"{self.host}:{self.http_port}"

@@ -14,6 +14,9 @@ TEMPERATURE = "temperature"
 TOP_P = "top_p"
 SEED = "seed"
 
+# Forwarded ids (chat only): PROMPT_TOKEN_IDS as an input, and vLLM-style JSON params.
+KV_TRANSFER_PARAMS = "kv_transfer_params"
+
 # Client contract, outputs.
 TEXT_OUTPUT = "text_output"
 RESPONSE = "response"
@@ -36,6 +39,10 @@ SCALAR_INPUTS = {
     SEED: "uint64",
 }
 
+CLIENT_INPUTS = (REQUEST, TEXT_INPUT, *SCALAR_INPUTS)
+CLIENT_OUTPUTS = (TEXT_OUTPUT, RESPONSE, PROMPT_TOKEN_IDS, OUTPUT_TOKEN_IDS, FINISH_REASON)
+
 # Model config parameters (config.pbtxt `parameters`), read by pdchat.core.settings.
 PARAM_MODEL = "model"  # embedded model name or HF model directory
 PARAM_DEVICE = "device"  # "auto" (CUDA when present), "cpu" or "cuda"
+PARAM_FORWARDED_IDS = "forwarded_ids"  # chat: off | signed | trusted

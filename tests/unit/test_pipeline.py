@@ -5,7 +5,6 @@ import json
 import pytest
 import torch
 
-from pdchat.core.generation import Generation, prefill_for_handoff
 from pdchat.core.protocol import parse_chat_json
 from pdchat.ensemble.pipeline import LocalPipeline
 
@@ -22,8 +21,8 @@ def chat(**fields):
 def test_greedy_matches_transformers_generate(pipeline):
     outputs = pipeline.run(chat(max_tokens=24, temperature=0))
     ids = outputs[-1].prompt_token_ids
-    reference = pipeline.engine.model.generate(
-        torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=sorted(pipeline.eos_ids)
+    reference = pipeline.model.engine.model.generate(
+        torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=sorted(pipeline.model.eos_ids)
     )[0, len(ids):].tolist()
     assert outputs[-1].output_token_ids == reference
 
@@ -58,13 +57,12 @@ def test_stop_string_ends_the_answer_early(pipeline):
 
 def generation_starting_with(pipeline, first_token, **fields):
     rendered = pipeline.renderer.render(chat(temperature=0, **fields))
-    _, kv = prefill_for_handoff(pipeline.engine, rendered.prompt_token_ids, rendered.params)
-    return Generation(pipeline.engine, pipeline.renderer.tokenizer, pipeline.eos_ids, rendered.prompt_token_ids,
-                      rendered.params, first_token_id=first_token, kv_cache=kv)
+    _, kv = pipeline.model.prefill(rendered.prompt_token_ids, rendered.params)
+    return pipeline.model.generation(rendered.prompt_token_ids, rendered.params, first_token_id=first_token, kv_cache=kv)
 
 
 def test_eos_ends_the_answer_unless_ignored(pipeline):
-    eos = min(pipeline.eos_ids)
+    eos = min(pipeline.model.eos_ids)
     delta = generation_starting_with(pipeline, eos, max_tokens=5).advance()
     assert (delta.text, delta.token_ids, delta.finish_reason) == ("", [eos], "stop")
     ignoring = generation_starting_with(pipeline, eos, max_tokens=5, ignore_eos=True)

@@ -84,7 +84,7 @@ def test_max_tokens_must_fit_the_context():
 
 def test_generation_params_round_trip_and_fixed_seed():
     request = parse_chat_json(body(stop=["a", "b"], max_tokens=3))
-    params = request.generation_params(3, "m")
+    params = request.generation_params(10, 100, "m")
     assert GenerationParams.from_json(params.to_json()) == params
     assert params.request_id.startswith("chatcmpl-") and params.model == "m"
     # No seed in the request: one is chosen, so prefill and decode sample alike.

@@ -2,7 +2,7 @@
 
 import threading
 
-from pdchat.core.generation import Delta
+from pdchat.core.responses import Delta
 from pdchat.core.scheduler import DecodeJob, DecodeScheduler
 
 

@@ -1,74 +1,107 @@
-"""One request's decode: feed tokens, stop on EOS / length / stop strings, emit text deltas."""
+"""Prefill and decode of one model: first token + KV, then one token per step.
+
+`TextModel` bundles what both stages need (engine, tokenizer, EOS ids, grammar
+compiler), so the prefill and decode models and the in-process pipeline share one
+implementation of sampling, constraints and stop conditions.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from pdchat.core.chat_output import THINK_OPEN, OutputParser, starts_in_reasoning
+from pdchat.core.constraints import Constraint, ConstraintCompiler
 from pdchat.core.detokenizer import IncrementalDetokenizer
 from pdchat.core.engine import CausalLM
 from pdchat.core.protocol import GenerationParams
+from pdchat.core.responses import Delta, ResponseAssembler
 from pdchat.core.sampling import choose_token
 from pdchat.core.stopping import StopStringMatcher
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+# Prompt tokens decoded to see whether the prompt left a <think> block open.
+PROMPT_TAIL_TOKENS = 16
 
 
-@dataclass(frozen=True)
-class Delta:
-    """What one decode step adds: one token, its text (maybe empty), maybe the end."""
+class TextModel:
+    def __init__(self, model_dir: Path, device: str = "auto"):
+        from transformers import AutoTokenizer
 
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
+        self.engine = CausalLM(model_dir, device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.eos_ids = self._eos_ids()
+        self.constraints = ConstraintCompiler(self.tokenizer, self.engine.vocab_size)
+        self.reasoning = THINK_OPEN in (self.tokenizer.chat_template or "")
 
+    def prefill(self, prompt_token_ids: list[int], params: GenerationParams) -> tuple[int, np.ndarray]:
+        """Prefill's whole job: the first output token and the prompt's KV for decode."""
+        constraint = self.constraints.constraint(params.constraint)
+        result = self.engine.prefill(prompt_token_ids)
+        return choose(result.last_logits, params, 0, constraint), self.engine.export_kv(result.cache)
 
-def eos_token_ids(engine: CausalLM, tokenizer) -> frozenset[int]:
-    """EOS ids from both the generation config and the tokenizer (chat models differ)."""
-    ids = set()
-    for source in (getattr(engine.model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if source is not None:
-            ids.update(source if isinstance(source, list) else [source])
-    return frozenset(ids)
-
-
-def first_token(engine: CausalLM, logits, params: GenerationParams) -> int:
-    """The token prefill hands over: output position 0."""
-    return choose_token(logits, temperature=params.temperature, top_p=params.top_p, seed=params.seed, position=0)
-
-
-class Generation:
-    """Decode state of one request. `advance()` emits one token per call until finished."""
-
-    def __init__(
+    def generation(
         self,
-        engine: CausalLM,
-        tokenizer,
-        eos_ids: frozenset[int],
         prompt_token_ids: list[int],
         params: GenerationParams,
         *,
         first_token_id: int | None = None,
         kv_cache: np.ndarray | None = None,
-    ):
-        """With prefill's KV and first token, continue from them; without, prefill here."""
+    ) -> Generation:
+        """Decode state continuing from prefill's KV and first token; without them, prefill here."""
+        return Generation(self, prompt_token_ids, params, first_token_id=first_token_id, kv_cache=kv_cache)
+
+    def assembler(self, prompt_token_ids: list[int], params: GenerationParams) -> ResponseAssembler:
+        tail = self.tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:])
+        parser = OutputParser(
+            reasoning=self.reasoning, tools=params.parse_tool_calls, in_reasoning=starts_in_reasoning(tail)
+        )
+        return ResponseAssembler(params, prompt_token_ids, parser)
+
+    def _eos_ids(self) -> frozenset[int]:
+        """EOS ids from both the generation config and the tokenizer (chat models differ)."""
+        ids = set()
+        for source in (getattr(self.engine.model.generation_config, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if source is not None:
+                ids.update(source if isinstance(source, list) else [source])
+        return frozenset(ids)
+
+
+def choose(logits, params: GenerationParams, position: int, constraint: Constraint | None) -> int:
+    """Sample output `position` within the request's grammar, if it has one."""
+    if constraint is not None:
+        logits = constraint.mask(logits)
+    token = choose_token(logits, temperature=params.temperature, top_p=params.top_p, seed=params.seed, position=position)
+    if constraint is not None:
+        constraint.accept(token)
+    return token
+
+
+class Generation:
+    """Decode state of one request. `advance()` emits one token per call until finished."""
+
+    def __init__(self, model: TextModel, prompt_token_ids: list[int], params: GenerationParams, *,
+                 first_token_id: int | None, kv_cache: np.ndarray | None):
+        engine = model.engine
         self.engine = engine
         self.params = params
-        self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
-        self._eos = frozenset() if params.ignore_eos else eos_ids
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._eos = frozenset() if params.ignore_eos else model.eos_ids
+        self._detokenizer = IncrementalDetokenizer(model.tokenizer)
         self._stops = StopStringMatcher(params.stop)
+        self._constraint = model.constraints.constraint(params.constraint)
         if kv_cache is not None and first_token_id is not None:
             engine.check_prompt(prompt_token_ids)
             self._cache = engine.import_kv(kv_cache, len(prompt_token_ids))
             self._pending = first_token_id
+            if self._constraint is not None:
+                self._constraint.accept(first_token_id)  # replay prefill's choice into the grammar
         else:
             result = engine.prefill(prompt_token_ids)
             self._cache = result.cache
-            self._pending = first_token(engine, result.last_logits, params)
+            self._pending = choose(result.last_logits, params, 0, self._constraint)
 
     def advance(self) -> Delta:
         token = self._pending
@@ -90,17 +123,5 @@ class Generation:
             self._cache = None  # free the KV as soon as the answer is complete
         else:
             logits = self.engine.step(token, self._cache)
-            self._pending = choose_token(
-                logits,
-                temperature=self.params.temperature,
-                top_p=self.params.top_p,
-                seed=self.params.seed,
-                position=len(self.output_token_ids),
-            )
+            self._pending = choose(logits, self.params, len(self.output_token_ids), self._constraint)
         return Delta(released, [token], finish)
-
-
-def prefill_for_handoff(engine: CausalLM, prompt_token_ids: list[int], params: GenerationParams) -> tuple[int, np.ndarray]:
-    """Prefill's whole job: the first output token and the prompt's KV for decode."""
-    result = engine.prefill(prompt_token_ids)
-    return first_token(engine, result.last_logits, params), engine.export_kv(result.cache)

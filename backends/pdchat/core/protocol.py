@@ -14,6 +14,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pdchat.core.constraints import grammar_for, response_format_spec, tool_choice_spec
 from pdchat.core.errors import InvalidRequest
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -35,6 +36,9 @@ class GenerationParams:
     return_token_ids: bool = False
     # Prepended to the non-streamed text_output (text_input with exclude_input_in_output false).
     echo_text: str = ""
+    # Grammar the output must follow (core.constraints spec), and whether to parse tool calls.
+    constraint: dict[str, Any] | None = None
+    parse_tool_calls: bool = False
     request_id: str = ""
     model: str = ""
     created: int = 0
@@ -72,9 +76,17 @@ class ChatRequest:
     stream: bool = False
     return_token_ids: bool = False
     echo_text: str = ""
+    constraint: dict[str, Any] | None = None
 
-    def generation_params(self, max_tokens: int, served_model: str) -> GenerationParams:
-        """Freeze the sampling side once the prompt length has fixed max_tokens."""
+    @property
+    def parse_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def generation_params(self, prompt_tokens: int, context_length: int, served_model: str) -> GenerationParams:
+        """Freeze the sampling side once the prompt's length is known (it bounds max_tokens)."""
+        if self.model not in (None, "", served_model):
+            raise InvalidRequest(f"model '{self.model}' is not served here; this server serves '{served_model}'")
+        max_tokens = resolve_max_tokens(self.max_tokens, prompt_tokens, context_length)
         return GenerationParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -86,6 +98,8 @@ class ChatRequest:
             stream=self.stream,
             return_token_ids=self.return_token_ids,
             echo_text=self.echo_text,
+            constraint=self.constraint,
+            parse_tool_calls=self.parse_tool_calls,
             request_id=f"chatcmpl-{uuid.uuid4().hex}",
             model=served_model,
             created=int(time.time()),
@@ -104,10 +118,13 @@ def parse_chat_json(body: str | bytes) -> ChatRequest:
     if n != 1:
         raise InvalidRequest(f"'n' must be 1 (one choice per request), got {n!r}")
     max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
+    tools = _tools(data.get("tools"))
+    tool_choice = data.get("tool_choice")
     return ChatRequest(
         messages=_messages(data.get("messages")),
-        tools=_tools(data.get("tools")),
-        tool_choice=data.get("tool_choice"),
+        tools=tools,
+        tool_choice=tool_choice,
+        constraint=_constraint(tool_choice, tools, data.get("response_format")),
         chat_template_kwargs=_typed(data, "chat_template_kwargs", dict, {}),
         add_generation_prompt=_typed(data, "add_generation_prompt", bool, True),
         continue_final_message=_typed(data, "continue_final_message", bool, False),
@@ -164,6 +181,18 @@ def resolve_max_tokens(requested: int | None, prompt_tokens: int, context_length
             f"and the prompt takes {prompt_tokens}, leaving {room}"
         )
     return requested
+
+
+def _constraint(tool_choice: Any, tools: list | None, response_format: Any) -> dict[str, Any] | None:
+    """The one grammar the output must follow: a forced tool call or a JSON format."""
+    forced_call = tool_choice_spec(tool_choice, tools)
+    json_format = response_format_spec(response_format)
+    if forced_call and json_format:
+        raise InvalidRequest("response_format cannot be combined with tool_choice 'required' or a named function")
+    spec = forced_call or json_format
+    if spec is not None:
+        grammar_for(spec)  # refuse an unusable schema now, before any work
+    return spec
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ from pathlib import Path
 from jinja2 import TemplateError
 
 from pdchat.core.errors import InvalidRequest, ModelUnavailable
-from pdchat.core.protocol import ChatRequest, GenerationParams, resolve_max_tokens
+from pdchat.core.protocol import ChatRequest, GenerationParams
 
 
 @dataclass(frozen=True)
@@ -36,13 +36,10 @@ class ChatRenderer:
         self.supports_tools = "tools" in self.tokenizer.chat_template
 
     def render(self, request: ChatRequest) -> RenderedPrompt:
-        if request.model not in (None, "", self.served_name):
-            raise InvalidRequest(f"model '{request.model}' is not served here; this server serves '{self.served_name}'")
         if request.tools and not self.supports_tools:
             raise InvalidRequest(f"the chat template of '{self.served_name}' does not support tools")
         ids = self.token_ids(request)
-        max_tokens = resolve_max_tokens(request.max_tokens, len(ids), self.context_length)
-        return RenderedPrompt(ids, request.generation_params(max_tokens, self.served_name))
+        return RenderedPrompt(ids, request.generation_params(len(ids), self.context_length, self.served_name))
 
     def token_ids(self, request: ChatRequest) -> list[int]:
         """Apply the chat template and tokenize, as prefill and the reference both need."""

@@ -1,16 +1,28 @@
 """Shape decode's deltas into what clients read: text_output and OpenAI JSON.
 
 Streaming: one output per delta (`chat.completion.chunk`). Not streaming: one output
-at the end (`chat.completion`). Both carry the token ids as binary tensors too.
+at the end (`chat.completion`). The text is parsed into content, reasoning_content and
+tool_calls; text_output keeps the raw text. Token ids also travel as binary tensors.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from pdchat.core.generation import Delta
+from pdchat.core.chat_output import OutputParser, ParsedDelta
 from pdchat.core.protocol import GenerationParams
+
+FINISH_TOOL_CALLS = "tool_calls"
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one decode step adds: one token, its text (maybe empty), maybe the end."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -29,47 +41,67 @@ class ClientOutput:
 
 
 class ResponseAssembler:
-    def __init__(self, params: GenerationParams, prompt_token_ids: list[int]):
+    def __init__(self, params: GenerationParams, prompt_token_ids: list[int], parser: OutputParser):
         self._params = params
         self._prompt_token_ids = prompt_token_ids
+        self._parser = parser
         self._first = True
         self._text: list[str] = []
         self._token_ids: list[int] = []
+        self._parsed = ParsedDelta()
 
     def on_delta(self, delta: Delta) -> ClientOutput | None:
         """The output this delta produces now, if any."""
         self._text.append(delta.text)
         self._token_ids.extend(delta.token_ids)
-        if self._params.stream:
-            return self._chunk(delta)
+        parsed = self._parser.feed(delta.text)
         if delta.finish_reason:
-            return self._completion(delta.finish_reason)
+            parsed.extend(self._parser.finish())
+        self._parsed.extend(parsed)
+        finish = self._finish_reason(delta.finish_reason)
+        if self._params.stream:
+            return self._chunk(delta, parsed, finish)
+        if finish:
+            return self._completion(finish)
         return None
 
-    def _chunk(self, delta: Delta) -> ClientOutput:
-        message = {"content": delta.text}
-        prompt_ids: list[int] = []
-        if self._first:
-            message = {"role": "assistant", **message}
-            prompt_ids = self._prompt_token_ids
-        choice = {"index": 0, "delta": message, "finish_reason": delta.finish_reason}
+    def _finish_reason(self, finish: str | None) -> str:
+        if finish == "stop" and self._parsed.tool_calls:
+            return FINISH_TOOL_CALLS
+        return finish or ""
+
+    def _chunk(self, delta: Delta, parsed: ParsedDelta, finish: str) -> ClientOutput:
+        message: dict = {"role": "assistant"} if self._first else {}
+        if parsed.reasoning:
+            message["reasoning_content"] = parsed.reasoning
+        if parsed.content or not (parsed.reasoning or parsed.tool_calls):
+            message["content"] = parsed.content
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
+        prompt_ids = self._prompt_token_ids if self._first else []
+        choice = {"index": 0, "delta": message, "finish_reason": finish or None}
         body = self._envelope("chat.completion.chunk", choice, prompt_ids, delta.token_ids)
-        if delta.finish_reason:
+        if finish:
             body["usage"] = self._usage()
         self._first = False
-        return ClientOutput(delta.text, json.dumps(body, ensure_ascii=False), prompt_ids, delta.token_ids, delta.finish_reason or "")
+        return ClientOutput(delta.text, json.dumps(body, ensure_ascii=False), prompt_ids, delta.token_ids, finish)
 
-    def _completion(self, finish_reason: str) -> ClientOutput:
-        text = "".join(self._text)
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+    def _completion(self, finish: str) -> ClientOutput:
+        parsed = self._parsed
+        message: dict = {"role": "assistant", "content": parsed.content if parsed.content or not parsed.tool_calls else None}
+        if parsed.reasoning:
+            message["reasoning_content"] = parsed.reasoning
+        if parsed.tool_calls:
+            message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in parsed.tool_calls]
+        choice = {"index": 0, "message": message, "finish_reason": finish}
         body = self._envelope("chat.completion", choice, self._prompt_token_ids, self._token_ids)
         body["usage"] = self._usage()
         return ClientOutput(
-            self._params.echo_text + text,
+            self._params.echo_text + "".join(self._text),
             json.dumps(body, ensure_ascii=False),
             self._prompt_token_ids,
             self._token_ids,
-            finish_reason,
+            finish,
         )
 
     def _envelope(self, kind: str, choice: dict, prompt_ids: list[int], token_ids: list[int]) -> dict:
@@ -84,3 +116,12 @@ class ResponseAssembler:
     def _usage(self) -> dict:
         prompt, completion = len(self._prompt_token_ids), len(self._token_ids)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def remote_prefill_output(params: GenerationParams, prompt_token_ids: list[int], first_token_id: int, text: str) -> ClientOutput:
+    """Prefill's whole answer to a do_remote_decode request: the first token only (like
+    vLLM's prefill with max_tokens=1); the decode server produces the answer."""
+    assembler = ResponseAssembler(replace(params, stream=False), prompt_token_ids, OutputParser(reasoning=False, tools=False))
+    output = assembler.on_delta(Delta(text, [first_token_id], "length"))
+    assert output is not None
+    return output

@@ -13,7 +13,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdchat.core.generation import Delta, Generation
+from pdchat.core.generation import Generation
+from pdchat.core.responses import Delta
 
 log = logging.getLogger(__name__)
 

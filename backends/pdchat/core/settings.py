@@ -15,6 +15,7 @@ from pdchat.core.errors import ModelUnavailable
 ENV_MODEL = "PDCHAT_MODEL"
 ENV_DEVICE = "PDCHAT_DEVICE"
 ENV_CACHE_DIR = "PDCHAT_CACHE_DIR"
+ENV_FORWARDED_IDS = "PDCHAT_FORWARDED_IDS"
 DEFAULT_MODEL = "smollm2"
 
 
@@ -57,3 +58,9 @@ def resolve_model(parameters: dict[str, str], environ: os._Environ | dict | None
             f"give a directory or one of the embedded models: {known}"
         )
     return ModelSettings(path, device)
+
+
+def forwarded_ids_policy(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> str:
+    """The chat model's gate policy: parameter `forwarded_ids`, then PDCHAT_FORWARDED_IDS, then off."""
+    env = os.environ if environ is None else environ
+    return parameters.get("forwarded_ids") or env.get(ENV_FORWARDED_IDS) or "off"

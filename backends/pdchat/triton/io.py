@@ -95,16 +95,18 @@ def int32_tensor(name: str, values: list[int]) -> pb_utils.Tensor:
     return pb_utils.Tensor(name, np.asarray(values, dtype=np.int32))
 
 
+def client_tensors(output: ClientOutput) -> list[pb_utils.Tensor]:
+    return [
+        string_tensor(tensors.TEXT_OUTPUT, output.text_output),
+        string_tensor(tensors.RESPONSE, output.response),
+        int32_tensor(tensors.PROMPT_TOKEN_IDS, output.prompt_token_ids),
+        int32_tensor(tensors.OUTPUT_TOKEN_IDS, output.output_token_ids),
+        string_tensor(tensors.FINISH_REASON, output.finish_reason),
+    ]
+
+
 def client_response(output: ClientOutput) -> pb_utils.InferenceResponse:
-    return pb_utils.InferenceResponse(
-        output_tensors=[
-            string_tensor(tensors.TEXT_OUTPUT, output.text_output),
-            string_tensor(tensors.RESPONSE, output.response),
-            int32_tensor(tensors.PROMPT_TOKEN_IDS, output.prompt_token_ids),
-            int32_tensor(tensors.OUTPUT_TOKEN_IDS, output.output_token_ids),
-            string_tensor(tensors.FINISH_REASON, output.finish_reason),
-        ]
-    )
+    return pb_utils.InferenceResponse(output_tensors=client_tensors(output))
 
 
 def triton_error(exc: Exception) -> pb_utils.TritonError:

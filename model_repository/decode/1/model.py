@@ -6,12 +6,9 @@ token each in turn; execute() only validates and queues.
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from transformers import AutoTokenizer
 
 from pdchat import tensors
-from pdchat.core.engine import CausalLM
-from pdchat.core.generation import Generation, eos_token_ids
-from pdchat.core.responses import ResponseAssembler
+from pdchat.core.generation import TextModel
 from pdchat.core.scheduler import DecodeJob, DecodeScheduler
 from pdchat.core.settings import resolve_model
 from pdchat.triton import io
@@ -22,9 +19,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 class TritonPythonModel:
     def initialize(self, args):
         settings = resolve_model(io.model_parameters(args))
-        self.engine = CausalLM(settings.path, settings.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(settings.path)
-        self.eos_ids = eos_token_ids(self.engine, self.tokenizer)
+        self.model = TextModel(settings.path, settings.device)
         self.scheduler = DecodeScheduler()
 
     def execute(self, requests):
@@ -48,7 +43,7 @@ class TritonPythonModel:
         first = io.input_scalar(request, tensors.FIRST_TOKEN_ID)
         # Own the KV: the request's input buffers are not ours once execute() returns.
         kv = None if kv is None else np.array(kv, dtype=np.float32, copy=True)
-        assembler = ResponseAssembler(params, ids)
+        assembler = self.model.assembler(ids, params)
 
         def emit(delta):
             output = assembler.on_delta(delta)
@@ -56,7 +51,7 @@ class TritonPythonModel:
                 sender.send(io.client_response(output), flags=FINAL if output.final else 0)
 
         return DecodeJob(
-            start=lambda: Generation(self.engine, self.tokenizer, self.eos_ids, ids, params, first_token_id=first, kv_cache=kv),
+            start=lambda: self.model.generation(ids, params, first_token_id=first, kv_cache=kv),
             emit=emit,
             fail=lambda exc: sender.send(io.error_response(exc), flags=FINAL),
             is_cancelled=sender.is_cancelled,

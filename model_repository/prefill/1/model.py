@@ -3,8 +3,7 @@
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
-from pdchat.core.engine import CausalLM
-from pdchat.core.generation import prefill_for_handoff
+from pdchat.core.generation import TextModel
 from pdchat.core.settings import resolve_model
 from pdchat.triton import io
 
@@ -12,7 +11,7 @@ from pdchat.triton import io
 class TritonPythonModel:
     def initialize(self, args):
         settings = resolve_model(io.model_parameters(args))
-        self.engine = CausalLM(settings.path, settings.device)
+        self.model = TextModel(settings.path, settings.device)
 
     def execute(self, requests):
         return [self._prefill(request) for request in requests]
@@ -20,7 +19,7 @@ class TritonPythonModel:
     def _prefill(self, request):
         try:
             ids = io.required_token_ids(request)
-            token, kv = prefill_for_handoff(self.engine, ids, io.generation_params(request))
+            token, kv = self.model.prefill(ids, io.generation_params(request))
         except Exception as exc:  # noqa: BLE001
             return io.error_response(exc)
         return pb_utils.InferenceResponse(

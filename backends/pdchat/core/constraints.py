@@ -1,0 +1,132 @@
+"""Structured output by constrained decoding (xgrammar): JSON object, JSON schema, tool calls.
+
+A constraint spec is plain JSON inside GenerationParams, so prefill (first token) and
+decode (the rest) build the same grammar; decode replays the first token into it.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from pdchat.core.errors import InvalidRequest
+
+JSON_OBJECT = "json_object"
+JSON_SCHEMA = "json_schema"
+TOOL_CALL = "tool_call"
+
+
+def response_format_spec(response_format: Any) -> dict[str, Any] | None:
+    """OpenAI response_format -> constraint spec (None for plain text)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == JSON_OBJECT:
+        return {"type": JSON_OBJECT}
+    if kind == JSON_SCHEMA:
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidRequest("response_format json_schema needs json_schema.schema, a JSON schema object")
+        return {"type": JSON_SCHEMA, "schema": schema}
+    raise InvalidRequest(f"response_format.type must be text, json_object or json_schema; got {kind!r}")
+
+
+def tool_choice_spec(tool_choice: Any, tools: list[dict] | None) -> dict[str, Any] | None:
+    """tool_choice 'required' or a named function -> a grammar forcing one such call."""
+    if tool_choice in (None, "auto", "none"):
+        return None
+    if not tools:
+        raise InvalidRequest("tool_choice needs 'tools'")
+    functions = [t["function"] for t in tools]
+    if tool_choice == "required":
+        chosen = functions
+    elif isinstance(tool_choice, dict) and isinstance((tool_choice.get("function") or {}).get("name"), str):
+        name = tool_choice["function"]["name"]
+        chosen = [f for f in functions if f["name"] == name]
+        if not chosen:
+            raise InvalidRequest(f"tool_choice names '{name}', which is not among the tools")
+    else:
+        raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
+    return {"type": TOOL_CALL, "tools": [{"name": f["name"], "parameters": f.get("parameters") or {"type": "object"}} for f in chosen]}
+
+
+def grammar_for(spec: dict[str, Any]):
+    """The xgrammar Grammar of a spec; raises InvalidRequest for a schema it cannot use."""
+    import xgrammar as xgr
+
+    try:
+        if spec["type"] == JSON_OBJECT:
+            return _json(xgr, {"type": "object"})
+        if spec["type"] == JSON_SCHEMA:
+            return _json(xgr, spec["schema"])
+        calls = [
+            xgr.Grammar.concat(
+                _literal(f'<tool_call>\n{{"name": {json.dumps(tool["name"])}, "arguments": '),
+                _json(xgr, tool["parameters"]),
+                _literal("}\n</tool_call>"),
+            )
+            for tool in spec["tools"]
+        ]
+        return calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
+    except (RuntimeError, ValueError) as exc:
+        raise InvalidRequest(f"cannot build a grammar for this {spec['type']}: {exc}") from exc
+
+
+def _json(xgr, schema: dict):
+    # Compact JSON: free whitespace lets a weak model ramble in blanks until max_tokens.
+    return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+
+
+def _literal(text: str):
+    import xgrammar as xgr
+
+    return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
+
+
+class Constraint:
+    """One request's grammar state: masks logits, accepts the chosen tokens."""
+
+    def __init__(self, compiled, vocab_size: int):
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float().cpu().clone().unsqueeze(0)
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        self._xgr.apply_token_bitmask_inplace(logits, self._bitmask)
+        return logits[0]
+
+    def accept(self, token_id: int) -> None:
+        if not self._matcher.accept_token(token_id):
+            raise InvalidRequest(f"token {token_id} breaks the request's output grammar")
+
+
+class ConstraintCompiler:
+    """Compiles specs for one tokenizer, caching compiled grammars by spec."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._compiler = None
+
+    def constraint(self, spec: dict[str, Any] | None) -> Constraint | None:
+        if spec is None:
+            return None
+        return Constraint(self._compiled(json.dumps(spec, sort_keys=True)), self._vocab_size)
+
+    @lru_cache(maxsize=256)  # noqa: B019 - one compiler per model process, lives as long
+    def _compiled(self, spec_json: str):
+        import xgrammar as xgr
+
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size)
+            self._compiler = xgr.GrammarCompiler(info)
+        return self._compiler.compile_grammar(grammar_for(json.loads(spec_json)))

@@ -1,0 +1,67 @@
+"""The `chat` router's decision, made once per request before any rendering.
+
+- forwarded prompt ids present and admitted by the gate -> REUSE: decode directly,
+  the renderer does not run;
+- `kv_transfer_params.do_remote_decode` -> REMOTE_PREFILL: render and prefill here, answer
+  with the first token and signed kv_transfer_params for a decode server;
+- otherwise -> RENDER: renderer -> prefill -> decode.
+
+Because it happens before any renderer, the decision covers every render format alike.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pdchat.core.errors import InvalidRequest
+from pdchat.core.handoff import DEFAULT_TTL_S, ForwardedIdsRejected, Gate, Rejection, forwarded_ids, render_fingerprint, sign
+from pdchat.core.protocol import ChatRequest, GenerationParams
+
+
+class Route(str, enum.Enum):
+    RENDER = "render"
+    REUSE = "reuse"
+    REMOTE_PREFILL = "remote_prefill"
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    route: Route
+    chat: ChatRequest
+    # REUSE only: the admitted ids, the params the renderer would have made, the signed KV handle.
+    prompt_token_ids: list[int] | None = None
+    params: GenerationParams | None = None
+    kv_handle: dict[str, Any] | None = None
+
+
+class ChatRouter:
+    def __init__(self, gate: Gate, served_name: str, ttl_s: float = DEFAULT_TTL_S):
+        self.gate = gate
+        self.served_name = served_name
+        self.ttl_s = ttl_s
+
+    def plan(self, chat: ChatRequest, binary_ids: list[int] | None, kv_transfer_params: str | None) -> RoutePlan:
+        """Decide the path; refusals raise InvalidRequest (ForwardedIdsRejected for the gate's)."""
+        ids, params = forwarded_ids(binary_ids, kv_transfer_params)
+        if ids is not None:
+            handle = self.gate.admit(ids, params, render_fingerprint(chat, self.served_name))
+            generation = chat.generation_params(len(ids), self.gate.context_length, self.served_name)
+            return RoutePlan(Route.REUSE, chat, ids, generation, handle)
+        if "signature" in params:
+            raise ForwardedIdsRejected(Rejection.MALFORMED, "signed kv_transfer_params came without prompt_token_ids")
+        if params.get("do_remote_decode") is True:
+            if self.gate.key is None:
+                raise InvalidRequest("do_remote_decode needs this server to have a handoff key (PDCHAT_HANDOFF_KEY)")
+            return RoutePlan(Route.REMOTE_PREFILL, chat)
+        return RoutePlan(Route.RENDER, chat)
+
+    def handoff_params(self, chat: ChatRequest, prompt_token_ids: list[int], kv_handle: dict | None = None,
+                       now: float | None = None) -> dict[str, Any]:
+        """Signed kv_transfer_params for the decode leg. The ids travel beside them as the
+        binary prompt_token_ids tensor (a router may also list them inside, vLLM-style)."""
+        assert self.gate.key is not None  # plan() refused REMOTE_PREFILL without a key
+        return sign(self.gate.key, prompt_token_ids, render_fingerprint(chat, self.served_name),
+                    kv_handle=kv_handle, ttl_s=self.ttl_s, now=now or time.time())

@@ -1,0 +1,138 @@
+"""chat (BLS, decoupled): the client-facing router.
+
+Decides once per request, before any rendering (pdchat.ensemble.routing): forwarded
+ids admitted by the gate go straight to decode, skipping the renderer; other requests
+run renderer -> prefill -> decode; `do_remote_decode` requests stop after prefill and
+answer with signed kv_transfer_params. Each request is served on a worker thread.
+"""
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from pdchat import tensors
+from pdchat.core.handoff import ForwardedIdsRejected, Gate, load_key, parse_policy
+from pdchat.core.protocol import GenerationParams
+from pdchat.core.render_cost import RenderRate
+from pdchat.core.rendering import ChatRenderer
+from pdchat.core.responses import remote_prefill_output
+from pdchat.core.settings import forwarded_ids_policy, resolve_model
+from pdchat.ensemble.routing import ChatRouter, Route
+from pdchat.triton import io
+from pdchat.triton.metrics import HandoffMetrics
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+RENDERER, PREFILL, DECODE = "renderer", "prefill", "decode"
+MAX_CONCURRENT_REQUESTS = 64
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        parameters = io.model_parameters(args)
+        settings = resolve_model(parameters)
+        # The tokenizer here only calibrates the render rate and spells prefill's first token.
+        self.renderer = ChatRenderer(settings.path, settings.served_name)
+        gate = Gate(
+            policy=parse_policy(forwarded_ids_policy(parameters)),
+            key=load_key(),
+            vocab_size=len(self.renderer.tokenizer),
+            context_length=self.renderer.context_length,
+        )
+        self.router = ChatRouter(gate, settings.served_name)
+        self.render_rate = RenderRate.calibrate(lambda messages: self.renderer.tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+        self.metrics = HandoffMetrics(args["model_name"])
+        self.workers = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix="pdchat-chat")
+
+    def execute(self, requests):
+        for request in requests:
+            self.workers.submit(self._serve, request, request.get_response_sender())
+        return None
+
+    def finalize(self):
+        self.workers.shutdown(wait=True, cancel_futures=True)
+
+    def _serve(self, request, sender):
+        try:
+            chat = io.chat_request(request)
+            plan = self.router.plan(
+                chat,
+                io.input_token_ids(request, tensors.PROMPT_TOKEN_IDS),
+                io.input_text(request, tensors.KV_TRANSFER_PARAMS),
+            )
+            if plan.route is Route.REUSE:
+                self.metrics.accepted(self.render_rate.estimate(len(plan.prompt_token_ids)))
+                ids, params = plan.prompt_token_ids, plan.params
+                self._stream_decode(request, sender, ids, params)
+                return
+            ids, params = self._render(request)
+            first, kv = self._prefill(request, ids, params)
+            if plan.route is Route.REMOTE_PREFILL:
+                handoff = self.router.handoff_params(chat, ids)
+                output = remote_prefill_output(params, ids, first, self.renderer.tokenizer.decode([first], skip_special_tokens=True))
+                sender.send(pb_utils.InferenceResponse(output_tensors=io.client_tensors(output) + [
+                    io.string_tensor(tensors.KV_TRANSFER_PARAMS, json.dumps(handoff))]), flags=FINAL)
+                return
+            self._stream_decode(request, sender, ids, params, first_token=first, kv_cache=kv)
+        except ForwardedIdsRejected as exc:
+            self.metrics.rejected(exc.reason.value)
+            sender.send(io.error_response(exc), flags=FINAL)
+        except StageError as exc:
+            sender.send(pb_utils.InferenceResponse(error=exc.error), flags=FINAL)
+        except Exception as exc:  # noqa: BLE001 - every failure goes back to its client
+            sender.send(io.error_response(exc), flags=FINAL)
+
+    def _render(self, request):
+        inputs = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in tensors.CLIENT_INPUTS) if t is not None]
+        started = time.perf_counter()
+        response = _exec(request, RENDERER, inputs, [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS])
+        ids = pb_utils.get_output_tensor_by_name(response, tensors.PROMPT_TOKEN_IDS).as_numpy()
+        self.render_rate.observe(time.perf_counter() - started, len(ids))
+        params = pb_utils.get_output_tensor_by_name(response, tensors.GENERATION_PARAMS).as_numpy()[0]
+        return ids.astype(np.int32), GenerationParams.from_json(params.decode())
+
+    def _prefill(self, request, ids, params):
+        inputs = [io.int32_tensor(tensors.PROMPT_TOKEN_IDS, ids), io.string_tensor(tensors.GENERATION_PARAMS, params.to_json())]
+        response = _exec(request, PREFILL, inputs, [tensors.FIRST_TOKEN_ID, tensors.KV_CACHE])
+        first = int(pb_utils.get_output_tensor_by_name(response, tensors.FIRST_TOKEN_ID).as_numpy()[0])
+        return first, pb_utils.get_output_tensor_by_name(response, tensors.KV_CACHE)
+
+    def _stream_decode(self, request, sender, ids, params, first_token=None, kv_cache=None):
+        inputs = [io.int32_tensor(tensors.PROMPT_TOKEN_IDS, ids), io.string_tensor(tensors.GENERATION_PARAMS, params.to_json())]
+        if kv_cache is not None:
+            inputs += [kv_cache, io.int32_tensor(tensors.FIRST_TOKEN_ID, [first_token])]
+        stage = pb_utils.InferenceRequest(
+            model_name=DECODE, inputs=inputs, requested_output_names=list(tensors.CLIENT_OUTPUTS), request_id=request.request_id()
+        )
+        finished = False
+        for response in stage.exec(decoupled=True):
+            if response.has_error():
+                sender.send(pb_utils.InferenceResponse(error=response.error()), flags=FINAL)
+                return
+            if not response.output_tensors():
+                continue
+            finish = pb_utils.get_output_tensor_by_name(response, tensors.FINISH_REASON).as_numpy()[0]
+            finished = bool(finish)
+            sender.send(pb_utils.InferenceResponse(output_tensors=response.output_tensors()), flags=FINAL if finished else 0)
+        if not finished:
+            sender.send(flags=FINAL)
+
+
+class StageError(Exception):
+    """A stage model answered with an error; it goes to the client unchanged."""
+
+    def __init__(self, error):
+        super().__init__(error.message())
+        self.error = error
+
+
+def _exec(request, model_name, inputs, outputs):
+    response = pb_utils.InferenceRequest(
+        model_name=model_name, inputs=inputs, requested_output_names=outputs, request_id=request.request_id()
+    ).exec()
+    if response.has_error():
+        raise StageError(response.error())
+    return response
