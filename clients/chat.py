@@ -18,7 +18,7 @@ import numpy as np
 
 from pdchat import tensors
 
-DEFAULT_MODEL = "chat_ensemble"
+DEFAULT_MODEL = "chat"
 TIMEOUT_S = 600.0
 
 
@@ -126,6 +126,7 @@ class GrpcChat:
     def stream(self, inputs: dict[str, np.ndarray], request_id: str = "") -> Iterator[ChatOutput]:
         responses: queue.Queue = queue.Queue()
         self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        finished = False
         try:
             infer_inputs = []
             for name, array in inputs.items():
@@ -136,15 +137,18 @@ class GrpcChat:
             while True:
                 result, error = responses.get(timeout=TIMEOUT_S)
                 if error is not None:
+                    finished = True  # an error ends the request
                     raise ChatError(error.message() if hasattr(error, "message") else str(error))
                 final = result.get_response().parameters["triton_final_response"].bool_param
                 if result.as_numpy(tensors.RESPONSE) is not None:
                     yield _to_output(result.as_numpy)
                 if final:
+                    finished = True
                     return
         finally:
-            # Leaving early (client gone) cancels the request on the server.
-            self.client.stop_stream(cancel_requests=True)
+            # Leaving early (client gone) cancels the request on the server; cancelling a
+            # finished one would race its completion, so only unfinished ones are cancelled.
+            self.client.stop_stream(cancel_requests=not finished)
 
     def close(self) -> None:
         self.client.close()
@@ -205,7 +209,10 @@ def _json_streams(inputs: dict[str, np.ndarray]) -> bool:
 
 
 def _json_value(array: np.ndarray) -> Any:
-    value = array.reshape(-1)[0]
+    """A [1] tensor as a JSON scalar, longer ones (token ids) as a list."""
+    if array.shape != (1,):
+        return array.tolist()
+    value = array[0]
     return value.decode() if isinstance(value, bytes) else value.item()
 
 

@@ -37,3 +37,29 @@ def chat_body(name: str, **fields) -> dict:
     if name in TOOLS:
         body["tools"] = TOOLS[name]
     return body
+
+PICK_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "pick_number",
+        "description": "Pick a number",
+        "parameters": {"type": "object", "properties": {"n": {"type": "integer", "enum": [1, 2, 3]}, "ok": {"type": "boolean"}}, "required": ["n", "ok"]},
+    },
+}
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}, "sure": {"type": "boolean"}}, "required": ["answer", "sure"]}
+LONG_TEXT = " ".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog, naïve café ☕." for i in range(220))
+
+# name -> request fields beyond the shared ones; the parity suite runs each on both paths.
+PARITY_CASES = {
+    **{name: {"messages": messages, **({"tools": TOOLS[name]} if name in TOOLS else {})} for name, messages in CONVERSATIONS.items()},
+    "tools_auto": {"messages": [{"role": "user", "content": "Pick a number."}], "tools": [PICK_TOOL, WEATHER_TOOL]},
+    "tool_required": {"messages": [{"role": "user", "content": "Pick a number."}], "tools": [PICK_TOOL, WEATHER_TOOL], "tool_choice": "required", "max_tokens": 96},
+    "tool_named": {"messages": [{"role": "user", "content": "Pick."}], "tools": [PICK_TOOL], "tool_choice": {"type": "function", "function": {"name": "pick_number"}}, "max_tokens": 96},
+    "reasoning_off": {"messages": [{"role": "user", "content": "Think about cats."}], "chat_template_kwargs": {"enable_thinking": False}},
+    "reasoning_open": {"messages": [{"role": "user", "content": "Plan a trip."}, {"role": "assistant", "content": "<think>\nFirst,"}], "continue_final_message": True},
+    "stop_strings": {"messages": [{"role": "user", "content": "Say something."}], "stop": ["e ", "a "]},
+    "json_schema": {"messages": [{"role": "user", "content": "Answer in JSON."}], "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}, "max_tokens": 48},
+    "json_object": {"messages": [{"role": "user", "content": "JSON please."}], "response_format": {"type": "json_object"}},
+    "sampled": {"messages": [{"role": "user", "content": "Write a haiku."}], "temperature": 0.9, "top_p": 0.9, "seed": 1234},
+    "long_prompt": {"messages": [{"role": "system", "content": "Summarize."}, {"role": "user", "content": LONG_TEXT}]},
+}

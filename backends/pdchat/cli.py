@@ -50,7 +50,7 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
 
 def _chat_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
-    parser.add_argument("--model-name", default="chat_ensemble", help="Triton model to call")
+    parser.add_argument("--model-name", default="chat", help="Triton model to call (chat or chat_ensemble)")
     parser.add_argument("--system", help="system prompt")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -105,7 +105,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.model in embedded.EMBEDDED_MODELS:
         embedded.ensure_model(args.model)  # build before the server starts, with progress shown
-    _say("starting tritonserver with renderer, prefill, decode and chat_ensemble")
+    _say("starting tritonserver with chat, renderer, prefill, decode and chat_ensemble")
     started = time.monotonic()
     with TritonServer(env={"PDCHAT_MODEL": args.model}) as server:
         _say(f"ready in {time.monotonic() - started:.1f} s; asking {args.model_name}: {args.question!r}")

@@ -28,6 +28,9 @@ FINISH_REASON = "finish_reason"
 GENERATION_PARAMS = "generation_params"  # JSON of core.protocol.GenerationParams
 KV_CACHE = "kv_cache"  # FP32 [layers, 2, kv_heads, tokens, head_dim]
 FIRST_TOKEN_ID = "first_token_id"  # INT32 [1], sampled by prefill
+# decode control input: stop the request whose GenerationParams.request_id this names
+# (Triton 2.51 passes no cancellation from a BLS caller or an ensemble to decode).
+CANCEL_REQUEST_ID = "cancel_request_id"
 
 # Optional scalar inputs of the text_input convention: name -> numpy dtype name.
 SCALAR_INPUTS = {
@@ -46,3 +49,4 @@ CLIENT_OUTPUTS = (TEXT_OUTPUT, RESPONSE, PROMPT_TOKEN_IDS, OUTPUT_TOKEN_IDS, FIN
 PARAM_MODEL = "model"  # embedded model name or HF model directory
 PARAM_DEVICE = "device"  # "auto" (CUDA when present), "cpu" or "cuda"
 PARAM_FORWARDED_IDS = "forwarded_ids"  # chat: off | signed | trusted
+PARAM_HANDOFF_TTL_S = "handoff_ttl_s"  # chat: seconds a signed handoff stays valid

@@ -13,7 +13,10 @@ import pytest
 from pdchat.clients.chat import GrpcChat, HttpChat
 from pdchat.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer
 
-MODELS = ("renderer", "prefill", "decode", "chat_ensemble")
+ENSEMBLE = "chat_ensemble"
+MODELS = ("renderer", "prefill", "decode", ENSEMBLE, "chat")
+HANDOFF_KEY = "test-handoff-key-0123456789abcdef"
+SHORT_TTL_S = 2.0
 MISSING_MODEL_PATH = "/nonexistent/model-dir"
 
 
@@ -24,16 +27,40 @@ def server(tmp_path_factory, tiny_model_dir):
     shutil.copytree(DEFAULT_MODEL_REPOSITORY / "prefill", bad, ignore=shutil.ignore_patterns("__pycache__"))
     config = (bad / "config.pbtxt").read_text().replace('name: "prefill"', 'name: "prefill_bad"')
     (bad / "config.pbtxt").write_text(config + f'parameters {{ key: "model" value {{ string_value: "{MISSING_MODEL_PATH}" }} }}\n')
-    instance = TritonServer(
-        env={"PDCHAT_MODEL": "tiny"},
-        load_models=MODELS,
-        extra_args=(f"--model-repository={extra}",),
-        log_path=tmp_path_factory.getbasetemp() / "tritonserver.log",
-    )
-    instance.start()
+    instance = running_server(tmp_path_factory, "monolithic", load_models=MODELS, extra_args=(f"--model-repository={extra}",))
     yield instance
+    stop_checked(instance)
+
+
+def running_server(tmp_path_factory, name: str, **options):
+    """Start a tiny-model server; stop it after, checking it left no shared memory."""
+    env = {"PDCHAT_MODEL": "tiny", **options.pop("env", {})}
+    instance = TritonServer(env=env, log_path=tmp_path_factory.getbasetemp() / f"tritonserver-{name}.log", **options)
+    instance.start()
+    return instance
+
+
+def stop_checked(instance: TritonServer) -> None:
     instance.stop()
     assert instance.leaked_shm() == [], "the server left shared-memory regions behind"
+
+
+@pytest.fixture(scope="session")
+def decode_server(tmp_path_factory, tiny_model_dir):
+    """Decode role: chat accepts forwarded ids signed with the shared key. Until the
+    P/D servers exist, it also signs them itself (do_remote_decode)."""
+    instance = running_server(tmp_path_factory, "decode", role="decode", env={"PDCHAT_HANDOFF_KEY": HANDOFF_KEY})
+    yield instance
+    stop_checked(instance)
+
+
+@pytest.fixture(scope="session")
+def trusted_server(tmp_path_factory, tiny_model_dir):
+    """Policy trusted (unsigned ids accepted), with a key and a short handoff TTL."""
+    env = {"PDCHAT_HANDOFF_KEY": HANDOFF_KEY, "PDCHAT_FORWARDED_IDS": "trusted", "PDCHAT_HANDOFF_TTL_S": str(SHORT_TTL_S)}
+    instance = running_server(tmp_path_factory, "trusted", env=env)
+    yield instance
+    stop_checked(instance)
 
 
 @pytest.fixture(params=["grpc", "http"])
@@ -43,13 +70,13 @@ def protocol(request):
 
 @pytest.fixture
 def chat_client(server, protocol):
-    client = GrpcChat(server.grpc_url) if protocol == "grpc" else HttpChat(server.http_url)
+    client = GrpcChat(server.grpc_url, ENSEMBLE) if protocol == "grpc" else HttpChat(server.http_url, ENSEMBLE)
     yield client
     client.close()
 
 
 @pytest.fixture(scope="session")
 def grpc_chat(server):
-    client = GrpcChat(server.grpc_url)
+    client = GrpcChat(server.grpc_url, ENSEMBLE)
     yield client
     client.close()

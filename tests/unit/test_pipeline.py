@@ -76,3 +76,41 @@ def test_return_token_ids_in_json(pipeline):
     assert body["prompt_token_ids"] == result.prompt_token_ids
     assert body["choices"][0]["token_ids"] == result.output_token_ids
     assert body["usage"] == {"prompt_tokens": len(result.prompt_token_ids), "completion_tokens": 4, "total_tokens": len(result.prompt_token_ids) + 4}
+
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}, "sure": {"type": "boolean"}}, "required": ["answer", "sure"]}
+TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}}, "required": ["n", "ok"]}}}
+
+
+@pytest.mark.parametrize("handoff", [True, False])
+def test_json_schema_output_is_valid_json_of_the_schema(pipeline, handoff):
+    result = pipeline.run(chat(max_tokens=60, temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}), handoff=handoff)[-1]
+    value = json.loads(json.loads(result.response)["choices"][0]["message"]["content"])
+    assert set(value) == {"answer", "sure"} and isinstance(value["answer"], int) and isinstance(value["sure"], bool)
+    assert result.finish_reason == "stop"
+
+
+def test_forced_tool_choice_yields_parsed_tool_calls(pipeline):
+    result = pipeline.run(chat(max_tokens=60, temperature=0, tools=[TOOL], tool_choice="required"))[-1]
+    message = json.loads(result.response)["choices"][0]["message"]
+    assert result.finish_reason == "tool_calls"
+    assert message["content"] is None
+    [call] = message["tool_calls"]
+    assert call["function"]["name"] == "pick"
+    assert set(json.loads(call["function"]["arguments"])) == {"n", "ok"}
+
+
+def test_streamed_tool_call_arrives_whole_in_one_chunk(pipeline):
+    chunks = [json.loads(c.response) for c in pipeline.run(chat(max_tokens=60, temperature=0, tools=[TOOL], tool_choice="required", stream=True))]
+    calls = [c["choices"][0]["delta"]["tool_calls"] for c in chunks if "tool_calls" in c["choices"][0]["delta"]]
+    assert len(calls) == 1 and calls[0][0]["function"]["name"] == "pick"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_answer_continuing_an_open_think_block_is_reasoning(pipeline):
+    request = parse_chat_json(json.dumps({
+        "messages": [{"role": "user", "content": "Plan a trip"}, {"role": "assistant", "content": "<think>\nFirst"}],
+        "continue_final_message": True, "max_tokens": 8, "temperature": 0}))
+    message = json.loads(pipeline.run(request)[-1].response)["choices"][0]["message"]
+    assert message["reasoning_content"] and not message["content"]

@@ -91,3 +91,46 @@ def test_generation_params_round_trip_and_fixed_seed():
     assert isinstance(params.seed, int)
     with pytest.raises(InvalidRequest):
         GenerationParams.from_json('{"bogus": 1}')
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
+
+
+def test_tool_choice_and_response_format_become_one_constraint():
+    assert parse_chat_json(body(tools=TOOLS)).parse_tool_calls
+    assert not parse_chat_json(body(tools=TOOLS, tool_choice="none")).parse_tool_calls
+    assert parse_chat_json(body(tools=TOOLS, tool_choice="required")).constraint["type"] == "tool_call"
+    named = parse_chat_json(body(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "f"}}))
+    assert [t["name"] for t in named.constraint["tools"]] == ["f"]
+    assert parse_chat_json(body(response_format={"type": "json_object"})).constraint == {"type": "json_object"}
+    assert parse_chat_json(body(response_format={"type": "text"})).constraint is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"tool_choice": "required"}, "tool_choice needs 'tools'"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}}, "'g', which is not among the tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice must be"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type must be"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "needs json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}}, "cannot build a grammar"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
+    ],
+)
+def test_bad_structured_output_requests(fields, needle):
+    with pytest.raises(InvalidRequest) as info:
+        parse_chat_json(body(**fields))
+    assert needle in str(info.value)
+
+
+def test_settings_prefer_config_parameter_then_environment_then_default():
+    from pdchat.core.errors import ModelUnavailable
+    from pdchat.core.settings import forwarded_ids_policy, handoff_ttl_s
+
+    assert forwarded_ids_policy({}, {}) == "off"
+    assert forwarded_ids_policy({}, {"PDCHAT_FORWARDED_IDS": "trusted"}) == "trusted"
+    assert forwarded_ids_policy({"forwarded_ids": "signed"}, {"PDCHAT_FORWARDED_IDS": "trusted"}) == "signed"
+    assert handoff_ttl_s({}, {}) == 60.0 and handoff_ttl_s({"handoff_ttl_s": "2.5"}, {}) == 2.5
+    with pytest.raises(ModelUnavailable):
+        handoff_ttl_s({}, {"PDCHAT_HANDOFF_TTL_S": "-1"})

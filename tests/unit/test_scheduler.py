@@ -33,6 +33,7 @@ class Recorder:
             self.events.append(f"error:{exc}")
 
         return DecodeJob(
+            key=generation.name,
             start=lambda: generation, emit=emit, fail=fail, is_cancelled=cancelled,
             on_cancel=lambda: self.events.append(f"{generation.name}:cancelled"),
         )
@@ -47,7 +48,7 @@ def run_jobs(recorder, jobs, expected_events):
         return CountingGeneration("z", 1)
 
     # Hold the loop until every job is queued, so they start together.
-    scheduler.submit(DecodeJob(start=held_start, emit=lambda d: None,
+    scheduler.submit(DecodeJob(key="z", start=held_start, emit=lambda d: None,
                                fail=lambda e: None, is_cancelled=lambda: False, on_cancel=lambda: None))
     for job in jobs:
         scheduler.submit(job)
@@ -90,6 +91,33 @@ def test_start_failure_is_reported():
     def broken_start():
         raise ValueError("bad kv")
 
-    job = DecodeJob(start=broken_start, emit=lambda d: None, fail=lambda e: recorder.events.append(f"error:{e}"),
+    job = DecodeJob(key="x", start=broken_start, emit=lambda d: None, fail=lambda e: recorder.events.append(f"error:{e}"),
                     is_cancelled=lambda: False, on_cancel=lambda: None)
     assert run_jobs(recorder, [job], 1) == ["error:bad kv"]
+
+
+def test_cancel_by_key_stops_that_job_only():
+    recorder = Recorder()
+    scheduler = DecodeScheduler()
+    seen_a1 = threading.Event()
+    a = recorder.job(CountingGeneration("a", 50))
+    original_emit = a.emit
+
+    def emit(delta):
+        original_emit(delta)
+        if delta.text == "a1":
+            scheduler.cancel("a")
+            scheduler.cancel("no-such-job")
+            seen_a1.set()
+
+    a.emit = emit
+    scheduler.submit(a)
+    scheduler.submit(recorder.job(CountingGeneration("b", 4)))
+    for _ in range(300):
+        if "b:end" in recorder.events and "a:cancelled" in recorder.events:
+            break
+        threading.Event().wait(0.01)
+    scheduler.close()
+    assert seen_a1.is_set()
+    assert "a:cancelled" in recorder.events and "a3" not in recorder.events
+    assert "b:end" in recorder.events

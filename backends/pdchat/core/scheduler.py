@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 class DecodeJob:
     """A request to decode, with the callbacks that reach its client."""
 
+    key: str  # unique per request (GenerationParams.request_id): what cancel() names
     start: Callable[[], Generation]  # builds the decode state (KV import or local prefill)
     emit: Callable[[Delta], None]  # called per token; the last delta has a finish_reason
     fail: Callable[[Exception], None]  # the request ends with this error
@@ -34,11 +35,17 @@ class DecodeScheduler:
     def __init__(self, name: str = "pdchat-decode"):
         self._incoming: queue.SimpleQueue[DecodeJob | None] = queue.SimpleQueue()
         self._active: list[tuple[DecodeJob, Generation]] = []
+        self._cancel_requests: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, job: DecodeJob) -> None:
         self._incoming.put(job)
+
+    def cancel(self, key: str) -> None:
+        """Stop the job with this key (from any thread): for callers whose own client left
+        but whose cancellation Triton does not pass on (BLS and ensembles in 2.51)."""
+        self._cancel_requests.put(key)
 
     @property
     def active(self) -> int:
@@ -53,8 +60,9 @@ class DecodeScheduler:
         while True:
             if not self._take_incoming(block=not self._active):
                 break
+            cancelled = self._cancelled_keys()
             for entry in list(self._active):
-                self._step(*entry)
+                self._step(*entry, cancelled=entry[0].key in cancelled)
         for job, _ in self._active:
             job.on_cancel()
         self._active.clear()
@@ -74,9 +82,18 @@ class DecodeScheduler:
             except Exception as exc:  # noqa: BLE001 - every failure must reach its client
                 job.fail(exc)
 
-    def _step(self, job: DecodeJob, generation: Generation) -> None:
+    def _cancelled_keys(self) -> set[str]:
+        """Keys cancel() named since the last turn; those matching no active job are dropped."""
+        keys = set()
+        while True:
+            try:
+                keys.add(self._cancel_requests.get_nowait())
+            except queue.Empty:
+                return keys
+
+    def _step(self, job: DecodeJob, generation: Generation, *, cancelled: bool) -> None:
         try:
-            if job.is_cancelled():
+            if cancelled or job.is_cancelled():
                 self._active.remove((job, generation))
                 job.on_cancel()
                 return

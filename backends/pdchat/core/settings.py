@@ -10,18 +10,26 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdchat import tensors
 from pdchat.core.errors import ModelUnavailable
 
 ENV_MODEL = "PDCHAT_MODEL"
 ENV_DEVICE = "PDCHAT_DEVICE"
 ENV_CACHE_DIR = "PDCHAT_CACHE_DIR"
 ENV_FORWARDED_IDS = "PDCHAT_FORWARDED_IDS"
+ENV_HANDOFF_TTL_S = "PDCHAT_HANDOFF_TTL_S"
 DEFAULT_MODEL = "smollm2"
 
 
 def cache_dir() -> Path:
     """Root of generated artefacts (embedded models, backend directory)."""
     return Path(os.environ.get(ENV_CACHE_DIR) or Path.home() / ".cache" / "pdchat")
+
+
+def setting(parameters: dict[str, str], key: str, env_name: str, default: str, environ=None) -> str:
+    """A config parameter if the model's config.pbtxt sets it, else the environment, else the default."""
+    env = os.environ if environ is None else environ
+    return parameters.get(key) or env.get(env_name) or default
 
 
 @dataclass(frozen=True)
@@ -45,9 +53,8 @@ def resolve_model(parameters: dict[str, str], environ: os._Environ | dict | None
     """
     from pdchat import embedded  # local import: building pulls in torch
 
-    env = os.environ if environ is None else environ
-    spec = parameters.get("model") or env.get(ENV_MODEL) or DEFAULT_MODEL
-    device = parameters.get("device") or env.get(ENV_DEVICE) or "auto"
+    spec = setting(parameters, tensors.PARAM_MODEL, ENV_MODEL, DEFAULT_MODEL, environ)
+    device = setting(parameters, tensors.PARAM_DEVICE, ENV_DEVICE, "auto", environ)
     if spec in embedded.EMBEDDED_MODELS:
         return ModelSettings(embedded.ensure_model(spec), device)
     path = Path(spec).expanduser()
@@ -62,5 +69,17 @@ def resolve_model(parameters: dict[str, str], environ: os._Environ | dict | None
 
 def forwarded_ids_policy(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> str:
     """The chat model's gate policy: parameter `forwarded_ids`, then PDCHAT_FORWARDED_IDS, then off."""
-    env = os.environ if environ is None else environ
-    return parameters.get("forwarded_ids") or env.get(ENV_FORWARDED_IDS) or "off"
+    return setting(parameters, tensors.PARAM_FORWARDED_IDS, ENV_FORWARDED_IDS, "off", environ)
+
+
+def handoff_ttl_s(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> float:
+    """How long signed handoffs (and the KV they name) stay valid: `handoff_ttl_s`,
+    then PDCHAT_HANDOFF_TTL_S, then 60 s."""
+    value = setting(parameters, tensors.PARAM_HANDOFF_TTL_S, ENV_HANDOFF_TTL_S, "60", environ)
+    try:
+        ttl = float(value)
+    except ValueError:
+        raise ModelUnavailable(f"handoff TTL must be a number of seconds, got {value!r}") from None
+    if ttl <= 0:
+        raise ModelUnavailable(f"handoff TTL must be positive, got {ttl}")
+    return ttl

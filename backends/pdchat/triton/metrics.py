@@ -27,12 +27,45 @@ class HandoffMetrics:
     def rejected(self, reason: str) -> None:
         self._outcome("rejected", reason).increment(1)
 
+    def close(self) -> None:
+        """Drop metrics before their families, as the python backend requires."""
+        self._by_outcome.clear()
+        del self._skipped, self._saved
+        del self._outcomes, self._skipped_family, self._saved_family
+
     def _outcome(self, outcome: str, reason: str):
         with self._lock:
             key = (outcome, reason)
             if key not in self._by_outcome:
                 self._by_outcome[key] = self._outcomes.Metric(labels={**self._labels, "outcome": outcome, "reason": reason})
             return self._by_outcome[key]
+
+
+class DecodeMetrics:
+    """How decode requests end (finished, cancelled, failed) and how many are running."""
+
+    OUTCOMES = ("finished", "cancelled", "failed")
+
+    def __init__(self, model_name: str):
+        labels = {"model": model_name}
+        self._ended_family = _counter("pdchat_decode_requests_total", "Decode requests by how they ended")
+        self._active_family = pb_utils.MetricFamily(
+            name="pdchat_decode_active", description="Decode requests in progress", kind=pb_utils.MetricFamily.GAUGE
+        )
+        self._ended = {o: self._ended_family.Metric(labels={**labels, "outcome": o}) for o in self.OUTCOMES}
+        self._active = self._active_family.Metric(labels=labels)
+
+    def started(self) -> None:
+        self._active.increment(1)
+
+    def ended(self, outcome: str) -> None:
+        self._ended[outcome].increment(1)
+        self._active.increment(-1)
+
+    def close(self) -> None:
+        """Drop metrics before their families, as the python backend requires."""
+        self._ended.clear()
+        del self._active, self._ended_family, self._active_family
 
 
 def _counter(name: str, description: str):

@@ -19,7 +19,7 @@ from pdchat.core.protocol import GenerationParams
 from pdchat.core.render_cost import RenderRate
 from pdchat.core.rendering import ChatRenderer
 from pdchat.core.responses import remote_prefill_output
-from pdchat.core.settings import forwarded_ids_policy, resolve_model
+from pdchat.core.settings import forwarded_ids_policy, handoff_ttl_s, resolve_model
 from pdchat.ensemble.routing import ChatRouter, Route
 from pdchat.triton import io
 from pdchat.triton.metrics import HandoffMetrics
@@ -41,7 +41,7 @@ class TritonPythonModel:
             vocab_size=len(self.renderer.tokenizer),
             context_length=self.renderer.context_length,
         )
-        self.router = ChatRouter(gate, settings.served_name)
+        self.router = ChatRouter(gate, settings.served_name, handoff_ttl_s(parameters))
         self.render_rate = RenderRate.calibrate(lambda messages: self.renderer.tokenizer.apply_chat_template(
             messages, tokenize=True, add_generation_prompt=True, return_dict=False))
         self.metrics = HandoffMetrics(args["model_name"])
@@ -54,6 +54,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.workers.shutdown(wait=True, cancel_futures=True)
+        self.metrics.close()
 
     def _serve(self, request, sender):
         try:
@@ -107,8 +108,14 @@ class TritonPythonModel:
         stage = pb_utils.InferenceRequest(
             model_name=DECODE, inputs=inputs, requested_output_names=list(tensors.CLIENT_OUTPUTS), request_id=request.request_id()
         )
-        finished = False
+        finished = cancelled = False
         for response in stage.exec(decoupled=True):
+            if not cancelled and sender.is_cancelled():
+                # 2.51 passes no cancellation down a BLS call: tell decode ourselves, then drain.
+                cancelled = True
+                _exec_control(DECODE, [io.string_tensor(tensors.CANCEL_REQUEST_ID, params.request_id)])
+            if cancelled:
+                continue
             if response.has_error():
                 sender.send(pb_utils.InferenceResponse(error=response.error()), flags=FINAL)
                 return
@@ -127,6 +134,12 @@ class StageError(Exception):
     def __init__(self, error):
         super().__init__(error.message())
         self.error = error
+
+
+def _exec_control(model_name, inputs):
+    """A decoupled control request that answers with a bare final response."""
+    for _ in pb_utils.InferenceRequest(model_name=model_name, inputs=inputs, requested_output_names=[]).exec(decoupled=True):
+        pass
 
 
 def _exec(request, model_name, inputs, outputs):

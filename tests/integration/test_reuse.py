@@ -1,0 +1,225 @@
+"""`chat`: reuse of forwarded prompt ids, the signed gate, and parity of both paths.
+
+The decode-role server plays both parts here: it signs (do_remote_decode) and verifies.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from pdchat.clients.chat import ChatError, GrpcChat, HttpChat, chat_inputs, collect
+from tests.conversations import PARITY_CASES, chat_body
+from tests.integration.conftest import SHORT_TTL_S
+
+CHAT = "chat"
+
+
+def ask(client, body, **forwarded):
+    return collect(client.stream(chat_inputs(body, **forwarded)))
+
+
+def summary(result) -> dict:
+    """What a client sees, whether it came streamed or whole (tool call ids aside)."""
+    content, reasoning, calls = "", "", []
+    for output in result.outputs:
+        choice = output.response["choices"][0]
+        message = choice.get("message") or choice.get("delta") or {}
+        content += message.get("content") or ""
+        reasoning += message.get("reasoning_content") or ""
+        calls += [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls") or []]
+    return {"ids": result.output_token_ids, "text": result.text, "content": content, "reasoning": reasoning,
+            "tool_calls": calls, "finish_reason": result.finish_reason}
+
+
+@pytest.fixture(scope="module")
+def clients(decode_server):
+    made = {"grpc": GrpcChat(decode_server.grpc_url, CHAT), "http": HttpChat(decode_server.http_url, CHAT)}
+    yield made
+    for client in made.values():
+        client.close()
+
+
+def prefill(client, body):
+    """The prefill leg: first token, prompt ids and signed kv_transfer_params."""
+    [output] = list(client.stream(chat_inputs(body, kv_transfer_params={"do_remote_decode": True})))
+    assert output.kv_transfer_params["signature"] and len(output.output_token_ids) == 1
+    return output
+
+
+@pytest.mark.parametrize("case", sorted(PARITY_CASES))
+def test_render_and_reuse_paths_give_identical_answers(clients, case):
+    body = {"max_tokens": 16, "temperature": 0, **PARITY_CASES[case]}
+    handed = prefill(clients["grpc"], body)
+    seen = {}
+    for protocol, client in clients.items():
+        for stream in (False, True):
+            request = {**body, "stream": stream}
+            rendered = ask(client, request)
+            reused = ask(client, request, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)
+            assert reused.prompt_token_ids == rendered.prompt_token_ids == handed.prompt_token_ids
+            assert summary(reused) == summary(rendered), (protocol, stream)
+            seen[(protocol, stream)] = summary(rendered)
+    assert len({json.dumps(s, sort_keys=True) for s in seen.values()}) == 1, "transports or streaming changed the answer"
+    answer = seen[("grpc", False)]
+    assert answer["ids"][0] == handed.output_token_ids[0], "prefill's first token starts the answer"
+    if case in ("tool_required", "tool_named"):
+        assert answer["finish_reason"] == "tool_calls" and answer["tool_calls"][0][0] == "pick_number"
+    if case == "json_schema":
+        assert set(json.loads(answer["content"])) == {"answer", "sure"}
+    if case == "reasoning_open":
+        assert answer["reasoning"] and not answer["content"]
+    if case == "stop_strings":
+        assert answer["finish_reason"] == "stop"
+
+
+def test_ids_inside_kv_transfer_params_vllm_style_are_reused_too(clients):
+    body = chat_body("multi_turn", max_tokens=8, temperature=0)
+    handed = prefill(clients["grpc"], body)
+    listed = {**handed.kv_transfer_params, "prompt_token_ids": handed.prompt_token_ids}
+    assert summary(ask(clients["http"], body, kv_transfer_params=listed)) == summary(ask(clients["http"], body))
+
+
+def renderer_executions(server) -> int:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    stats = client.get_inference_statistics("renderer", as_json=True)
+    client.close()
+    return int(stats["model_stats"][0].get("execution_count", 0))
+
+
+def test_reuse_skips_the_renderer_and_the_render_path_runs_it(decode_server, clients):
+    body = chat_body("system_prompt", max_tokens=4, temperature=0)
+    handed = prefill(clients["grpc"], body)
+    before = renderer_executions(decode_server)
+    for _ in range(3):
+        ask(clients["grpc"], body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)
+    assert renderer_executions(decode_server) == before
+    ask(clients["grpc"], body)
+    assert renderer_executions(decode_server) == before + 1
+
+
+def metric(server, name, **labels) -> float:
+    text = urllib.request.urlopen(server.metrics_url).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def tampered(handed, **changes):
+    return {**handed.kv_transfer_params, **changes}
+
+
+def refusal(client, body, **forwarded) -> str:
+    with pytest.raises(ChatError) as info:
+        ask(client, body, **forwarded)
+    return str(info.value)
+
+
+ADVERSARIAL = {
+    "unsigned": (lambda h: {"prompt_token_ids": h.prompt_token_ids}, "unsigned"),
+    "forged_signature": (lambda h: {"prompt_token_ids": h.prompt_token_ids, "kv_transfer_params": tampered(h, signature="ab" * 32)}, "bad_signature"),
+    "ids_altered": (lambda h: {"prompt_token_ids": h.prompt_token_ids[:-1] + [42], "kv_transfer_params": h.kv_transfer_params}, "bad_signature"),
+    "expiry_extended": (lambda h: {"prompt_token_ids": h.prompt_token_ids, "kv_transfer_params": tampered(h, expires_at=h.kv_transfer_params["expires_at"] + 3600)}, "bad_signature"),
+    "peer_injected": (lambda h: {"prompt_token_ids": h.prompt_token_ids, "kv_transfer_params": tampered(h, kv_handle={"host": "203.0.113.7", "port": 1})}, "bad_signature"),
+    "out_of_vocabulary": (lambda h: {"prompt_token_ids": [1, 2, 10**6]}, "out_of_vocabulary"),
+    "negative_ids": (lambda h: {"prompt_token_ids": [1, -5, 3]}, "out_of_vocabulary"),
+    "empty_list": (lambda h: {"prompt_token_ids": []}, "empty"),
+    "longer_than_context": (lambda h: {"prompt_token_ids": [7] * 16384}, "too_long"),
+    "malformed_params": (lambda h: {"prompt_token_ids": h.prompt_token_ids, "kv_transfer_params": "{broken"}, "malformed"),
+    "ids_twice": (lambda h: {"prompt_token_ids": h.prompt_token_ids, "kv_transfer_params": tampered(h, prompt_token_ids=h.prompt_token_ids)}, "malformed"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ADVERSARIAL))
+def test_bad_forwarded_ids_are_refused_with_their_reason_and_counted(decode_server, clients, case):
+    body = chat_body("single_turn", max_tokens=4, temperature=0)
+    handed = prefill(clients["grpc"], body)
+    make, reason = ADVERSARIAL[case]
+    before = metric(decode_server, "pdchat_forwarded_ids_total", outcome="rejected", reason=reason)
+    message = refusal(clients["grpc"], body, **make(handed))
+    assert f"forwarded prompt token ids refused ({reason})" in message
+    assert metric(decode_server, "pdchat_forwarded_ids_total", outcome="rejected", reason=reason) == before + 1
+    # The server keeps serving, and the genuine handoff still works.
+    reused = ask(clients["grpc"], body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)
+    assert reused.finish_reason == "length"
+
+
+def test_ids_signed_for_another_conversation_are_refused(clients):
+    handed = prefill(clients["grpc"], chat_body("single_turn", max_tokens=4))
+    message = refusal(clients["http"], chat_body("multi_turn", max_tokens=4),
+                      prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)
+    assert "(fingerprint_mismatch): the ids were signed for a different conversation" in message
+
+
+def test_router_may_change_sampling_but_not_render_inputs(clients):
+    body = chat_body("single_turn", max_tokens=4, temperature=0)
+    handed = prefill(clients["grpc"], body)
+    changed_sampling = {**body, "max_tokens": 6, "temperature": 0.7, "seed": 9, "stream": True}
+    assert len(ask(clients["grpc"], changed_sampling, prompt_token_ids=handed.prompt_token_ids,
+                   kv_transfer_params=handed.kv_transfer_params).output_token_ids) == 6
+    changed_template = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+    assert "fingerprint_mismatch" in refusal(clients["grpc"], changed_template, prompt_token_ids=handed.prompt_token_ids,
+                                             kv_transfer_params=handed.kv_transfer_params)
+
+
+def test_accepted_reuse_is_counted_with_render_seconds_saved(decode_server, clients):
+    body = {**PARITY_CASES["long_prompt"], "max_tokens": 2, "temperature": 0}
+    handed = prefill(clients["grpc"], body)
+    accepted = metric(decode_server, "pdchat_forwarded_ids_total", outcome="accepted")
+    skipped = metric(decode_server, "pdchat_renders_skipped_total")
+    saved = metric(decode_server, "pdchat_render_seconds_saved_total")
+    ask(clients["grpc"], body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)
+    assert metric(decode_server, "pdchat_forwarded_ids_total", outcome="accepted") == accepted + 1
+    assert metric(decode_server, "pdchat_renders_skipped_total") == skipped + 1
+    assert metric(decode_server, "pdchat_render_seconds_saved_total") > saved
+
+
+def test_policy_off_refuses_forwarded_ids(server):
+    client = GrpcChat(server.grpc_url, CHAT)
+    body = chat_body("single_turn", max_tokens=3, temperature=0)
+    ids = ask(client, body).prompt_token_ids
+    assert "(policy_off)" in refusal(client, body, prompt_token_ids=ids)
+    assert "(policy_off)" in refusal(client, body, kv_transfer_params={"prompt_token_ids": ids})
+    assert "needs this server to have a handoff key" in refusal(client, body, kv_transfer_params={"do_remote_decode": True})
+    client.close()
+
+
+def test_chat_render_path_equals_chat_ensemble(server):
+    chat, ensemble = GrpcChat(server.grpc_url, CHAT), GrpcChat(server.grpc_url, "chat_ensemble")
+    for name in ("unicode_emoji", "tool_result"):
+        body = chat_body(name, max_tokens=10, temperature=0, stream=True)
+        assert summary(ask(chat, body)) == summary(ask(ensemble, body))
+    chat.close()
+    ensemble.close()
+
+
+def test_trusted_policy_accepts_unsigned_ids_and_still_checks_them(trusted_server):
+    client = GrpcChat(trusted_server.grpc_url, CHAT)
+    body = chat_body("multi_turn", max_tokens=6, temperature=0)
+    rendered = ask(client, body)
+    reused = ask(client, body, kv_transfer_params={"prompt_token_ids": rendered.prompt_token_ids})
+    assert summary(reused) == summary(rendered)
+    assert "(out_of_vocabulary)" in refusal(client, body, prompt_token_ids=[3, 10**7])
+    client.close()
+
+
+def test_expired_handoff_is_refused(trusted_server):
+    client = GrpcChat(trusted_server.grpc_url, CHAT)
+    body = chat_body("single_turn", max_tokens=3, temperature=0)
+    handed = prefill(client, body)
+    time.sleep(SHORT_TTL_S + 0.5)
+    message = refusal(client, body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)
+    assert "(expired): the handoff expired" in message
+    client.close()
+
+
+def test_binary_ids_keep_their_dtype_over_grpc(decode_server):
+    inputs = chat_inputs(chat_body("single_turn", max_tokens=2), prompt_token_ids=np.array([1, 2, 3], dtype=np.int64))
+    assert inputs["prompt_token_ids"].dtype == np.int32

@@ -1,0 +1,115 @@
+"""The forwarded-id gate: every way in, and every way to be refused."""
+
+import json
+
+import pytest
+
+from pdchat.core.errors import InvalidRequest, ModelUnavailable
+from pdchat.core.handoff import (
+    ForwardedIdsRejected, Gate, Policy, Rejection, forwarded_ids, load_key, render_fingerprint, sign,
+)
+from pdchat.core.protocol import parse_chat_json
+from pdchat.ensemble.routing import ChatRouter, Route
+
+KEY = b"k" * 32
+IDS = [1, 5, 9, 200]
+NOW = 1_000_000.0
+
+
+def chat(content="hi", **fields):
+    return parse_chat_json(json.dumps({"messages": [{"role": "user", "content": content}], **fields}))
+
+
+def gate(policy=Policy.SIGNED, key=KEY):
+    return Gate(policy, key, vocab_size=1000, context_length=100)
+
+
+def signed(request=None, ids=IDS, **kw):
+    return sign(KEY, ids, render_fingerprint(request or chat(), "m"), now=NOW, **kw)
+
+
+def admit(params, request=None, ids=IDS, policy=Policy.SIGNED, now=NOW + 1):
+    return gate(policy).admit(ids, params, render_fingerprint(request or chat(), "m"), now=now)
+
+
+def reason(call):
+    with pytest.raises(ForwardedIdsRejected) as info:
+        call()
+    return info.value.reason
+
+
+def test_signed_ids_for_this_request_are_admitted_with_their_kv_handle():
+    handle = {"engine": "shm", "name": "x"}
+    assert admit(signed(kv_handle=handle)) == handle
+
+
+def test_sampling_fields_are_outside_the_fingerprint_render_inputs_inside():
+    base = render_fingerprint(chat(), "m")
+    assert render_fingerprint(chat(temperature=0.1, max_tokens=3, stream=True, seed=4), "m") == base
+    for changed in (chat("other"), chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+                    chat(chat_template_kwargs={"enable_thinking": False})):
+        assert render_fingerprint(changed, "m") != base
+    assert render_fingerprint(chat(), "other-model") != base
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        (lambda: admit(signed(), policy=Policy.OFF), Rejection.POLICY_OFF),
+        (lambda: admit({}), Rejection.UNSIGNED),
+        (lambda: admit({**signed(), "signature": "0" * 64}), Rejection.BAD_SIGNATURE),
+        (lambda: admit(signed(), ids=[1, 5, 9, 201]), Rejection.BAD_SIGNATURE),
+        (lambda: admit({**signed(), "kv_handle": {"host": "10.0.0.9"}}), Rejection.BAD_SIGNATURE),
+        (lambda: admit({**signed(), "expires_at": NOW + 10_000}), Rejection.BAD_SIGNATURE),
+        (lambda: admit(signed(), now=NOW + 61), Rejection.EXPIRED),
+        (lambda: admit(signed(), request=chat("a different conversation")), Rejection.FINGERPRINT_MISMATCH),
+        (lambda: admit(signed(ids=[]), ids=[]), Rejection.EMPTY),
+        (lambda: admit(signed(ids=[1, 1000]), ids=[1, 1000]), Rejection.OUT_OF_VOCABULARY),
+        (lambda: admit(signed(ids=[-1, 3]), ids=[-1, 3]), Rejection.OUT_OF_VOCABULARY),
+        (lambda: admit(signed(ids=[1] * 100), ids=[1] * 100), Rejection.TOO_LONG),
+        (lambda: admit({"signature": "ab"}), Rejection.MALFORMED),
+    ],
+)
+def test_every_refusal_names_its_reason(case, expected):
+    assert reason(case) is expected
+
+
+def test_trusted_accepts_unsigned_ids_but_still_checks_them():
+    assert admit({}, policy=Policy.TRUSTED) is None
+    assert reason(lambda: admit({}, ids=[5000], policy=Policy.TRUSTED)) is Rejection.OUT_OF_VOCABULARY
+
+
+def test_signed_policy_without_a_key_refuses_to_start():
+    with pytest.raises(ModelUnavailable, match="PDCHAT_HANDOFF_KEY"):
+        gate(key=None)
+
+
+def test_key_from_env_or_file(tmp_path):
+    assert load_key({}) is None
+    assert load_key({"PDCHAT_HANDOFF_KEY": "x" * 20}) == b"x" * 20
+    (tmp_path / "key").write_text("y" * 40 + "\n")
+    assert load_key({"PDCHAT_HANDOFF_KEY_FILE": str(tmp_path / "key")}) == b"y" * 40
+    with pytest.raises(ModelUnavailable, match="at least 16 bytes"):
+        load_key({"PDCHAT_HANDOFF_KEY": "short"})
+    with pytest.raises(ModelUnavailable, match="cannot read"):
+        load_key({"PDCHAT_HANDOFF_KEY_FILE": str(tmp_path / "missing")})
+
+
+def test_ids_come_from_the_tensor_or_the_vllm_list_not_both():
+    assert forwarded_ids([1, 2], None) == ([1, 2], {})
+    assert forwarded_ids(None, json.dumps({"prompt_token_ids": [3], "signature": "s"})) == ([3], {"signature": "s"})
+    for bad in ('{"prompt_token_ids": "1,2"}', "[1]", "{nope"):
+        assert reason(lambda bad=bad: forwarded_ids(None, bad)) is Rejection.MALFORMED
+    assert reason(lambda: forwarded_ids([1], '{"prompt_token_ids": [1]}')) is Rejection.MALFORMED
+
+
+def test_router_routes_once_before_rendering():
+    router = ChatRouter(gate(), "m")
+    assert router.plan(chat(), None, None).route is Route.RENDER
+    assert router.plan(chat(), None, '{"do_remote_decode": true}').route is Route.REMOTE_PREFILL
+    handoff = router.handoff_params(chat(max_tokens=5), IDS)
+    plan = router.plan(chat(max_tokens=5), IDS, json.dumps(handoff))
+    assert (plan.route, plan.prompt_token_ids, plan.params.max_tokens) == (Route.REUSE, IDS, 5)
+    assert reason(lambda: router.plan(chat(), None, json.dumps(handoff))) is Rejection.MALFORMED
+    with pytest.raises(InvalidRequest, match="handoff key"):
+        ChatRouter(gate(Policy.OFF, key=None), "m").plan(chat(), None, '{"do_remote_decode": true}')
