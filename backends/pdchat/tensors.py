@@ -28,6 +28,9 @@ FINISH_REASON = "finish_reason"
 GENERATION_PARAMS = "generation_params"  # JSON of core.protocol.GenerationParams
 KV_CACHE = "kv_cache"  # FP32 [layers, 2, kv_heads, tokens, head_dim]
 FIRST_TOKEN_ID = "first_token_id"  # INT32 [1], sampled by prefill
+# prefill: publish the KV through this connector (shm, nixl) and answer KV_HANDLE instead of KV_CACHE.
+KV_DESTINATION = "kv_destination"
+KV_HANDLE = "kv_handle"  # JSON handle of published KV; decode pulls it
 # decode control input: stop the request whose GenerationParams.request_id this names
 # (Triton 2.51 passes no cancellation from a BLS caller or an ensemble to decode).
 CANCEL_REQUEST_ID = "cancel_request_id"
@@ -50,3 +53,6 @@ PARAM_MODEL = "model"  # embedded model name or HF model directory
 PARAM_DEVICE = "device"  # "auto" (CUDA when present), "cpu" or "cuda"
 PARAM_FORWARDED_IDS = "forwarded_ids"  # chat: off | signed | trusted
 PARAM_HANDOFF_TTL_S = "handoff_ttl_s"  # chat: seconds a signed handoff stays valid
+PARAM_KV_CONNECTOR = "kv_connector"  # chat (prefill role): shm | nixl
+PARAM_KV_TTL_S = "kv_ttl_s"  # prefill: seconds unpulled KV is held
+PARAM_KV_BUDGET_MB = "kv_budget_mb"  # prefill: most KV held at once

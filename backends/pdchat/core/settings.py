@@ -18,6 +18,9 @@ ENV_DEVICE = "PDCHAT_DEVICE"
 ENV_CACHE_DIR = "PDCHAT_CACHE_DIR"
 ENV_FORWARDED_IDS = "PDCHAT_FORWARDED_IDS"
 ENV_HANDOFF_TTL_S = "PDCHAT_HANDOFF_TTL_S"
+ENV_KV_CONNECTOR = "PDCHAT_KV_CONNECTOR"
+ENV_KV_TTL_S = "PDCHAT_KV_TTL_S"
+ENV_KV_BUDGET_MB = "PDCHAT_KV_BUDGET_MB"
 DEFAULT_MODEL = "smollm2"
 
 
@@ -73,13 +76,30 @@ def forwarded_ids_policy(parameters: dict[str, str], environ: os._Environ | dict
 
 
 def handoff_ttl_s(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> float:
-    """How long signed handoffs (and the KV they name) stay valid: `handoff_ttl_s`,
-    then PDCHAT_HANDOFF_TTL_S, then 60 s."""
-    value = setting(parameters, tensors.PARAM_HANDOFF_TTL_S, ENV_HANDOFF_TTL_S, "60", environ)
+    """How long signed handoffs stay valid: `handoff_ttl_s`, then PDCHAT_HANDOFF_TTL_S, then 60 s."""
+    return _positive(setting(parameters, tensors.PARAM_HANDOFF_TTL_S, ENV_HANDOFF_TTL_S, "60", environ), "handoff TTL")
+
+
+def kv_connector(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> str:
+    """The connector prefill publishes KV through: `kv_connector`, then PDCHAT_KV_CONNECTOR, then shm."""
+    name = setting(parameters, tensors.PARAM_KV_CONNECTOR, ENV_KV_CONNECTOR, "shm", environ)
+    if name not in ("shm", "nixl"):
+        raise ModelUnavailable(f"kv_connector must be shm or nixl, got {name!r}")
+    return name
+
+
+def kv_options(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> dict[str, float | int]:
+    """How long prefill holds unpulled KV (PDCHAT_KV_TTL_S, 60 s) and how much (PDCHAT_KV_BUDGET_MB, 2048)."""
+    ttl = _positive(setting(parameters, tensors.PARAM_KV_TTL_S, ENV_KV_TTL_S, "60", environ), "KV TTL")
+    budget = _positive(setting(parameters, tensors.PARAM_KV_BUDGET_MB, ENV_KV_BUDGET_MB, "2048", environ), "KV budget")
+    return {"ttl_s": ttl, "budget_bytes": int(budget * (1 << 20))}
+
+
+def _positive(value: str, what: str) -> float:
     try:
-        ttl = float(value)
+        number = float(value)
     except ValueError:
-        raise ModelUnavailable(f"handoff TTL must be a number of seconds, got {value!r}") from None
-    if ttl <= 0:
-        raise ModelUnavailable(f"handoff TTL must be positive, got {ttl}")
-    return ttl
+        raise ModelUnavailable(f"{what} must be a number, got {value!r}") from None
+    if number <= 0:
+        raise ModelUnavailable(f"{what} must be positive, got {number}")
+    return number

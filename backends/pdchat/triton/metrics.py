@@ -52,8 +52,13 @@ class DecodeMetrics:
         self._active_family = pb_utils.MetricFamily(
             name="pdchat_decode_active", description="Decode requests in progress", kind=pb_utils.MetricFamily.GAUGE
         )
+        self._pulls_family = _counter("pdchat_kv_pulls_total", "KV handed over by prefill: pulled, or recomputed when the pull failed")
         self._ended = {o: self._ended_family.Metric(labels={**labels, "outcome": o}) for o in self.OUTCOMES}
+        self._pulls = {o: self._pulls_family.Metric(labels={**labels, "outcome": o}) for o in ("pulled", "recomputed")}
         self._active = self._active_family.Metric(labels=labels)
+
+    def kv_pull(self, outcome: str) -> None:
+        self._pulls[outcome].increment(1)
 
     def started(self) -> None:
         self._active.increment(1)
@@ -65,7 +70,8 @@ class DecodeMetrics:
     def close(self) -> None:
         """Drop metrics before their families, as the python backend requires."""
         self._ended.clear()
-        del self._active, self._ended_family, self._active_family
+        self._pulls.clear()
+        del self._active, self._ended_family, self._active_family, self._pulls_family
 
 
 def _counter(name: str, description: str):

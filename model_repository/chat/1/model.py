@@ -19,7 +19,7 @@ from pdchat.core.protocol import GenerationParams
 from pdchat.core.render_cost import RenderRate
 from pdchat.core.rendering import ChatRenderer
 from pdchat.core.responses import remote_prefill_output
-from pdchat.core.settings import forwarded_ids_policy, handoff_ttl_s, resolve_model
+from pdchat.core.settings import forwarded_ids_policy, handoff_ttl_s, kv_connector, resolve_model
 from pdchat.ensemble.routing import ChatRouter, Route
 from pdchat.triton import io
 from pdchat.triton.metrics import HandoffMetrics
@@ -42,6 +42,7 @@ class TritonPythonModel:
             context_length=self.renderer.context_length,
         )
         self.router = ChatRouter(gate, settings.served_name, handoff_ttl_s(parameters))
+        self.kv_connector = kv_connector(parameters)
         self.render_rate = RenderRate.calibrate(lambda messages: self.renderer.tokenizer.apply_chat_template(
             messages, tokenize=True, add_generation_prompt=True, return_dict=False))
         self.metrics = HandoffMetrics(args["model_name"])
@@ -66,18 +67,21 @@ class TritonPythonModel:
             )
             if plan.route is Route.REUSE:
                 self.metrics.accepted(self.render_rate.estimate(len(plan.prompt_token_ids)))
-                ids, params = plan.prompt_token_ids, plan.params
-                self._stream_decode(request, sender, ids, params)
+                handle = plan.kv_handle
+                kv = [] if handle is None else [io.string_tensor(tensors.KV_HANDLE, json.dumps(handle)),
+                                                io.int32_tensor(tensors.FIRST_TOKEN_ID, [handle["first_token_id"]])]
+                self._stream_decode(request, sender, plan.prompt_token_ids, plan.params, kv)
                 return
             ids, params = self._render(request)
-            first, kv = self._prefill(request, ids, params)
             if plan.route is Route.REMOTE_PREFILL:
-                handoff = self.router.handoff_params(chat, ids)
+                first, handle = self._prefill(request, ids, params, destination=self.kv_connector)
+                handoff = self.router.handoff_params(chat, ids, kv_handle=handle)
                 output = remote_prefill_output(params, ids, first, self.renderer.tokenizer.decode([first], skip_special_tokens=True))
                 sender.send(pb_utils.InferenceResponse(output_tensors=io.client_tensors(output) + [
                     io.string_tensor(tensors.KV_TRANSFER_PARAMS, json.dumps(handoff))]), flags=FINAL)
                 return
-            self._stream_decode(request, sender, ids, params, first_token=first, kv_cache=kv)
+            first, kv_cache = self._prefill(request, ids, params)
+            self._stream_decode(request, sender, ids, params, [kv_cache, io.int32_tensor(tensors.FIRST_TOKEN_ID, [first])])
         except ForwardedIdsRejected as exc:
             self.metrics.rejected(exc.reason.value)
             sender.send(io.error_response(exc), flags=FINAL)
@@ -95,16 +99,23 @@ class TritonPythonModel:
         params = pb_utils.get_output_tensor_by_name(response, tensors.GENERATION_PARAMS).as_numpy()[0]
         return ids.astype(np.int32), GenerationParams.from_json(params.decode())
 
-    def _prefill(self, request, ids, params):
+    def _prefill(self, request, ids, params, destination=None):
+        """(first token, KV tensor), or with a destination connector (first token, KV handle)."""
         inputs = [io.int32_tensor(tensors.PROMPT_TOKEN_IDS, ids), io.string_tensor(tensors.GENERATION_PARAMS, params.to_json())]
-        response = _exec(request, PREFILL, inputs, [tensors.FIRST_TOKEN_ID, tensors.KV_CACHE])
+        if destination is None:
+            response = _exec(request, PREFILL, inputs, [tensors.FIRST_TOKEN_ID, tensors.KV_CACHE])
+            kv = pb_utils.get_output_tensor_by_name(response, tensors.KV_CACHE)
+        else:
+            inputs.append(io.string_tensor(tensors.KV_DESTINATION, destination))
+            response = _exec(request, PREFILL, inputs, [tensors.FIRST_TOKEN_ID, tensors.KV_HANDLE])
+            kv = json.loads(pb_utils.get_output_tensor_by_name(response, tensors.KV_HANDLE).as_numpy()[0])
         first = int(pb_utils.get_output_tensor_by_name(response, tensors.FIRST_TOKEN_ID).as_numpy()[0])
-        return first, pb_utils.get_output_tensor_by_name(response, tensors.KV_CACHE)
+        return first, kv
 
-    def _stream_decode(self, request, sender, ids, params, first_token=None, kv_cache=None):
+    def _stream_decode(self, request, sender, ids, params, kv_inputs):
+        """Forward decode's stream; `kv_inputs`: prefill's first token with its KV tensor or handle."""
         inputs = [io.int32_tensor(tensors.PROMPT_TOKEN_IDS, ids), io.string_tensor(tensors.GENERATION_PARAMS, params.to_json())]
-        if kv_cache is not None:
-            inputs += [kv_cache, io.int32_tensor(tensors.FIRST_TOKEN_ID, [first_token])]
+        inputs += kv_inputs
         stage = pb_utils.InferenceRequest(
             model_name=DECODE, inputs=inputs, requested_output_names=list(tensors.CLIENT_OUTPUTS), request_id=request.request_id()
         )

@@ -1,27 +1,35 @@
 """decode (decoupled): prompt ids + prefill's KV and first token -> streamed answer.
 
-Without KV it prefills locally. Requests are decoded on one scheduler thread, a
+Without KV it prefills locally; a KV handle it cannot pull (expired, prefill gone)
+is recomputed from the ids, never re-rendered. Requests are decoded on one scheduler thread, a
 token each in turn; execute() only validates and queues. A request carrying only
 `cancel_request_id` stops the named request instead.
 """
+
+import json
+import logging
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
 from pdchat.core.generation import TextModel
+from pdchat.core.kv_transfer import Connectors, KVUnavailable
 from pdchat.core.scheduler import DecodeJob, DecodeScheduler
-from pdchat.core.settings import resolve_model
+from pdchat.core.settings import kv_options, resolve_model
 from pdchat.triton import io
 from pdchat.triton.metrics import DecodeMetrics
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+log = logging.getLogger("pdchat.decode")
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        settings = resolve_model(io.model_parameters(args))
+        parameters = io.model_parameters(args)
+        settings = resolve_model(parameters)
         self.model = TextModel(settings.path, settings.device)
+        self.connectors = Connectors(**kv_options(parameters))
         self.scheduler = DecodeScheduler()
         self.metrics = DecodeMetrics(args["model_name"])
 
@@ -44,6 +52,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.scheduler.close()
+        self.connectors.close()
         self.metrics.close()
 
     def _job(self, request, sender) -> DecodeJob:
@@ -53,7 +62,13 @@ class TritonPythonModel:
         first = io.input_scalar(request, tensors.FIRST_TOKEN_ID)
         # Own the KV: the request's input buffers are not ours once execute() returns.
         kv = None if kv is None else np.array(kv, dtype=np.float32, copy=True)
+        handle_text = io.input_text(request, tensors.KV_HANDLE)
+        handle = None if handle_text is None else json.loads(handle_text)
         assembler = self.model.assembler(ids, params)
+
+        def start():
+            kv_cache = kv if handle is None else self._pull(handle, params.request_id)
+            return self.model.generation(ids, params, first_token_id=first, kv_cache=kv_cache)
 
         def emit(delta):
             output = assembler.on_delta(delta)
@@ -72,9 +87,20 @@ class TritonPythonModel:
 
         return DecodeJob(
             key=params.request_id,
-            start=lambda: self.model.generation(ids, params, first_token_id=first, kv_cache=kv),
+            start=start,
             emit=emit,
             fail=fail,
             is_cancelled=sender.is_cancelled,
             on_cancel=on_cancel,
         )
+
+    def _pull(self, handle, request_id):
+        """The KV a handle names, or None (decode then recomputes it from the ids)."""
+        try:
+            kv = self.connectors.pull(handle)
+        except KVUnavailable as exc:
+            log.warning("request %s: KV pull failed, recomputing prefill from the forwarded ids: %s", request_id, exc)
+            self.metrics.kv_pull("recomputed")
+            return None
+        self.metrics.kv_pull("pulled")
+        return kv

@@ -1,27 +1,45 @@
-"""prefill: prompt token ids -> KV cache + first output token."""
+"""prefill: prompt token ids -> first output token + the prompt's KV cache.
+
+The KV goes back as a tensor (one server), or, when the request names a
+`kv_destination` connector, is published there for a decode server and only its
+handle goes back.
+"""
+
+import json
 
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
 from pdchat.core.generation import TextModel
-from pdchat.core.settings import resolve_model
+from pdchat.core.kv_transfer import Connectors, KVBudgetExceeded
+from pdchat.core.settings import kv_options, resolve_model
 from pdchat.triton import io
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        settings = resolve_model(io.model_parameters(args))
+        parameters = io.model_parameters(args)
+        settings = resolve_model(parameters)
         self.model = TextModel(settings.path, settings.device)
+        self.connectors = Connectors(**kv_options(parameters))
 
     def execute(self, requests):
         return [self._prefill(request) for request in requests]
 
+    def finalize(self):
+        self.connectors.close()
+
     def _prefill(self, request):
         try:
             ids = io.required_token_ids(request)
+            destination = io.input_text(request, tensors.KV_DESTINATION)
             token, kv = self.model.prefill(ids, io.generation_params(request))
+            first = io.int32_tensor(tensors.FIRST_TOKEN_ID, [token])
+            if destination is None:
+                return pb_utils.InferenceResponse(output_tensors=[first, pb_utils.Tensor(tensors.KV_CACHE, kv)])
+            handle = self.connectors.get(destination).publish(kv, {"first_token_id": token})
+        except KVBudgetExceeded as exc:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.UNAVAILABLE))
         except Exception as exc:  # noqa: BLE001
             return io.error_response(exc)
-        return pb_utils.InferenceResponse(
-            output_tensors=[io.int32_tensor(tensors.FIRST_TOKEN_ID, [token]), pb_utils.Tensor(tensors.KV_CACHE, kv)]
-        )
+        return pb_utils.InferenceResponse(output_tensors=[first, io.string_tensor(tensors.KV_HANDLE, json.dumps(handle))])

@@ -1,0 +1,194 @@
+"""Moving a prompt's KV cache from a prefill server to a decode server.
+
+A connector publishes KV on the prefill side and returns a handle (plain JSON, signed
+into kv_transfer_params with the ids); the decode side pulls by handle. Prefill holds
+each KV until it is pulled or its TTL passes; whoever pulls frees it.
+
+- `shm`: same host. Each KV is one file in /dev/shm whose name carries its expiry, so
+  any pdchat process can sweep what a crashed peer left behind. Publishing writes the
+  file once; pulling maps it (no copy) and unlinks it.
+- `nixl`: NIXL over UCX, for servers on different hosts (core/nixl_connector.py).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+SHM_PREFIX = "pdchat_kv_"
+_SHM_NAME = re.compile(rf"^{SHM_PREFIX}(?P<engine>[0-9a-f]+)_(?P<expires_ms>\d+)_(?P<id>[0-9a-f]+)$")
+DEFAULT_BUDGET_BYTES = 2 << 30
+DEFAULT_KV_TTL_S = 60.0
+
+
+class KVUnavailable(RuntimeError):
+    """The KV named by a handle cannot be had (expired, pulled already, peer gone)."""
+
+
+class KVBudgetExceeded(RuntimeError):
+    """Holding this KV would pass the server's KV budget."""
+
+
+class KVConnector(Protocol):
+    name: str
+
+    def publish(self, kv: np.ndarray, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Hold `kv` for a decode server; return its handle (with `extra` merged in)."""
+
+    def pull(self, handle: dict[str, Any]) -> np.ndarray:
+        """Fetch the KV a handle names and free it on the prefill side."""
+
+    def release(self, handle: dict[str, Any]) -> None:
+        """Free held KV without pulling it (a failed or cancelled request)."""
+
+    def sweep(self) -> int:
+        """Free expired KV; return how many were freed."""
+
+    def held_bytes(self) -> int:
+        """Bytes this connector currently holds for pulls."""
+
+    def close(self) -> None:
+        """Free everything this connector holds."""
+
+
+class ShmConnector:
+    name = "shm"
+
+    def __init__(self, directory: Path = Path("/dev/shm"), *, budget_bytes: int = DEFAULT_BUDGET_BYTES,
+                 ttl_s: float = DEFAULT_KV_TTL_S, engine_id: str | None = None):
+        self.directory = Path(directory)
+        self.budget_bytes = budget_bytes
+        self.ttl_s = ttl_s
+        self.engine_id = engine_id or uuid.uuid4().hex[:12]
+
+    def publish(self, kv: np.ndarray, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        self.sweep()
+        kv = np.ascontiguousarray(kv, dtype=np.float32)
+        if self.held_bytes() + kv.nbytes > self.budget_bytes:
+            raise KVBudgetExceeded(
+                f"holding {kv.nbytes >> 20} MiB more KV would pass this server's budget of "
+                f"{self.budget_bytes >> 20} MiB (PDCHAT_KV_BUDGET_MB); retry when pulls have freed some"
+            )
+        expires_at = time.time() + self.ttl_s
+        name = f"{SHM_PREFIX}{self.engine_id}_{int(expires_at * 1000)}_{uuid.uuid4().hex}"
+        staging = self.directory / f".{name}"
+        with open(staging, "wb") as out:
+            out.write(memoryview(kv).cast("B"))
+        staging.rename(self.directory / name)  # whole or absent, never half-written
+        return {"connector": self.name, "name": name, "shape": list(kv.shape), "expires_at": round(expires_at, 3), **(extra or {})}
+
+    def pull(self, handle: dict[str, Any]) -> np.ndarray:
+        """Map the KV (no copy) and unlink it: the pages live on in the mapping alone."""
+        path = self._path(handle)
+        shape = tuple(int(n) for n in handle["shape"])
+        nbytes = int(np.prod(shape)) * 4
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise KVUnavailable(f"KV {handle.get('name')} is gone (expired, already pulled, or its prefill server restarted)") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != nbytes:
+                raise KVUnavailable(f"KV {handle['name']} has {size} bytes, its handle says {list(shape)}")
+            # Copy-on-write: writable for torch, yet nothing is copied unless written.
+            mapping = mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+        return np.frombuffer(mapping, dtype=np.float32).reshape(shape)
+
+    def release(self, handle: dict[str, Any]) -> None:
+        self._path(handle).unlink(missing_ok=True)
+
+    def sweep(self, now: float | None = None) -> int:
+        """Free expired KV of any engine on this host (a crashed peer's too)."""
+        now_ms = (now or time.time()) * 1000
+        freed = 0
+        for path in self.directory.glob(f"{SHM_PREFIX}*"):
+            match = _SHM_NAME.match(path.name)
+            if match and int(match["expires_ms"]) < now_ms:
+                path.unlink(missing_ok=True)
+                freed += 1
+        return freed
+
+    def held(self) -> list[Path]:
+        return sorted(self.directory.glob(f"{SHM_PREFIX}{self.engine_id}_*"))
+
+    def held_bytes(self) -> int:
+        total = 0
+        for path in self.held():
+            try:
+                total += path.stat().st_size
+            except FileNotFoundError:  # pulled meanwhile
+                pass
+        return total
+
+    def close(self) -> None:
+        for path in self.held():
+            path.unlink(missing_ok=True)
+
+    def _path(self, handle: dict[str, Any]) -> Path:
+        name = str(handle.get("name", ""))
+        if not _SHM_NAME.match(name):
+            raise KVUnavailable(f"not a shm KV name: {name!r}")
+        return self.directory / name
+
+
+def make_connector(name: str, **options: Any) -> KVConnector:
+    if name == ShmConnector.name:
+        return ShmConnector(**options)
+    if name == "nixl":
+        from pdchat.core.nixl_connector import NixlConnector
+
+        return NixlConnector(**options)
+    raise ValueError(f"unknown KV connector {name!r}; expected shm or nixl")
+
+
+class Connectors:
+    """The connectors of one model process, made on first use, swept in the background."""
+
+    SWEEP_INTERVAL_S = 1.0
+
+    def __init__(self, **options: Any):
+        import threading
+
+        self._options = options
+        self._made: dict[str, KVConnector] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="pdchat-kv-sweep", daemon=True)
+        self._sweeper.start()
+
+    def get(self, name: str) -> KVConnector:
+        with self._lock:
+            if name not in self._made:
+                self._made[name] = make_connector(name, **self._options)
+            return self._made[name]
+
+    def pull(self, handle: dict[str, Any]) -> np.ndarray:
+        connector = handle.get("connector") if isinstance(handle, dict) else None
+        if connector not in ("shm", "nixl"):
+            raise KVUnavailable(f"the KV handle names no known connector: {connector!r}")
+        return self.get(connector).pull(handle)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sweeper.join(5)
+        with self._lock:
+            for connector in self._made.values():
+                connector.close()
+            self._made.clear()
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.wait(self.SWEEP_INTERVAL_S):
+            with self._lock:
+                connectors = list(self._made.values())
+            for connector in connectors:
+                connector.sweep()
