@@ -23,7 +23,19 @@ TIMEOUT_S = 600.0
 
 
 class ChatError(RuntimeError):
-    """The server refused or failed the request; the message is the server's."""
+    """The server refused or failed the request; the message is the server's.
+
+    `status` is the gRPC status name (INVALID_ARGUMENT, UNAVAILABLE, ...) or the HTTP
+    status code as a string, when known.
+    """
+
+    def __init__(self, message: str, status: str = ""):
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def is_client_error(self) -> bool:
+        return self.status in ("INVALID_ARGUMENT", "400")
 
 
 @dataclass(frozen=True)
@@ -133,12 +145,16 @@ class GrpcChat:
                 tensor = self._grpc.InferInput(name, list(array.shape), _triton_dtype(array))
                 tensor.set_data_from_numpy(array)
                 infer_inputs.append(tensor)
-            self.client.async_stream_infer(self.model, infer_inputs, request_id=request_id, enable_empty_final_response=True)
+            try:
+                self.client.async_stream_infer(self.model, infer_inputs, request_id=request_id, enable_empty_final_response=True)
+            except Exception as exc:  # noqa: BLE001 - tritonclient raises several kinds
+                finished = True
+                raise ChatError(*_grpc_error(exc)) from exc
             while True:
                 result, error = responses.get(timeout=TIMEOUT_S)
                 if error is not None:
                     finished = True  # an error ends the request
-                    raise ChatError(error.message() if hasattr(error, "message") else str(error))
+                    raise ChatError(*_grpc_error(error))
                 final = result.get_response().parameters["triton_final_response"].bool_param
                 if result.as_numpy(tensors.RESPONSE) is not None:
                     yield _to_output(result.as_numpy)
@@ -180,7 +196,9 @@ class HttpChat:
                     if line.startswith(b"data:"):
                         yield _from_json(json.loads(line[5:]))
         except urllib.error.HTTPError as exc:
-            raise ChatError(_http_error_message(exc)) from exc
+            raise ChatError(_http_error_message(exc), str(exc.code)) from exc
+        except OSError as exc:
+            raise ChatError(f"{self.base} unreachable: {exc}", "UNAVAILABLE") from exc
 
     def close(self) -> None:
         pass
@@ -190,6 +208,13 @@ def _from_json(event: dict[str, Any]) -> ChatOutput:
     if "error" in event:
         raise ChatError(event["error"])
     return _to_output(event.get)
+
+
+def _grpc_error(error: Any) -> tuple[str, str]:
+    """(message, status name) of a tritonclient error."""
+    message = error.message() if hasattr(error, "message") else str(error)
+    status = error.status() if hasattr(error, "status") else ""
+    return message or str(error), str(status or "").removeprefix("StatusCode.")
 
 
 def _http_error_message(exc: urllib.error.HTTPError) -> str:

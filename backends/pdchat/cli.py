@@ -31,11 +31,23 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--model", default="smollm2")
     _chat_options(demo)
 
+    router = commands.add_parser("router", help="run the P/D router with its OpenAI-compatible API")
+    router.add_argument("--prefill", action="append", required=True, help="prefill server gRPC address (repeatable)")
+    router.add_argument("--decode", action="append", required=True, help="decode server gRPC address (repeatable)")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8080)
+
+    pd = commands.add_parser("pd", help="start a prefill server, a decode server and the router on loopback")
+    pd.add_argument("--model", default="smollm2")
+    pd.add_argument("--connector", choices=("shm", "nixl"), default="shm")
+    pd.add_argument("--port", type=int, default=8080, help="router port")
+
     prepare = commands.add_parser("prepare", help="build an embedded model into the cache")
     prepare.add_argument("name", choices=("tiny", "smollm2"))
 
     args = parser.parse_args(argv)
-    return {"serve": _serve, "chat": _chat, "demo": _demo, "prepare": _prepare}[args.command](args)
+    handlers = {"serve": _serve, "chat": _chat, "demo": _demo, "router": _router, "pd": _pd, "prepare": _prepare}
+    return handlers[args.command](args)
 
 
 def _server_options(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +125,40 @@ def _demo(args: argparse.Namespace) -> int:
         status = _chat(args, url)
         _say("shutting the server down")
     return status
+
+
+def _router(args: argparse.Namespace) -> int:
+    import logging
+
+    from pdchat.clients.router import PDRouter, make_server
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    server = make_server(PDRouter(args.prefill, args.decode), args.host, args.port)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    _say(f"router on http://{args.host}:{args.port} (prefill {args.prefill}, decode {args.decode})")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    server.server_close()
+    return 0
+
+
+def _pd(args: argparse.Namespace) -> int:
+    from pdchat import embedded
+    from pdchat.launcher import PDStack
+
+    if args.model in embedded.EMBEDDED_MODELS:
+        embedded.ensure_model(args.model)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    _say("starting a prefill server, a decode server and the router")
+    with PDStack(model=args.model, connector=args.connector, router_port=args.port) as stack:
+        _say(f"ready: OpenAI API at {stack.router_url}/v1 (prefill gRPC {stack.prefill.grpc_url}, "
+             f"decode gRPC {stack.decode.grpc_url}); Ctrl-C stops")
+        stop.wait()
+    return 0
 
 
 def _prepare(args: argparse.Namespace) -> int:

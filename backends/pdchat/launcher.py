@@ -89,6 +89,11 @@ def _stub_library_dirs() -> list[Path]:
     return []
 
 
+# Computed once at import: sysconfig fills its variables lazily and not thread-safely
+# before Python 3.12, so servers started from threads could see no LIBDIR.
+STUB_LIBRARY_DIRS = _stub_library_dirs()
+
+
 @dataclass
 class TritonServer:
     """One tritonserver process serving the model repository in a role."""
@@ -153,7 +158,7 @@ class TritonServer:
         # The stub runs the first python3 on PATH: make it this interpreter's venv.
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            str(p) for p in (*_stub_library_dirs(), libs, env.get("LD_LIBRARY_PATH")) if p
+            str(p) for p in (*STUB_LIBRARY_DIRS, libs, env.get("LD_LIBRARY_PATH")) if p
         )
         return args, env
 
@@ -213,6 +218,98 @@ class TritonServer:
         return f"; its log: {self.log_path}"
 
     def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+@dataclass
+class PDStack:
+    """A P/D deployment on loopback: prefill server, decode server, router process.
+
+    One generated handoff key is shared by both servers; the router serves the
+    OpenAI-compatible API on `router_url`.
+    """
+
+    model: str = "smollm2"
+    connector: str = "shm"
+    router_port: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    log_dir: Path | None = None
+    prefill: TritonServer | None = None
+    decode: TritonServer | None = None
+    router: subprocess.Popen | None = None
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    def start(self, timeout: float = 300.0) -> PDStack:
+        import secrets
+        import threading
+
+        log_dir = Path(self.log_dir or cache_dir() / "logs")
+        log_dir.mkdir(parents=True, exist_ok=True)
+        env = {"PDCHAT_MODEL": self.model, "PDCHAT_HANDOFF_KEY": secrets.token_hex(32),
+               "PDCHAT_KV_CONNECTOR": self.connector, **self.env}
+        self.prefill = TritonServer(role="prefill", env=env, log_path=log_dir / "prefill.log")
+        self.decode = TritonServer(role="decode", env=env, log_path=log_dir / "decode.log")
+        errors: list[BaseException] = []
+
+        def start(server: TritonServer) -> None:
+            try:
+                server.start(timeout)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=start, args=(s,)) for s in (self.prefill, self.decode)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            self.stop()
+            raise errors[0]
+        self.start_router(log_dir / "router.log", timeout)
+        return self
+
+    def start_router(self, log_path: Path, timeout: float = 60.0) -> None:
+        """(Re)start the router process against the two servers."""
+        self.router_port = self.router_port or free_port()
+        command = [sys.executable, "-m", "pdchat.cli", "router", "--port", str(self.router_port),
+                   "--prefill", self.prefill.grpc_url, "--decode", self.decode.grpc_url]
+        with open(log_path, "ab") as log:
+            self.router = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.router.poll() is not None:
+                raise ServerError(f"the router exited with code {self.router.returncode}; its log: {log_path}")
+            try:
+                with urllib.request.urlopen(f"{self.router_url}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise ServerError(f"the router was not healthy after {timeout:.0f} s; its log: {log_path}")
+
+    def stop_router(self) -> None:
+        if self.router is not None and self.router.poll() is None:
+            self.router.terminate()
+            try:
+                self.router.wait(10)
+            except subprocess.TimeoutExpired:
+                self.router.kill()
+                self.router.wait()
+
+    def stop(self) -> None:
+        self.stop_router()
+        for server in (self.prefill, self.decode):
+            if server is not None:
+                server.stop()
+
+    def __enter__(self) -> PDStack:
         return self.start()
 
     def __exit__(self, *exc_info) -> None:

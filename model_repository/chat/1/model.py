@@ -65,6 +65,7 @@ class TritonPythonModel:
                 io.input_token_ids(request, tensors.PROMPT_TOKEN_IDS),
                 io.input_text(request, tensors.KV_TRANSFER_PARAMS),
             )
+            pb_utils.Logger.log_info(f"chat request {request.request_id() or '-'} ({params_id(plan)}): route {plan.route.value}")
             if plan.route is Route.REUSE:
                 self.metrics.accepted(self.render_rate.estimate(len(plan.prompt_token_ids)))
                 handle = plan.kv_handle
@@ -137,6 +138,11 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(output_tensors=response.output_tensors()), flags=FINAL if finished else 0)
         if not finished:
             sender.send(flags=FINAL)
+
+
+def params_id(plan) -> str:
+    """The request's own id once known (reuse path), for matching log lines across servers."""
+    return plan.params.request_id if plan.params is not None else "renders"
 
 
 class StageError(Exception):
