@@ -26,6 +26,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from pdchat.clients.chat import ChatError, ChatOutput, GrpcChat, chat_inputs
+from pdchat.core.errors import InvalidRequest
+from pdchat.core.protocol import parse_chat_json
 
 log = logging.getLogger("pdchat.router")
 
@@ -93,6 +95,11 @@ class PDRouter:
         """The decode server's responses for one chat request (streamed if body asks)."""
         request_id = request_id or f"pdchat-{uuid.uuid4().hex}"
         self.stats.requests += 1
+        try:
+            # Refuse what no server would take here: a bad request is not a prefill failure.
+            parse_chat_json(json.dumps(body))
+        except InvalidRequest as exc:
+            raise ChatError(str(exc), "INVALID_ARGUMENT") from exc
         handoff = self._prefill_leg(body, request_id)
         forwarded = {}
         if handoff is not None:

@@ -65,7 +65,7 @@ class TritonPythonModel:
                 io.input_token_ids(request, tensors.PROMPT_TOKEN_IDS),
                 io.input_text(request, tensors.KV_TRANSFER_PARAMS),
             )
-            pb_utils.Logger.log_info(f"chat request {request.request_id() or '-'} ({params_id(plan)}): route {plan.route.value}")
+            pb_utils.Logger.log_info(f"chat request {request.request_id() or '-'}: route {plan.route.value}")
             if plan.route is Route.REUSE:
                 self.metrics.accepted(self.render_rate.estimate(len(plan.prompt_token_ids)))
                 handle = plan.kv_handle
@@ -98,7 +98,7 @@ class TritonPythonModel:
         ids = pb_utils.get_output_tensor_by_name(response, tensors.PROMPT_TOKEN_IDS).as_numpy()
         self.render_rate.observe(time.perf_counter() - started, len(ids))
         params = pb_utils.get_output_tensor_by_name(response, tensors.GENERATION_PARAMS).as_numpy()[0]
-        return ids.astype(np.int32), GenerationParams.from_json(params.decode())
+        return ids.astype(np.int32).tolist(), GenerationParams.from_json(params.decode())
 
     def _prefill(self, request, ids, params, destination=None):
         """(first token, KV tensor), or with a destination connector (first token, KV handle)."""
@@ -138,11 +138,6 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(output_tensors=response.output_tensors()), flags=FINAL if finished else 0)
         if not finished:
             sender.send(flags=FINAL)
-
-
-def params_id(plan) -> str:
-    """The request's own id once known (reuse path), for matching log lines across servers."""
-    return plan.params.request_id if plan.params is not None else "renders"
 
 
 class StageError(Exception):

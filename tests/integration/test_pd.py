@@ -1,0 +1,198 @@
+"""Disaggregated serving: prefill server + decode server + router, real processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import tritonclient.grpc as grpcclient
+
+from pdchat.clients.chat import GrpcChat, chat_inputs, collect
+from pdchat.core.kv_transfer import SHM_PREFIX
+from pdchat.launcher import PDStack
+from tests.conversations import PARITY_CASES, PICK_TOOL
+
+KV_TTL_S = 3.0
+CASES = ["single_turn", "multi_turn", "unicode_emoji", "tool_result", "tool_required", "reasoning_open", "json_schema", "long_prompt"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model_dir):
+    instance = PDStack(model="tiny", env={"PDCHAT_KV_TTL_S": str(KV_TTL_S)}, log_dir=tmp_path_factory.mktemp("pd-logs"))
+    instance.start()
+    yield instance
+    instance.stop()
+    for server in (instance.prefill, instance.decode):
+        assert server.leaked_shm() == []
+    assert held_kv() == [], "KV left in shared memory"
+
+
+def held_kv() -> list[Path]:
+    return sorted(Path("/dev/shm").glob(f"{SHM_PREFIX}*"))
+
+
+def executions(server, model) -> int:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    stats = client.get_inference_statistics(model, as_json=True)
+    client.close()
+    return int(stats["model_stats"][0].get("execution_count", 0))
+
+
+def metric(server, name, **labels) -> float:
+    text = urllib.request.urlopen(server.metrics_url).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
+
+
+def post(stack, body, headers=None):
+    request = urllib.request.Request(f"{stack.router_url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    return urllib.request.urlopen(request, timeout=300)
+
+
+def router_answer(stack, body) -> dict:
+    """The answer through the router, assembled the same way streamed or not."""
+    with post(stack, body) as reply:
+        if not body.get("stream"):
+            message = json.loads(reply.read())["choices"][0]
+            return {"content": message["message"]["content"] or "", "reasoning": message["message"].get("reasoning_content") or "",
+                    "tool_calls": [(c["function"]["name"], c["function"]["arguments"]) for c in message["message"].get("tool_calls") or []],
+                    "finish_reason": message["finish_reason"], "ids": message.get("token_ids")}
+        content, reasoning, calls, finish, ids = "", "", [], None, []
+        for line in reply:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            reasoning += delta.get("reasoning_content") or ""
+            calls += [(c["function"]["name"], c["function"]["arguments"]) for c in delta.get("tool_calls") or []]
+            finish = choice["finish_reason"] or finish
+            ids += choice.get("token_ids") or []
+        return {"content": content, "reasoning": reasoning, "tool_calls": calls, "finish_reason": finish, "ids": ids}
+
+
+@pytest.fixture(scope="module")
+def monolithic_answers(server):
+    """The same requests on a monolithic server (chat, render path)."""
+    client = GrpcChat(server.grpc_url, "chat")
+    answers = {}
+    for case in CASES:
+        body = {"max_tokens": 12, "temperature": 0, "return_token_ids": True, **PARITY_CASES[case]}
+        answers[case] = collect(client.stream(chat_inputs(body)))
+    client.close()
+    return answers
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("case", CASES)
+def test_pd_answers_equal_monolithic_token_for_token(stack, monolithic_answers, case, stream):
+    body = {"max_tokens": 12, "temperature": 0, "return_token_ids": True, "stream": stream, **PARITY_CASES[case]}
+    pulled = metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled")
+    answer = router_answer(stack, body)
+    assert metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled") == pulled + 1, "decode did not use prefill's KV"
+    expected = monolithic_answers[case]
+    assert answer["ids"] == expected.output_token_ids
+    message = expected.outputs[-1].response["choices"][0].get("message")
+    if message is not None:
+        assert answer["content"] == (message["content"] or "")
+        assert answer["reasoning"] == (message.get("reasoning_content") or "")
+    assert answer["finish_reason"] == expected.finish_reason
+
+
+def test_decode_never_renders_and_prefill_never_decodes(stack):
+    before = executions(stack.decode, "renderer"), executions(stack.prefill, "decode")
+    pulled = metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled")
+    for case in ("single_turn", "long_prompt"):
+        router_answer(stack, {"max_tokens": 4, "temperature": 0, **PARITY_CASES[case]})
+    assert (executions(stack.decode, "renderer"), executions(stack.prefill, "decode")) == before
+    assert metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled") == pulled + 2
+    assert held_kv() == []
+
+
+def test_openai_client_streams_a_tool_call_through_the_router(stack):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{stack.router_url}/v1", api_key="unused")
+    [model] = [m.id for m in client.models.list().data]
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Pick a number"}], tools=[PICK_TOOL],
+        tool_choice="required", max_tokens=96, temperature=0, stream=True)
+    calls, finish = [], None
+    for chunk in stream:
+        calls += chunk.choices[0].delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [c.function.name for c in calls] == ["pick_number"]
+    assert set(json.loads(calls[0].function.arguments)) == {"n", "ok"}
+
+
+def test_bad_request_through_the_router_is_a_400_with_the_reason(stack):
+    with pytest.raises(urllib.error.HTTPError) as info:
+        post(stack, {"messages": [{"role": "wizard", "content": "x"}]})
+    assert info.value.code == 400
+    assert "messages[0].role is 'wizard'" in json.loads(info.value.read())["error"]["message"]
+
+
+def test_request_id_reaches_both_servers_logs(stack):
+    request_id = "trace-me-7f3a"
+    router_answer_with_id = post(stack, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, {"X-Request-Id": request_id})
+    assert router_answer_with_id.headers["X-Request-Id"] == request_id
+    router_answer_with_id.read()
+    for server in (stack.prefill, stack.decode):
+        assert f"chat request {request_id}" in server.log_path.read_text()
+
+
+def test_expired_kv_is_recomputed_from_the_ids_without_rendering(stack):
+    body = {"max_tokens": 8, "temperature": 0, **PARITY_CASES["multi_turn"]}
+    prefill, decode = GrpcChat(stack.prefill.grpc_url), GrpcChat(stack.decode.grpc_url)
+    [handed] = list(prefill.stream(chat_inputs(body, kv_transfer_params={"do_remote_decode": True})))
+    assert len(held_kv()) == 1
+    time.sleep(KV_TTL_S + 1.5)  # the prefill server's sweeper frees it
+    assert held_kv() == []
+    renders = executions(stack.decode, "renderer")
+    recomputed = metric(stack.decode, "pdchat_kv_pulls_total", outcome="recomputed")
+    result = collect(decode.stream(chat_inputs(body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)))
+    assert result.output_token_ids == collect(decode.stream(chat_inputs(body))).output_token_ids
+    assert executions(stack.decode, "renderer") == renders + 1  # only the comparison rendered
+    assert metric(stack.decode, "pdchat_kv_pulls_total", outcome="recomputed") == recomputed + 1
+    prefill.close()
+    decode.close()
+
+
+def test_client_leaving_the_router_stream_cancels_decode(stack):
+    cancelled = metric(stack.decode, "pdchat_decode_requests_total", outcome="cancelled")
+    reply = post(stack, {"messages": [{"role": "user", "content": "Go on forever"}], "max_tokens": 3000, "ignore_eos": True, "stream": True})
+    for _ in range(4):
+        reply.readline()
+    reply.close()
+    deadline = time.monotonic() + 30  # a bound for the check, not a speed claim
+    while metric(stack.decode, "pdchat_decode_active") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(stack.decode, "pdchat_decode_active") == 0
+    assert metric(stack.decode, "pdchat_decode_requests_total", outcome="cancelled") == cancelled + 1
+    assert held_kv() == []
+
+
+def test_router_restart_keeps_serving(stack, tmp_path):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    before = router_answer(stack, body)
+    stack.stop_router()
+    stack.start_router(tmp_path / "router-restarted.log")
+    assert router_answer(stack, body) == before
+
+
+def test_prefill_down_falls_back_to_decode_alone(stack, monolithic_answers, tmp_path):
+    """Last: it kills the prefill server. Requests then run whole on decode, same answers."""
+    body = {"max_tokens": 12, "temperature": 0, "return_token_ids": True, **PARITY_CASES["multi_turn"]}
+    stack.prefill.process.kill()
+    stack.prefill.process.wait()
+    stack.prefill.cleanup_shm()
+    answer = router_answer(stack, body)
+    assert answer["ids"] == monolithic_answers["multi_turn"].output_token_ids
+    health = json.loads(urllib.request.urlopen(f"{stack.router_url}/health").read())
+    assert health["ok"] and not any(health["prefill"].values())
+    assert health["stats"]["prefill_fallbacks"] >= 1
