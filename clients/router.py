@@ -246,3 +246,18 @@ def make_server(router: PDRouter, host: str = "127.0.0.1", port: int = 8080) -> 
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     return server
+
+
+def stream_completion(router_url: str, body: dict[str, Any], timeout: float = 600.0) -> Iterator[dict[str, Any]]:
+    """Client side of the router API: the chunks of a streamed chat completion (SSE)."""
+    import urllib.request
+
+    request = urllib.request.Request(f"{router_url}/v1/chat/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        for line in reply:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise ChatError(chunk["error"]["message"], chunk["error"].get("type", ""))
+                yield chunk

@@ -26,10 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--url", default="127.0.0.1:8001", help="server address (gRPC port, or HTTP port with --protocol http)")
     _chat_options(chat)
 
-    demo = commands.add_parser("demo", help="start a server on SmolLM2, stream one answer, stop")
+    demo = commands.add_parser("demo", help="start a P/D pair and router on SmolLM2, stream one answer, stop")
     demo.add_argument("question", nargs="?", default=DEMO_QUESTION)
     demo.add_argument("--model", default="smollm2")
-    _chat_options(demo)
+    demo.add_argument("--system", help="system prompt")
+    demo.add_argument("--max-tokens", type=int, default=128)
+    demo.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
 
     router = commands.add_parser("router", help="run the P/D router with its OpenAI-compatible API")
     router.add_argument("--prefill", action="append", required=True, help="prefill server gRPC address (repeatable)")
@@ -112,19 +114,34 @@ def _chat(args: argparse.Namespace, url: str | None = None) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    """The whole system: prefill server, decode server, router; one streamed answer."""
+    import json
+    import urllib.request
+
     from pdchat import embedded
-    from pdchat.launcher import TritonServer
+    from pdchat.clients.router import stream_completion
+    from pdchat.launcher import PDStack
 
     if args.model in embedded.EMBEDDED_MODELS:
-        embedded.ensure_model(args.model)  # build before the server starts, with progress shown
-    _say("starting tritonserver with chat, renderer, prefill, decode and chat_ensemble")
+        embedded.ensure_model(args.model)  # build before the servers start, with progress shown
+    _say("starting a prefill server, a decode server (tritonserver each) and the P/D router")
     started = time.monotonic()
-    with TritonServer(env={"PDCHAT_MODEL": args.model}) as server:
-        _say(f"ready in {time.monotonic() - started:.1f} s; asking {args.model_name}: {args.question!r}")
-        url = server.grpc_url if args.protocol == "grpc" else server.http_url
-        status = _chat(args, url)
-        _say("shutting the server down")
-    return status
+    with PDStack(model=args.model) as stack:
+        _say(f"ready in {time.monotonic() - started:.1f} s; asking through {stack.router_url}/v1: {args.question!r}")
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.question}]
+        body = {"messages": messages, "max_tokens": args.max_tokens, "temperature": args.temperature}
+        finish = ""
+        for chunk in stream_completion(stack.router_url, body):
+            print(chunk["choices"][0]["delta"].get("content") or "", end="", flush=True)
+            finish = chunk["choices"][0]["finish_reason"] or finish
+        print(f"\n[finish_reason: {finish}]")
+        metrics = urllib.request.urlopen(stack.decode.metrics_url).read().decode()
+        pulled = [line for line in metrics.splitlines() if line.startswith("pdchat_kv_pulls_total") and 'outcome="pulled"' in line]
+        stats = json.loads(urllib.request.urlopen(f"{stack.router_url}/health").read())["stats"]
+        _say(f"router: {stats}; decode server: {pulled[0] if pulled else 'no KV pulls'}")
+        _say("shutting the servers down")
+    return 0 if finish else 1
 
 
 def _router(args: argparse.Namespace) -> int:
