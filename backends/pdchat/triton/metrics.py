@@ -74,5 +74,26 @@ class DecodeMetrics:
         del self._active, self._ended_family, self._active_family, self._pulls_family
 
 
+class KVHeldMetrics:
+    """Bytes of KV a prefill server holds for pulls, per connector (0 when all were pulled)."""
+
+    def __init__(self, model_name: str):
+        self._family = pb_utils.MetricFamily(
+            name="pdchat_kv_held_bytes", description="KV held for decode servers to pull", kind=pb_utils.MetricFamily.GAUGE
+        )
+        self._model = model_name
+        self._by_connector: dict[str, object] = {}
+
+    def update(self, held: dict[str, int]) -> None:
+        for connector, size in held.items():
+            if connector not in self._by_connector:
+                self._by_connector[connector] = self._family.Metric(labels={"model": self._model, "connector": connector})
+            self._by_connector[connector].set(size)
+
+    def close(self) -> None:
+        self._by_connector.clear()
+        del self._family
+
+
 def _counter(name: str, description: str):
     return pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.COUNTER)

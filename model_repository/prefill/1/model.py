@@ -14,6 +14,7 @@ from pdchat.core.generation import TextModel
 from pdchat.core.kv_transfer import Connectors, KVBudgetExceeded
 from pdchat.core.settings import kv_options, resolve_model
 from pdchat.triton import io
+from pdchat.triton.metrics import KVHeldMetrics
 
 
 class TritonPythonModel:
@@ -21,13 +22,15 @@ class TritonPythonModel:
         parameters = io.model_parameters(args)
         settings = resolve_model(parameters)
         self.model = TextModel(settings.path, settings.device)
-        self.connectors = Connectors(**kv_options(parameters))
+        self.metrics = KVHeldMetrics(args["model_name"])
+        self.connectors = Connectors(on_sweep=self.metrics.update, **kv_options(parameters))
 
     def execute(self, requests):
         return [self._prefill(request) for request in requests]
 
     def finalize(self):
         self.connectors.close()
+        self.metrics.close()
 
     def _prefill(self, request):
         try:

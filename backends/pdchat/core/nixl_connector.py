@@ -1,0 +1,142 @@
+"""KV over NIXL (UCX): the transfer engine of vLLM, Dynamo and TensorRT-LLM.
+
+Prefill registers each KV with its NIXL agent and hands out a handle carrying the
+agent's partial metadata for that buffer (under 1 KB: signed with the rest, so decode
+never takes a peer address from a client). Decode READs the KV into its own registered buffer
+and notifies the prefill agent, which then deregisters and frees it; unpulled KV
+is freed when its TTL passes. DRAM to DRAM here; GPU memory works the same way.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from pdchat.core.kv_transfer import DEFAULT_BUDGET_BYTES, DEFAULT_KV_TTL_S, KVBudgetExceeded, KVUnavailable
+
+PULL_TIMEOUT_S = 30.0
+# UCX's own progress thread busy-spins a core; polling notifications drives the
+# worker too, so a light loop serves peers' READs at a fraction of the CPU.
+PROGRESS_INTERVAL_S = 0.002
+
+
+class NixlConnector:
+    name = "nixl"
+
+    def __init__(self, *, budget_bytes: int = DEFAULT_BUDGET_BYTES, ttl_s: float = DEFAULT_KV_TTL_S, engine_id: str | None = None):
+        try:
+            from nixl_cu12._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise KVUnavailable("the nixl connector needs NIXL: pip install --no-deps nixl-cu12") from exc
+        self.budget_bytes = budget_bytes
+        self.ttl_s = ttl_s
+        self.agent_name = f"pdchat-{engine_id or uuid.uuid4().hex[:12]}"
+        self._agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False))
+        self._held: dict[str, tuple[np.ndarray, Any, float]] = {}  # id -> (buffer, registration, expires_at)
+        self._pulled: list[str] = []  # ids peers notified as read
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._progress = threading.Thread(target=self._progress_loop, name="pdchat-nixl-progress", daemon=True)
+        self._progress.start()
+
+    def publish(self, kv: np.ndarray, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        self.sweep()
+        kv = np.ascontiguousarray(kv, dtype=np.float32)
+        with self._lock:
+            if self._held_bytes() + kv.nbytes > self.budget_bytes:
+                raise KVBudgetExceeded(
+                    f"holding {kv.nbytes >> 20} MiB more KV would pass this server's budget of "
+                    f"{self.budget_bytes >> 20} MiB (PDCHAT_KV_BUDGET_MB); retry when pulls have freed some"
+                )
+            registration = self._agent.register_memory([(kv.ctypes.data, kv.nbytes, 0, "")], "DRAM")
+            # Connection info plus this buffer's registration: all a peer needs to READ it.
+            metadata = self._agent.get_partial_agent_metadata(registration, inc_conn_info=True)
+            kv_id = uuid.uuid4().hex
+            expires_at = time.time() + self.ttl_s
+            self._held[kv_id] = (kv, registration, expires_at)
+        return {
+            "connector": self.name, "agent": self.agent_name, "metadata": base64.b64encode(metadata).decode(), "id": kv_id,
+            "addr": kv.ctypes.data, "nbytes": kv.nbytes, "shape": list(kv.shape), "expires_at": round(expires_at, 3),
+            **(extra or {}),
+        }
+
+    def pull(self, handle: dict[str, Any]) -> np.ndarray:
+        try:
+            shape = tuple(int(n) for n in handle["shape"])
+            nbytes, addr, expires_at = int(handle["nbytes"]), int(handle["addr"]), float(handle["expires_at"])
+            peer, kv_id = str(handle["agent"]), str(handle["id"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise KVUnavailable(f"malformed nixl KV handle: {exc}") from exc
+        if time.time() > expires_at:
+            raise KVUnavailable(f"KV {kv_id} expired before it was pulled")
+        if int(np.prod(shape)) * 4 != nbytes:
+            raise KVUnavailable(f"KV {kv_id}: {nbytes} bytes do not fit shape {list(shape)}")
+        kv = np.empty(shape, dtype=np.float32)
+        with self._lock:
+            try:
+                self._agent.add_remote_agent(base64.b64decode(handle["metadata"]))
+            except Exception as exc:  # noqa: BLE001
+                raise KVUnavailable(f"cannot load NIXL metadata of {peer}: {exc}") from exc
+            registration = self._agent.register_memory([(kv.ctypes.data, nbytes, 0, "")], "DRAM")
+            try:
+                local = self._agent.get_xfer_descs([(kv.ctypes.data, nbytes, 0)], "DRAM")
+                remote = self._agent.get_xfer_descs([(addr, nbytes, 0)], "DRAM")
+                transfer = self._agent.initialize_xfer("READ", local, remote, peer, kv_id.encode())
+                try:
+                    state = self._agent.transfer(transfer)
+                    deadline = time.monotonic() + PULL_TIMEOUT_S
+                    while state not in ("DONE", "ERR") and time.monotonic() < deadline:
+                        state = self._agent.check_xfer_state(transfer)
+                finally:
+                    self._agent.release_xfer_handle(transfer)
+            except Exception as exc:  # noqa: BLE001 - NIXL raises its own kinds
+                raise KVUnavailable(f"NIXL READ of KV {kv_id} from {peer} failed: {exc}") from exc
+            finally:
+                self._agent.deregister_memory(registration)
+        if state != "DONE":
+            raise KVUnavailable(f"NIXL READ of KV {kv_id} from {peer} ended in state {state}")
+        return kv
+
+    def release(self, handle: dict[str, Any]) -> None:
+        with self._lock:
+            self._free(str(handle.get("id", "")))
+
+    def sweep(self) -> int:
+        """Free KV whose pull was notified, and KV past its TTL."""
+        with self._lock:
+            pulled, self._pulled = self._pulled, []
+            now = time.time()
+            expired = [kv_id for kv_id, (_, _, expires_at) in self._held.items() if expires_at < now]
+            return sum(self._free(kv_id) for kv_id in pulled + expired)
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return self._held_bytes()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._progress.join(5)
+        with self._lock:
+            for kv_id in list(self._held):
+                self._free(kv_id)
+
+    def _progress_loop(self) -> None:
+        while not self._stop.wait(PROGRESS_INTERVAL_S):
+            with self._lock:
+                notes = self._agent.get_new_notifs()
+                self._pulled += [m.decode() for messages in notes.values() for m in messages]
+
+    def _held_bytes(self) -> int:
+        return sum(buffer.nbytes for buffer, _, _ in self._held.values())
+
+    def _free(self, kv_id: str) -> bool:
+        entry = self._held.pop(kv_id, None)
+        if entry is None:
+            return False
+        self._agent.deregister_memory(entry[1])
+        return True

@@ -1,0 +1,79 @@
+"""KV connectors: publish on one side, pull on the other, nothing held afterwards."""
+
+import time
+
+import numpy as np
+import pytest
+
+from pdchat.core.kv_transfer import KVBudgetExceeded, KVUnavailable, ShmConnector
+
+
+def kv(tokens=16, seed=0):
+    return np.random.default_rng(seed).standard_normal((4, 2, 2, tokens, 64)).astype(np.float32)
+
+
+@pytest.fixture
+def shm(tmp_path):
+    connector = ShmConnector(tmp_path, budget_bytes=1 << 20, ttl_s=60)
+    yield connector
+    connector.close()
+
+
+def test_shm_round_trip_is_exact_and_frees_on_pull(shm):
+    data = kv()
+    handle = shm.publish(data, {"first_token_id": 7})
+    assert handle["first_token_id"] == 7 and shm.held_bytes() == data.nbytes
+    assert np.array_equal(ShmConnector(shm.directory).pull(handle), data)
+    assert shm.held_bytes() == 0
+    with pytest.raises(KVUnavailable, match="is gone"):
+        shm.pull(handle)
+
+
+def test_shm_budget_and_release(shm):
+    first = shm.publish(kv(100))  # 400 KiB of a 1 MiB budget
+    shm.publish(kv(100))
+    with pytest.raises(KVBudgetExceeded, match="budget of 1 MiB"):
+        shm.publish(kv(100))
+    shm.release(first)
+    shm.publish(kv(100))
+
+
+def test_shm_sweep_frees_expired_kv_of_any_engine(tmp_path):
+    crashed = ShmConnector(tmp_path, ttl_s=0.01, engine_id="dead")
+    crashed.publish(kv())
+    survivor = ShmConnector(tmp_path, ttl_s=60, engine_id="live")
+    kept = survivor.publish(kv())
+    time.sleep(0.05)
+    assert survivor.sweep() == 1
+    assert [p.name for p in tmp_path.iterdir()] == [kept["name"]]
+
+
+def test_shm_refuses_names_outside_its_pattern(shm):
+    for name in ("../etc/passwd", "pdchat_kv_x", ""):
+        with pytest.raises(KVUnavailable, match="not a shm KV name"):
+            shm.pull({"name": name, "shape": [1]})
+
+
+def test_nixl_round_trip_notifies_the_holder_which_frees():
+    nixl = pytest.importorskip("nixl_cu12")
+    assert nixl
+    from pdchat.core.nixl_connector import NixlConnector
+
+    prefill, decode = NixlConnector(ttl_s=60), NixlConnector()
+    try:
+        data = kv(64)
+        handle = prefill.publish(data, {"first_token_id": 3})
+        assert prefill.held_bytes() == data.nbytes
+        assert np.array_equal(decode.pull(handle), data)
+        deadline = time.monotonic() + 5
+        while prefill.held_bytes() and time.monotonic() < deadline:
+            prefill.sweep()
+            time.sleep(0.01)
+        assert prefill.held_bytes() == 0
+        expired = dict(prefill.publish(data), expires_at=time.time() - 1)
+        with pytest.raises(KVUnavailable, match="expired"):
+            decode.pull(expired)
+    finally:
+        prefill.close()
+        decode.close()
+    assert prefill.held_bytes() == 0
