@@ -49,10 +49,11 @@ def test_client_contract_is_the_same_on_renderer_and_ensemble():
 
 def test_stage_tensors():
     assert names(load("renderer").output) == [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS]
-    assert names(load("prefill").input) == [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS]
-    assert names(load("prefill").output) == [tensors.FIRST_TOKEN_ID, tensors.KV_CACHE]
+    assert names(load("prefill").input) == [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.KV_DESTINATION]
+    assert names(load("prefill").output) == [tensors.FIRST_TOKEN_ID, tensors.KV_CACHE, tensors.KV_HANDLE]
     assert names(load("decode").input) == [
-        tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.KV_CACHE, tensors.FIRST_TOKEN_ID, tensors.CANCEL_REQUEST_ID]
+        tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.KV_CACHE, tensors.FIRST_TOKEN_ID,
+        tensors.KV_HANDLE, tensors.CANCEL_REQUEST_ID]
     assert load("decode").model_transaction_policy.decoupled
 
 
@@ -60,8 +61,12 @@ def test_ensemble_wires_every_stage_input_from_an_earlier_output():
     produced = set(CLIENT_INPUTS)
     for step in load("chat_ensemble").ensemble_scheduling.step:
         stage = load(step.model_name)
-        assert set(step.input_map) == set(names(stage.input)) - {tensors.CANCEL_REQUEST_ID}
+        required = {i.name for i in stage.input if not i.optional}
+        assert required <= set(step.input_map) <= set(names(stage.input))
         assert set(step.input_map.values()) <= produced
-        assert set(step.output_map) == set(names(stage.output))
+        assert set(step.output_map) <= set(names(stage.output))
         produced |= set(step.output_map.values())
     assert set(CLIENT_OUTPUTS) <= produced
+    decode_step = load("chat_ensemble").ensemble_scheduling.step[-1]
+    # Within one server the KV travels as a tensor, with prefill's first token.
+    assert {tensors.KV_CACHE, tensors.FIRST_TOKEN_ID} <= set(decode_step.input_map)
