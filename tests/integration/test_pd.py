@@ -198,14 +198,29 @@ def test_router_restart_keeps_serving(stack, tmp_path):
     assert router_answer(stack, body) == before
 
 
-def test_prefill_down_falls_back_to_decode_alone(stack, monolithic_answers, tmp_path):
-    """Last: it kills the prefill server. Requests then run whole on decode, same answers."""
-    body = {"max_tokens": 12, "temperature": 0, "return_token_ids": True, **PARITY_CASES["multi_turn"]}
+def test_prefill_dying_then_dead_falls_back_to_decode_alone_and_decode_dead_is_a_503(stack, monolithic_answers):
+    """Last: it kills both servers. Requests run whole on decode, with the same answers."""
+    import threading
+
+    body = {"max_tokens": 12, "temperature": 0, "return_token_ids": True, **PARITY_CASES["long_prompt"]}
+    answers = []
+    during = threading.Thread(target=lambda: answers.append(router_answer(stack, body)))
+    during.start()
+    time.sleep(0.3)  # the prefill leg of a 5k-token prompt is under way
     stack.prefill.process.kill()
     stack.prefill.process.wait()
+    during.join(120)
+    assert answers and answers[0]["ids"] == monolithic_answers["long_prompt"].output_token_ids
     stack.prefill.cleanup_shm()
-    answer = router_answer(stack, body)
-    assert answer["ids"] == monolithic_answers["multi_turn"].output_token_ids
+
+    after = router_answer(stack, {**body, **PARITY_CASES["multi_turn"]})
+    assert after["ids"] == monolithic_answers["multi_turn"].output_token_ids
     health = json.loads(urllib.request.urlopen(f"{stack.router_url}/health").read())
     assert health["ok"] and not any(health["prefill"].values())
-    assert health["stats"]["prefill_fallbacks"] >= 1
+    assert health["stats"]["prefill_fallbacks"] >= 2
+
+    stack.decode.stop()
+    with pytest.raises(urllib.error.HTTPError) as info:
+        post(stack, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert info.value.code == 503
+    assert "decode server" in json.loads(info.value.read())["error"]["message"]
