@@ -35,7 +35,7 @@ def timed(fn: Callable[[], object], repeats: int) -> list[float]:
 def table(headers: list[str], rows: list[list[object]]) -> str:
     cells = [headers] + [[f"{c:.3g}" if isinstance(c, float) else str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = [" | ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines = [" | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -86,10 +86,10 @@ def bench_reuse(args: argparse.Namespace) -> None:
         ids = renderer.token_ids(request)
         params = sign(key, ids, render_fingerprint(request, model_dir.name))
 
-        def render():
+        def render(body=body):
             renderer.token_ids(parse_chat_json(body))
 
-        def admit():
+        def admit(body=body, ids=ids, params=params):
             gate.admit(ids, params, render_fingerprint(parse_chat_json(body), model_dir.name))
 
         print(f"  {len(ids)} tokens ...", file=sys.stderr, flush=True)
@@ -136,7 +136,7 @@ def bench_kv(args: argparse.Namespace) -> None:
         for mib in args.sizes:
             kv = np.random.default_rng(0).standard_normal(mib * (1 << 20) // 4, dtype=np.float32)
 
-            def transfer():
+            def transfer(kv=kv, publisher=publisher, parent=parent):
                 parent.send(publisher.publish(kv))
                 assert parent.recv() == float(kv[-1])
 

@@ -79,6 +79,22 @@ def assemble_backend_dir(pytriton_root: Path) -> Path:
     return target
 
 
+def wait_healthy(process: subprocess.Popen, url: str, timeout: float, what: str, log_path: Path | None) -> None:
+    """Poll `url` until it answers 200; fail early if `process` exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ServerError(f"{what} exited with code {process.returncode} during start; its log: {log_path}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise ServerError(f"{what} not ready after {timeout:.0f} s; its log: {log_path}")
+
+
 def _stub_library_dirs() -> list[Path]:
     """This interpreter's libpython first: a distro libpython of the same minor version
     would otherwise load and break this interpreter's extension modules (e.g. _ssl)."""
@@ -178,19 +194,7 @@ class TritonServer:
         return self
 
     def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        url = f"http://{self.http_url}/v2/health/ready"
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ServerError(f"tritonserver exited with code {self.process.returncode} during start{self._log_hint()}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as reply:
-                    if reply.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.25)
-        raise ServerError(f"tritonserver not ready after {timeout:.0f} s{self._log_hint()}")
+        wait_healthy(self.process, f"http://{self.http_url}/v2/health/ready", timeout, "tritonserver", self.log_path)
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM (the python backend then cleans its shm), SIGKILL if it hangs."""
@@ -213,9 +217,6 @@ class TritonServer:
         """Remove regions a killed server could not clean itself."""
         for path in self.leaked_shm():
             path.unlink(missing_ok=True)
-
-    def _log_hint(self) -> str:
-        return f"; its log: {self.log_path}"
 
     def __enter__(self) -> TritonServer:
         return self.start()
@@ -281,18 +282,11 @@ class PDStack:
                    "--prefill", self.prefill.grpc_url, "--decode", self.decode.grpc_url]
         with open(log_path, "ab") as log:
             self.router = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.router.poll() is not None:
-                raise ServerError(f"the router exited with code {self.router.returncode}; its log: {log_path}")
-            try:
-                with urllib.request.urlopen(f"{self.router_url}/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise ServerError(f"the router was not healthy after {timeout:.0f} s; its log: {log_path}")
+        try:
+            wait_healthy(self.router, f"{self.router_url}/health", timeout, "the router", log_path)
+        except ServerError:
+            self.stop_router()
+            raise
 
     def stop_router(self) -> None:
         if self.router is not None and self.router.poll() is None:

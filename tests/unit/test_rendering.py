@@ -5,15 +5,7 @@ import pytest
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.protocol import parse_chat_json
 from pdchat.core.rendering import ChatRenderer
-
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
+from tests.conversations import WEATHER_TOOL
 
 
 @pytest.fixture(scope="module")
