@@ -149,7 +149,12 @@ class GrpcChat:
                 self.client.async_stream_infer(self.model, infer_inputs, request_id=request_id, enable_empty_final_response=True)
             except Exception as exc:  # noqa: BLE001 - tritonclient raises several kinds
                 finished = True
-                raise ChatError(*_grpc_error(exc)) from exc
+                # A stream that broke at once reports why (with its status) through the callback.
+                try:
+                    _, error = responses.get(timeout=1.0)
+                except queue.Empty:
+                    error = None
+                raise ChatError(*_grpc_error(error or exc)) from exc
             while True:
                 result, error = responses.get(timeout=TIMEOUT_S)
                 if error is not None:

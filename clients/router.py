@@ -48,8 +48,10 @@ class Backend:
             chat = GrpcChat(self.url)
         try:
             yield chat
-        finally:
-            self.idle.put(chat)
+        except BaseException:
+            chat.close()  # a client that saw a broken stream is not reused
+            raise
+        self.idle.put(chat)
 
 
 class BackendPool:
@@ -110,7 +112,7 @@ class PDRouter:
                 yield from client.stream(chat_inputs(body, **forwarded), request_id=request_id)
             except ChatError as exc:
                 self.stats.failed += 1
-                if exc.status == "UNAVAILABLE":
+                if not exc.is_client_error and not _ready(backend.url):
                     raise ChatError(f"decode server {backend.url} is unavailable: {exc}", "UNAVAILABLE") from exc
                 raise
 
@@ -139,25 +141,27 @@ class PDRouter:
         return self._served_model
 
     def health(self) -> dict[str, Any]:
-        import tritonclient.grpc as grpcclient
-
-        def ready(url: str) -> bool:
-            try:
-                client = grpcclient.InferenceServerClient(url)
-                try:
-                    return bool(client.is_model_ready("chat"))
-                finally:
-                    client.close()
-            except Exception:  # noqa: BLE001 - unreachable counts as not ready
-                return False
-
         status = {
-            "prefill": {b.url: ready(b.url) for b in self.prefill.backends},
-            "decode": {b.url: ready(b.url) for b in self.decode.backends},
+            "prefill": {b.url: _ready(b.url) for b in self.prefill.backends},
+            "decode": {b.url: _ready(b.url) for b in self.decode.backends},
             "stats": self.stats.__dict__,
         }
         status["ok"] = any(status["decode"].values())
         return status
+
+
+def _ready(url: str) -> bool:
+    """Whether the server at `url` answers and its `chat` model is ready."""
+    import tritonclient.grpc as grpcclient
+
+    try:
+        client = grpcclient.InferenceServerClient(url)
+        try:
+            return bool(client.is_model_ready("chat"))
+        finally:
+            client.close()
+    except Exception:  # noqa: BLE001 - unreachable counts as not ready
+        return False
 
 
 _HTTP_STATUS = {"INVALID_ARGUMENT": 400, "400": 400, "UNAVAILABLE": 503}
