@@ -8,6 +8,7 @@ stop with SIGTERM so the python backend removes its shared-memory regions.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -186,6 +187,7 @@ class TritonServer:
         with open(self.log_path, "ab") as log:
             # Own process group: signals reach tritonserver and its stubs, not our caller.
             self.process = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        atexit.register(self.stop)  # a launcher that exits on an exception takes its server along
         try:
             self.wait_ready(timeout)
         except BaseException:
@@ -198,6 +200,7 @@ class TritonServer:
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM (the python backend then cleans its shm), SIGKILL if it hangs."""
+        atexit.unregister(self.stop)
         if self.process is None or self.process.poll() is not None:
             self.cleanup_shm()
             return
