@@ -45,7 +45,7 @@ def summarize(export: dict) -> list[list[object]]:
     for experiment in export["experiments"]:
         requests = [r for r in experiment["requests"] if r.get("response_timestamps")]
         ttft = [(r["response_timestamps"][0] - r["timestamp"]) / 1e6 for r in requests]
-        gaps = [(b - a) / 1e6 for r in requests for a, b in zip(r["response_timestamps"], r["response_timestamps"][1:])]
+        gaps = [(b - a) / 1e6 for r in requests for a, b in zip(r["response_timestamps"], r["response_timestamps"][1:], strict=False)]
         whole = [(r["response_timestamps"][-1] - r["timestamp"]) / 1e6 for r in requests]
         rows.append([experiment["experiment"]["value"], len(requests), statistics.median(ttft),
                      statistics.median(gaps) if gaps else 0.0, statistics.median(whole)])
