@@ -114,7 +114,10 @@ def _pull_worker(connection, connector_name: str) -> None:
         if handle is None:
             break
         kv = connector.pull(handle)
-        connection.send(float(kv.reshape(-1)[-1]))  # touches the last page
+        last = float(kv.reshape(-1)[-1])  # touches the last page
+        del kv
+        connector.done(handle)  # as decode does after its first step
+        connection.send(last)
     connector.close()
 
 

@@ -19,14 +19,26 @@ def shm(tmp_path):
     connector.close()
 
 
-def test_shm_round_trip_is_exact_and_frees_on_pull(shm):
+def test_shm_round_trip_is_exact_and_done_hands_the_pages_back_for_reuse(shm):
     data = kv()
     handle = shm.publish(data, {"first_token_id": 7})
     assert handle["first_token_id"] == 7 and shm.held_bytes() == data.nbytes
-    assert np.array_equal(ShmConnector(shm.directory).pull(handle), data)
+    decode = ShmConnector(shm.directory)
+    pulled = decode.pull(handle)
+    assert np.array_equal(pulled, data)
+    decode.done(handle)
     assert shm.held_bytes() == 0
     with pytest.raises(KVUnavailable, match="is gone"):
-        shm.pull(handle)
+        decode.pull(handle)
+    [free] = list(shm.directory.glob("pdchat_kvfree_*"))
+    smaller = kv(8, seed=1)
+    second = shm.publish(smaller)
+    assert not free.exists(), "the handed-back file carries the next KV"
+    assert np.array_equal(decode.pull(second), smaller)
+    # (`pulled` may now show the new KV: done() promises nothing reads it any more.)
+    decode.done(second)
+    shm.close()
+    assert list(shm.directory.iterdir()) == []
 
 
 def test_shm_budget_and_release(shm):

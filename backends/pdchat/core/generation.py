@@ -7,6 +7,7 @@ implementation of sampling, constraints and stop conditions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -49,9 +50,12 @@ class TextModel:
         *,
         first_token_id: int | None = None,
         kv_cache: np.ndarray | None = None,
+        on_kv_released: Callable[[], None] | None = None,
     ) -> Generation:
-        """Decode state continuing from prefill's KV and first token; without them, prefill here."""
-        return Generation(self, prompt_token_ids, params, first_token_id=first_token_id, kv_cache=kv_cache)
+        """Decode state continuing from prefill's KV and first token; without them, prefill here.
+        `on_kv_released` runs once the cache no longer reads `kv_cache`'s memory."""
+        return Generation(self, prompt_token_ids, params, first_token_id=first_token_id, kv_cache=kv_cache,
+                          on_kv_released=on_kv_released)
 
     def assembler(self, prompt_token_ids: list[int], params: GenerationParams) -> ResponseAssembler:
         tail = self.tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:])
@@ -83,7 +87,8 @@ class Generation:
     """Decode state of one request. `advance()` emits one token per call until finished."""
 
     def __init__(self, model: TextModel, prompt_token_ids: list[int], params: GenerationParams, *,
-                 first_token_id: int | None, kv_cache: np.ndarray | None):
+                 first_token_id: int | None, kv_cache: np.ndarray | None,
+                 on_kv_released: Callable[[], None] | None = None):
         engine = model.engine
         self.engine = engine
         self.params = params
@@ -92,6 +97,7 @@ class Generation:
         self._detokenizer = IncrementalDetokenizer(model.tokenizer)
         self._stops = StopStringMatcher(params.stop)
         self._constraint = model.constraints.constraint(params.constraint)
+        self._on_kv_released = on_kv_released
         if kv_cache is not None and first_token_id is not None:
             engine.check_prompt(prompt_token_ids)
             self._cache = engine.import_kv(kv_cache, len(prompt_token_ids))
@@ -124,4 +130,9 @@ class Generation:
         else:
             logits = self.engine.step(token, self._cache)
             self._pending = choose(logits, self.params, len(self.output_token_ids), self._constraint)
+        if self._on_kv_released is not None:
+            # The first step grew the cache into new tensors (or the answer ended): the
+            # imported KV is no longer read.
+            released_callback, self._on_kv_released = self._on_kv_released, None
+            released_callback()
         return Delta(released, [token], finish)

@@ -5,8 +5,10 @@ into kv_transfer_params with the ids); the decode side pulls by handle. Prefill 
 each KV until it is pulled or its TTL passes; whoever pulls frees it.
 
 - `shm`: same host. Each KV is one file in /dev/shm whose name carries its expiry, so
-  any pdchat process can sweep what a crashed peer left behind. Publishing writes the
-  file once; pulling maps it (no copy) and unlinks it.
+  any pdchat process can sweep what a crashed peer left behind. Pulling maps it (no
+  copy); once decode's cache no longer uses the mapping (after its first step) it hands
+  the file back, renamed as free, and prefill writes the next KV into those pages:
+  faulting fresh tmpfs pages in costs more than the copy itself.
 - `nixl`: NIXL over UCX, for servers on different hosts (core/nixl_connector.py).
 """
 
@@ -24,7 +26,9 @@ from typing import Any, Protocol
 import numpy as np
 
 SHM_PREFIX = "pdchat_kv_"
+FREE_PREFIX = "pdchat_kvfree_"
 _SHM_NAME = re.compile(rf"^{SHM_PREFIX}(?P<engine>[0-9a-f]+)_(?P<expires_ms>\d+)_(?P<id>[0-9a-f]+)$")
+_SWEEPABLE = re.compile(r"^pdchat_kv(free)?_(?P<engine>[0-9a-f]+)_(?P<expires_ms>\d+)_(?P<id>[0-9a-f]+)$")
 DEFAULT_BUDGET_BYTES = 2 << 30
 DEFAULT_KV_TTL_S = 60.0
 
@@ -44,7 +48,10 @@ class KVConnector(Protocol):
         """Hold `kv` for a decode server; return its handle (with `extra` merged in)."""
 
     def pull(self, handle: dict[str, Any]) -> np.ndarray:
-        """Fetch the KV a handle names and free it on the prefill side."""
+        """Fetch the KV a handle names."""
+
+    def done(self, handle: dict[str, Any]) -> None:
+        """The pulled KV is no longer read: the prefill side may free or reuse it."""
 
     def release(self, handle: dict[str, Any]) -> None:
         """Free held KV without pulling it (a failed or cancelled request)."""
@@ -80,13 +87,14 @@ class ShmConnector:
         expires_at = time.time() + self.ttl_s
         name = f"{SHM_PREFIX}{self.engine_id}_{int(expires_at * 1000)}_{uuid.uuid4().hex}"
         staging = self.directory / f".{name}"
-        with open(staging, "wb") as out:
+        # Into a handed-back file's resident pages if one fits (no truncation: keep them).
+        with open(staging, "r+b" if self._reuse_free_file(staging, kv.nbytes) else "wb") as out:
             out.write(memoryview(kv).cast("B"))
         staging.rename(self.directory / name)  # whole or absent, never half-written
         return {"connector": self.name, "name": name, "shape": list(kv.shape), "expires_at": round(expires_at, 3), **(extra or {})}
 
     def pull(self, handle: dict[str, Any]) -> np.ndarray:
-        """Map the KV (no copy) and unlink it: the pages live on in the mapping alone."""
+        """Map the KV (no copy). Call done() once nothing reads it any more."""
         path = self._path(handle)
         shape = tuple(int(n) for n in handle["shape"])
         nbytes = int(np.prod(shape)) * 4
@@ -96,24 +104,50 @@ class ShmConnector:
             raise KVUnavailable(f"KV {handle.get('name')} is gone (expired, already pulled, or its prefill server restarted)") from None
         try:
             size = os.fstat(fd).st_size
-            if size != nbytes:
+            if size < nbytes:  # a reused file may be larger than this KV
                 raise KVUnavailable(f"KV {handle['name']} has {size} bytes, its handle says {list(shape)}")
             # Copy-on-write: writable for torch, yet nothing is copied unless written.
             mapping = mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY)
         finally:
             os.close(fd)
-            path.unlink(missing_ok=True)
         return np.frombuffer(mapping, dtype=np.float32).reshape(shape)
+
+    def done(self, handle: dict[str, Any]) -> None:
+        """Decode no longer reads the pulled KV: hand its pages back to prefill for reuse
+        (for a KV TTL; then any sweeper frees them, also if prefill has died)."""
+        path = self._path(handle)
+        match = _SHM_NAME.match(path.name)
+        free = f"{FREE_PREFIX}{match['engine']}_{int((time.time() + self.ttl_s) * 1000)}_{match['id']}"
+        try:
+            path.rename(self.directory / free)
+        except FileNotFoundError:  # expired and swept meanwhile
+            pass
 
     def release(self, handle: dict[str, Any]) -> None:
         self._path(handle).unlink(missing_ok=True)
+
+    def _reuse_free_file(self, staging: Path, nbytes: int) -> bool:
+        """Move the smallest handed-back file that fits to `staging`; False if none."""
+        sizes = []
+        for path in self.directory.glob(f"{FREE_PREFIX}{self.engine_id}_*"):
+            try:
+                sizes.append((path.stat().st_size, path))
+            except FileNotFoundError:
+                pass
+        for _, path in sorted(s for s in sizes if s[0] >= nbytes):
+            try:
+                path.rename(staging)
+                return True
+            except FileNotFoundError:  # swept meanwhile
+                continue
+        return False
 
     def sweep(self, now: float | None = None) -> int:
         """Free expired KV of any engine on this host (a crashed peer's too)."""
         now_ms = (now or time.time()) * 1000
         freed = 0
-        for path in self.directory.glob(f"{SHM_PREFIX}*"):
-            match = _SHM_NAME.match(path.name)
+        for path in self.directory.glob("pdchat_kv*"):
+            match = _SWEEPABLE.match(path.name)
             if match and int(match["expires_ms"]) < now_ms:
                 path.unlink(missing_ok=True)
                 freed += 1
@@ -132,7 +166,7 @@ class ShmConnector:
         return total
 
     def close(self) -> None:
-        for path in self.held():
+        for path in self.held() + list(self.directory.glob(f"{FREE_PREFIX}{self.engine_id}_*")):
             path.unlink(missing_ok=True)
 
     def _path(self, handle: dict[str, Any]) -> Path:
@@ -180,6 +214,9 @@ class Connectors:
         if connector not in ("shm", "nixl"):
             raise KVUnavailable(f"the KV handle names no known connector: {connector!r}")
         return self.get(connector).pull(handle)
+
+    def done(self, handle: dict[str, Any]) -> None:
+        self.get(handle["connector"]).done(handle)
 
     def close(self) -> None:
         self._stop.set()

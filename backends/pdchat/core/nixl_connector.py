@@ -102,6 +102,9 @@ class NixlConnector:
             raise KVUnavailable(f"NIXL READ of KV {kv_id} from {peer} ended in state {state}")
         return kv
 
+    def done(self, handle: dict[str, Any]) -> None:
+        """Nothing to hand back: the READ notified prefill, which freed its copy."""
+
     def release(self, handle: dict[str, Any]) -> None:
         with self._lock:
             self._free(str(handle.get("id", "")))

@@ -68,7 +68,8 @@ class TritonPythonModel:
 
         def start():
             kv_cache = kv if handle is None else self._pull(handle, params.request_id)
-            return self.model.generation(ids, params, first_token_id=first, kv_cache=kv_cache)
+            released = None if handle is None or kv_cache is None else (lambda: self.connectors.done(handle))
+            return self.model.generation(ids, params, first_token_id=first, kv_cache=kv_cache, on_kv_released=released)
 
         def emit(delta):
             output = assembler.on_delta(delta)
