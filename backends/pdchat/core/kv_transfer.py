@@ -1,8 +1,8 @@
 """Moving a prompt's KV cache from a prefill server to a decode server.
 
 A connector publishes KV on the prefill side and returns a handle (plain JSON, signed
-into kv_transfer_params with the ids); the decode side pulls by handle. Prefill holds
-each KV until it is pulled or its TTL passes; whoever pulls frees it.
+into kv_transfer_params with the ids); the decode side pulls by handle and says when it
+is done with it. Prefill holds each KV until then or until its TTL passes.
 
 - `shm`: same host. Each KV is one file in /dev/shm whose name carries its expiry, so
   any pdchat process can sweep what a crashed peer left behind. Pulling maps it (no
