@@ -53,9 +53,6 @@ class KVConnector(Protocol):
     def done(self, handle: dict[str, Any]) -> None:
         """The pulled KV is no longer read: the prefill side may free or reuse it."""
 
-    def release(self, handle: dict[str, Any]) -> None:
-        """Free held KV without pulling it (a failed or cancelled request)."""
-
     def sweep(self) -> int:
         """Free expired KV; return how many were freed."""
 
@@ -122,9 +119,6 @@ class ShmConnector:
             path.rename(self.directory / free)
         except FileNotFoundError:  # expired and swept meanwhile
             pass
-
-    def release(self, handle: dict[str, Any]) -> None:
-        self._path(handle).unlink(missing_ok=True)
 
     def _reuse_free_file(self, staging: Path, nbytes: int) -> bool:
         """Move the smallest handed-back file that fits to `staging`; False if none."""

@@ -105,10 +105,6 @@ class NixlConnector:
     def done(self, handle: dict[str, Any]) -> None:
         """Nothing to hand back: the READ notified prefill, which freed its copy."""
 
-    def release(self, handle: dict[str, Any]) -> None:
-        with self._lock:
-            self._free(str(handle.get("id", "")))
-
     def sweep(self) -> int:
         """Free KV whose pull was notified, and KV past its TTL."""
         with self._lock:

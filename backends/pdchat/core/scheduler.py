@@ -47,10 +47,6 @@ class DecodeScheduler:
         but whose cancellation Triton does not pass on (BLS and ensembles in 2.51)."""
         self._cancel_requests.put(key)
 
-    @property
-    def active(self) -> int:
-        return len(self._active)
-
     def close(self, timeout: float = 10.0) -> None:
         """Stop after cancelling whatever is still running."""
         self._incoming.put(None)
