@@ -55,6 +55,17 @@ def tool_choice_spec(tool_choice: Any, tools: list[dict] | None) -> dict[str, An
     return {"type": TOOL_CALL, "tools": [{"name": f["name"], "parameters": f.get("parameters") or {"type": "object"}} for f in chosen]}
 
 
+def check_spec(spec: dict[str, Any]) -> None:
+    """Refuse a spec xgrammar cannot use. Cached: the router, `chat` and the renderer each
+    validate the same request, and agents resend the same schemas and tools."""
+    _check_spec_json(json.dumps(spec, sort_keys=True))
+
+
+@lru_cache(maxsize=1024)
+def _check_spec_json(spec_json: str) -> None:
+    grammar_for(json.loads(spec_json))
+
+
 def grammar_for(spec: dict[str, Any]):
     """The xgrammar Grammar of a spec; raises InvalidRequest for a schema it cannot use."""
     import xgrammar as xgr

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pdchat.core.constraints import grammar_for, response_format_spec, tool_choice_spec
+from pdchat.core.constraints import check_spec, response_format_spec, tool_choice_spec
 from pdchat.core.errors import InvalidRequest
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -191,7 +191,7 @@ def _constraint(tool_choice: Any, tools: list | None, response_format: Any) -> d
         raise InvalidRequest("response_format cannot be combined with tool_choice 'required' or a named function")
     spec = forced_call or json_format
     if spec is not None:
-        grammar_for(spec)  # refuse an unusable schema now, before any work
+        check_spec(spec)  # refuse an unusable schema now, before any work
     return spec
 
 
