@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from pdchat.clients.chat import ChatError, chat_inputs, collect
 from pdchat.core.protocol import parse_chat_json
 from pdchat.core.rendering import ChatRenderer
 from tests.conversations import CONVERSATIONS, chat_body
+from tests.integration.server_stats import metric
 
 
 @pytest.fixture(scope="module")
@@ -107,28 +107,22 @@ def test_concurrent_requests_each_get_their_own_answer(server, grpc_chat):
     assert got == expected
 
 
-def decode_metric(server, name, **labels):
-    text = urllib.request.urlopen(server.metrics_url).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
-
-
 def test_client_leaving_mid_stream_cancels_decode_work(server):
     """Through `chat` (BLS), a client that stops reading cancels decode. (chat_ensemble
     cannot: Triton 2.51 ensembles do not pass cancellation to their steps.)"""
     from pdchat.clients.chat import GrpcChat
 
     client = GrpcChat(server.grpc_url, "chat")
-    cancelled = decode_metric(server, "pdchat_decode_requests_total", outcome="cancelled")
+    cancelled = metric(server, "pdchat_decode_requests_total", outcome="cancelled")
     stream = client.stream(chat_inputs(chat_body("single_turn", max_tokens=3000, ignore_eos=True, stream=True)))
     firsts = [next(stream) for _ in range(3)]
     stream.close()  # stop_stream(cancel_requests=True)
     assert all(o.output_token_ids for o in firsts)
     deadline = time.monotonic() + 30  # a bound for the check, not a speed claim: 3000 tokens take minutes
-    while decode_metric(server, "pdchat_decode_active") > 0 and time.monotonic() < deadline:
+    while metric(server, "pdchat_decode_active") > 0 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert decode_metric(server, "pdchat_decode_active") == 0
-    assert decode_metric(server, "pdchat_decode_requests_total", outcome="cancelled") == cancelled + 1
+    assert metric(server, "pdchat_decode_active") == 0
+    assert metric(server, "pdchat_decode_requests_total", outcome="cancelled") == cancelled + 1
     after = ask(client, chat_body("single_turn", max_tokens=5, temperature=0))
     assert len(after.output_token_ids) == 5
     client.close()

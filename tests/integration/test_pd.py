@@ -8,12 +8,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import tritonclient.grpc as grpcclient
 
 from pdchat.clients.chat import GrpcChat, chat_inputs, collect
 from pdchat.core.kv_transfer import SHM_PREFIX, ShmConnector
 from pdchat.launcher import PDStack
 from tests.conversations import PARITY_CASES, PICK_TOOL
+from tests.integration.server_stats import executions, metric
 
 KV_TTL_S = 3.0
 CASES = ["single_turn", "multi_turn", "unicode_emoji", "tool_result", "tool_required", "reasoning_open", "json_schema", "long_prompt"]
@@ -47,19 +47,6 @@ def held_kv(stack) -> float:
             return 0
         time.sleep(0.2)
     return held
-
-
-def executions(server, model) -> int:
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    stats = client.get_inference_statistics(model, as_json=True)
-    client.close()
-    return int(stats["model_stats"][0].get("execution_count", 0))
-
-
-def metric(server, name, **labels) -> float:
-    text = urllib.request.urlopen(server.metrics_url).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
 
 
 def post(stack, body, headers=None):

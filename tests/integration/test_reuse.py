@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 
 from pdchat.clients.chat import ChatError, GrpcChat, HttpChat, chat_inputs, collect
 from tests.conversations import PARITY_CASES, chat_body
 from tests.integration.conftest import SHORT_TTL_S
+from tests.integration.server_stats import executions, metric
 
 CHAT = "chat"
 
@@ -85,31 +84,15 @@ def test_ids_inside_kv_transfer_params_vllm_style_are_reused_too(clients):
     assert summary(ask(clients["http"], body, kv_transfer_params=listed)) == summary(ask(clients["http"], body))
 
 
-def renderer_executions(server) -> int:
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    stats = client.get_inference_statistics("renderer", as_json=True)
-    client.close()
-    return int(stats["model_stats"][0].get("execution_count", 0))
-
-
 def test_reuse_skips_the_renderer_and_the_render_path_runs_it(decode_server, clients):
     body = chat_body("system_prompt", max_tokens=4, temperature=0)
     handed = prefill(clients["grpc"], body)
-    before = renderer_executions(decode_server)
+    before = executions(decode_server, "renderer")
     for _ in range(3):
         ask(clients["grpc"], body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)
-    assert renderer_executions(decode_server) == before
+    assert executions(decode_server, "renderer") == before
     ask(clients["grpc"], body)
-    assert renderer_executions(decode_server) == before + 1
-
-
-def metric(server, name, **labels) -> float:
-    text = urllib.request.urlopen(server.metrics_url).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    assert executions(decode_server, "renderer") == before + 1
 
 
 def tampered(handed, **changes):
