@@ -1,11 +1,12 @@
 """KV connectors: publish on one side, pull on the other, nothing held afterwards."""
 
+import os
 import time
 
 import numpy as np
 import pytest
 
-from pdchat.core.kv_transfer import KVBudgetExceeded, KVUnavailable, ShmConnector
+from pdchat.core.kv_transfer import Connectors, KVBudgetExceeded, KVUnavailable, ShmConnector
 
 
 def kv(tokens=16, seed=0):
@@ -90,3 +91,41 @@ def test_nixl_round_trip_notifies_the_holder_which_frees():
         prefill.close()
         decode.close()
     assert prefill.held_bytes() == 0
+
+
+def test_foreign_entries_named_like_kv_neither_stop_the_sweeper_nor_fail_a_publish(shm, caplog):
+    directory = shm.directory
+    (directory / "pdchat_kv_000000000000_1_00").mkdir()  # expired by its name, but a directory
+    (directory / "pdchat_kvfree_000000000000_1_00").mkdir()
+    os.mkfifo(directory / "pdchat_kv_000000000000_2_00")  # a FIFO: opening it for reading would block
+    (directory / "pdchat_kv_not-a-kv-name").write_bytes(b"x")
+    (directory / "pdchat_kv_000000000000_3_00").symlink_to(directory / "pdchat_kv_not-a-kv-name")
+    expired = directory / f"pdchat_kv_{shm.engine_id}_1_ab"
+    expired.write_bytes(b"old")
+    assert shm.sweep() == 1 and not expired.exists()
+    handle = shm.publish(kv(), {"first_token_id": 1})
+    assert shm.held_bytes() == kv().nbytes
+    assert np.array_equal(ShmConnector(directory).pull(handle), kv())
+    for planted in ("pdchat_kv_000000000000_2_00", "pdchat_kv_000000000000_3_00", "pdchat_kv_000000000000_1_00"):
+        with pytest.raises(KVUnavailable):
+            ShmConnector(directory).pull({"name": planted, "shape": [1]})
+    shm.sweep()
+    assert sum("pdchat_kv_000000000000_1_00" in r.getMessage() for r in caplog.records) == 1, "logged once, not per sweep"
+
+
+def test_the_background_sweeper_survives_a_failing_sweep(tmp_path):
+    seen = []
+
+    def on_sweep(held):
+        seen.append(held)
+        if len(seen) == 1:
+            raise RuntimeError("metrics endpoint hiccup")
+
+    connectors = Connectors(on_sweep=on_sweep, directory=tmp_path)
+    connectors.SWEEP_INTERVAL_S = 0.05
+    connectors.get("shm")
+    deadline = time.monotonic() + 10
+    while len(seen) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    connectors.close()
+    assert len(seen) >= 3

@@ -14,13 +14,15 @@ is done with it. Prefill holds each KV until then or until its TTL passes.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import re
+import stat
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -31,6 +33,38 @@ _SHM_NAME = re.compile(rf"^{SHM_PREFIX}(?P<engine>[0-9a-f]+)_(?P<expires_ms>\d+)
 _SWEEPABLE = re.compile(r"^pdchat_kv(free)?_(?P<engine>[0-9a-f]+)_(?P<expires_ms>\d+)_(?P<id>[0-9a-f]+)$")
 DEFAULT_BUDGET_BYTES = 2 << 30
 DEFAULT_KV_TTL_S = 60.0
+
+log = logging.getLogger(__name__)
+
+
+class _OncePerKey:
+    """Logs a warning the first time a key is seen: a foreign entry in /dev/shm is worth
+    one line, not one per sweep."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def warn(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._seen:
+            self._seen.add(key)
+            log.warning(message, *args)
+
+
+_skipped = _OncePerKey()
+
+
+def _regular_files(directory: Path, pattern: str) -> Iterator[tuple[Path, os.stat_result]]:
+    """Regular files matching `pattern`, with their stat; anything else there (a directory,
+    a link, a socket someone planted, an entry gone meanwhile) is skipped, never fatal."""
+    for path in directory.glob(pattern):
+        try:
+            info = path.lstat()
+        except OSError:  # removed meanwhile
+            continue
+        if stat.S_ISREG(info.st_mode):
+            yield path, info
+        else:
+            _skipped.warn(str(path), "skipping %s: not a regular file (not pdchat's)", path)
 
 
 class KVUnavailable(RuntimeError):
@@ -96,11 +130,17 @@ class ShmConnector:
         shape = tuple(int(n) for n in handle["shape"])
         nbytes = int(np.prod(shape)) * 4
         try:
-            fd = os.open(path, os.O_RDONLY)
+            # Not through a link, and never blocking on a FIFO someone planted under a KV name.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             raise KVUnavailable(f"KV {handle.get('name')} is gone (expired, already pulled, or its prefill server restarted)") from None
+        except OSError as exc:
+            raise KVUnavailable(f"KV {handle.get('name')} cannot be opened: {exc}") from None
         try:
-            size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise KVUnavailable(f"KV {handle['name']} is not a regular file")
+            size = info.st_size
             if size < nbytes:  # a reused file may be larger than this KV
                 raise KVUnavailable(f"KV {handle['name']} has {size} bytes, its handle says {list(shape)}")
             # Copy-on-write: writable for torch, yet nothing is copied unless written.
@@ -122,12 +162,7 @@ class ShmConnector:
 
     def _reuse_free_file(self, staging: Path, nbytes: int) -> bool:
         """Move the smallest handed-back file that fits to `staging`; False if none."""
-        sizes = []
-        for path in self.directory.glob(f"{FREE_PREFIX}{self.engine_id}_*"):
-            try:
-                sizes.append((path.stat().st_size, path))
-            except FileNotFoundError:
-                pass
+        sizes = [(info.st_size, path) for path, info in _regular_files(self.directory, f"{FREE_PREFIX}{self.engine_id}_*")]
         for _, path in sorted(s for s in sizes if s[0] >= nbytes):
             try:
                 path.rename(staging)
@@ -137,30 +172,34 @@ class ShmConnector:
         return False
 
     def sweep(self, now: float | None = None) -> int:
-        """Free expired KV of any engine on this host (a crashed peer's too)."""
+        """Free expired KV of any engine on this host (a crashed peer's too). Entries it
+        cannot parse or remove are skipped (logged once), so nobody's stray file stops it."""
         now_ms = (now or time.time()) * 1000
         freed = 0
-        for path in self.directory.glob("pdchat_kv*"):
+        for path, _ in _regular_files(self.directory, "pdchat_kv*"):
             match = _SWEEPABLE.match(path.name)
-            if match and int(match["expires_ms"]) < now_ms:
-                path.unlink(missing_ok=True)
+            if match is None:
+                _skipped.warn(str(path), "skipping %s: named like pdchat KV but not one", path)
+                continue
+            if int(match["expires_ms"]) >= now_ms:
+                continue
+            try:
+                path.unlink()
                 freed += 1
+            except FileNotFoundError:  # pulled or swept by another process meanwhile
+                pass
+            except OSError as exc:
+                _skipped.warn(str(path), "cannot remove expired KV %s: %s", path, exc)
         return freed
 
     def held(self) -> list[Path]:
-        return sorted(self.directory.glob(f"{SHM_PREFIX}{self.engine_id}_*"))
+        return sorted(path for path, _ in _regular_files(self.directory, f"{SHM_PREFIX}{self.engine_id}_*"))
 
     def held_bytes(self) -> int:
-        total = 0
-        for path in self.held():
-            try:
-                total += path.stat().st_size
-            except FileNotFoundError:  # pulled meanwhile
-                pass
-        return total
+        return sum(info.st_size for _, info in _regular_files(self.directory, f"{SHM_PREFIX}{self.engine_id}_*"))
 
     def close(self) -> None:
-        for path in self.held() + list(self.directory.glob(f"{FREE_PREFIX}{self.engine_id}_*")):
+        for path in self.held() + [p for p, _ in _regular_files(self.directory, f"{FREE_PREFIX}{self.engine_id}_*")]:
             path.unlink(missing_ok=True)
 
     def _path(self, handle: dict[str, Any]) -> Path:
@@ -222,9 +261,15 @@ class Connectors:
 
     def _sweep_loop(self) -> None:
         while not self._stop.wait(self.SWEEP_INTERVAL_S):
-            with self._lock:
-                connectors = list(self._made.values())
-            for connector in connectors:
-                connector.sweep()
-            if self._on_sweep is not None:
-                self._on_sweep({c.name: c.held_bytes() for c in connectors})
+            try:
+                self.sweep_once()
+            except Exception as exc:  # noqa: BLE001 - the sweeper must outlive any one failure
+                _skipped.warn(f"sweep:{type(exc).__name__}:{exc}", "KV sweep failed (will retry): %s", exc)
+
+    def sweep_once(self) -> None:
+        with self._lock:
+            connectors = list(self._made.values())
+        for connector in connectors:
+            connector.sweep()
+        if self._on_sweep is not None:
+            self._on_sweep({c.name: c.held_bytes() for c in connectors})
