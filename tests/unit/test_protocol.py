@@ -54,12 +54,18 @@ def test_text_parts_are_joined_and_tool_call_arguments_decoded():
         (body(tools=[{"type": "function", "function": {"name": ""}}]), "tools[0].function.name"),
         (body(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]), "parameters must be a JSON schema"),
         (body(chat_template_kwargs=[1]), "'chat_template_kwargs' must be a dict"),
+        ('{"messages": [{"role": "user", "content": "a \\ud800 b"}]}', "lone UTF-16 surrogate"),
     ],
 )
 def test_bad_requests_are_refused_with_the_reason(raw, needle):
     with pytest.raises(InvalidRequest) as info:
         parse_chat_json(raw)
     assert needle in str(info.value)
+
+
+def test_escaped_surrogate_pairs_are_text_and_accepted():
+    request = parse_chat_json('{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}')
+    assert request.messages[0]["content"] == "\U0001F600"
 
 
 def test_text_input_is_one_user_message_and_greedy_by_default():

@@ -8,6 +8,7 @@ refusal is an `InvalidRequest` naming the field and what is accepted.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 import uuid
@@ -20,6 +21,9 @@ from pdchat.core.errors import InvalidRequest
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Generous but finite: the default when a request names no max_tokens.
 DEFAULT_MAX_TOKENS = 256
+# A JSON escape of a UTF-16 surrogate: the only way a body that decodes can still hold
+# text no stage can encode (a lone surrogate).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,12 @@ def parse_chat_json(body: str | bytes) -> ChatRequest:
         raise InvalidRequest(f"'request' is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise InvalidRequest(f"'request' must be a JSON object, got {type(data).__name__}")
+    if _SURROGATE_ESCAPE.search(body if isinstance(body, str) else body.decode("utf-8", "replace")):
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(f"'request' holds a lone UTF-16 surrogate ({exc.object[exc.start:exc.end]!r}), "
+                                 "which is not text; send valid Unicode") from None
     n = data.get("n", 1)
     if n != 1:
         raise InvalidRequest(f"'n' must be 1 (one choice per request), got {n!r}")
