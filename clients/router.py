@@ -30,15 +30,19 @@ from pdchat.core.errors import InvalidRequest
 from pdchat.core.protocol import parse_chat_json
 
 log = logging.getLogger("pdchat.router")
+PROBE_TIMEOUT_S = 2.0
 
 
 @dataclass
 class Backend:
-    """One tritonserver (gRPC address) with its idle clients and requests in flight."""
+    """One tritonserver (gRPC address): its idle clients, requests in flight, and whether
+    it answered its last health probe."""
 
     url: str
     in_flight: int = 0
     idle: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    healthy: bool = True
+    checked_at: float = 0.0
 
     @contextmanager
     def client(self) -> Iterator[GrpcChat]:
@@ -53,23 +57,46 @@ class Backend:
             raise
         self.idle.put(chat)
 
+    def probe(self) -> bool:
+        self.healthy, self.checked_at = _ready(self.url), time.monotonic()
+        return self.healthy
+
 
 class BackendPool:
-    """Least-loaded choice (fewest requests in flight), round-robin among equals."""
+    """Least-loaded choice (fewest requests in flight) among the servers that answered
+    their last probe, round-robin among equals. A server that failed a request is probed
+    again before it gets another, at most once per `reprobe_s`."""
 
-    def __init__(self, urls: list[str]):
+    def __init__(self, urls: list[str], role: str = "", reprobe_s: float = 1.0):
         if not urls:
             raise ValueError("a pool needs at least one server")
         self.backends = [Backend(u) for u in urls]
+        self.role = role
+        self.reprobe_s = reprobe_s
         self._turn = itertools.count()
         self._lock = threading.Lock()
 
+    def any_healthy(self) -> bool:
+        """Whether some server is worth a request now (probing those due for it)."""
+        now = time.monotonic()
+        for backend in self.backends:
+            if not backend.healthy and now - backend.checked_at >= self.reprobe_s:
+                backend.probe()
+        return any(b.healthy for b in self.backends)
+
+    def mark_failed(self, backend: Backend) -> None:
+        """A transport failure or server fault: probe it now, before it gets more requests."""
+        backend.probe()
+
     @contextmanager
     def pick(self) -> Iterator[Backend]:
+        if not self.any_healthy():
+            raise ChatError(f"no {self.role or 'backend'} server is ready ({', '.join(b.url for b in self.backends)})",
+                            "UNAVAILABLE")
         with self._lock:
             start = next(self._turn)
             order = self.backends[start % len(self.backends):] + self.backends[: start % len(self.backends)]
-            backend = min(order, key=lambda b: b.in_flight)
+            backend = min((b for b in order if b.healthy), key=lambda b: b.in_flight)
             backend.in_flight += 1
         try:
             yield backend
@@ -88,8 +115,8 @@ class RouterStats:
 
 class PDRouter:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str]):
-        self.prefill = BackendPool(prefill_urls)
-        self.decode = BackendPool(decode_urls)
+        self.prefill = BackendPool(prefill_urls, "prefill")
+        self.decode = BackendPool(decode_urls, "decode")
         self.stats = RouterStats()
         self._served_model: str | None = None
 
@@ -102,6 +129,10 @@ class PDRouter:
             parse_chat_json(json.dumps(body))
         except InvalidRequest as exc:
             raise ChatError(str(exc), "INVALID_ARGUMENT") from exc
+        if not self.decode.any_healthy():
+            # Prefill work for a request no decode server can finish would only pile up KV.
+            self.stats.failed += 1
+            raise ChatError(f"no decode server is ready ({', '.join(b.url for b in self.decode.backends)})", "UNAVAILABLE")
         handoff = self._prefill_leg(body, request_id)
         forwarded = {}
         if handoff is not None:
@@ -112,25 +143,30 @@ class PDRouter:
                 yield from client.stream(chat_inputs(body, **forwarded), request_id=request_id)
             except ChatError as exc:
                 self.stats.failed += 1
-                if not exc.is_client_error and not _ready(backend.url):
-                    raise ChatError(f"decode server {backend.url} is unavailable: {exc}", "UNAVAILABLE") from exc
+                if not exc.is_client_error:
+                    self.decode.mark_failed(backend)
+                    if not backend.healthy:
+                        raise ChatError(f"decode server {backend.url} is unavailable: {exc}", "UNAVAILABLE") from exc
                 raise
 
     def _prefill_leg(self, body: dict[str, Any], request_id: str) -> ChatOutput | None:
         """Signed handoff from a prefill server, or None to let decode do it all."""
         started = time.perf_counter()
-        with self.prefill.pick() as backend, backend.client() as client:
-            try:
+        used = None
+        try:
+            with self.prefill.pick() as used, used.client() as client:
                 inputs = chat_inputs({**body, "stream": False}, kv_transfer_params={"do_remote_decode": True})
                 [output] = list(client.stream(inputs, request_id=request_id))
-                log.info("request %s: prefill on %s in %.1f ms", request_id, backend.url, 1000 * (time.perf_counter() - started))
-                return output
-            except ChatError as exc:
-                if exc.is_client_error:
-                    raise  # the request itself is bad: decode would refuse it too
-                self.stats.prefill_fallbacks += 1
-                log.warning("request %s: prefill on %s failed (%s: %s); decode serves it whole", request_id, backend.url, exc.status, exc)
-                return None
+            log.info("request %s: prefill on %s in %.1f ms", request_id, used.url, 1000 * (time.perf_counter() - started))
+            return output
+        except ChatError as exc:
+            if exc.is_client_error:
+                raise  # the request itself is bad: decode would refuse it too
+            if used is not None:
+                self.prefill.mark_failed(used)
+            self.stats.prefill_fallbacks += 1
+            log.warning("request %s: prefill failed (%s: %s); decode serves it whole", request_id, exc.status, exc)
+            return None
 
     def served_model(self) -> str:
         """The model name clients should send (asked of a decode server once)."""
@@ -157,7 +193,7 @@ def _ready(url: str) -> bool:
     try:
         client = grpcclient.InferenceServerClient(url)
         try:
-            return bool(client.is_model_ready("chat"))
+            return bool(client.is_model_ready("chat", client_timeout=PROBE_TIMEOUT_S))
         finally:
             client.close()
     except Exception:  # noqa: BLE001 - unreachable counts as not ready
