@@ -71,23 +71,22 @@ def _chat_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pdchat.launcher import TritonServer
+    from pdchat.launcher import TritonServer, watch
 
     env = {"PDCHAT_MODEL": args.model} if args.model else {}
     server = TritonServer(
         args.model_repository, role=args.role, env=env,
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
     )
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    stop = _stop_on_signals()
     _say(f"starting tritonserver ({args.role}) on {args.model_repository}")
     with server:
-        _say(f"ready: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}; Ctrl-C stops")
-        while not stop.is_set() and server.process.poll() is None:
-            stop.wait(0.5)
+        _say(f"ready: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}, "
+             f"pid {server.process.pid}; Ctrl-C stops")
+        if watch({"server": server.process}, stop) is not None:
+            return _died(server.exit_report())
     _say("stopped")
-    return 0 if stop.is_set() else 1
+    return 0
 
 
 def _chat(args: argparse.Namespace, url: str | None = None) -> int:
@@ -162,19 +161,33 @@ def _router(args: argparse.Namespace) -> int:
 
 def _pd(args: argparse.Namespace) -> int:
     from pdchat import embedded
-    from pdchat.launcher import PDStack
+    from pdchat.launcher import PDStack, watch
 
     if args.model in embedded.EMBEDDED_MODELS:
         embedded.ensure_model(args.model)
+    stop = _stop_on_signals()
+    _say("starting a prefill server, a decode server and the router")
+    with PDStack(model=args.model, connector=args.connector, router_port=args.port) as stack:
+        _say(f"ready: OpenAI API at {stack.router_url}/v1 (prefill gRPC {stack.prefill.grpc_url} pid {stack.prefill.process.pid}, "
+             f"decode gRPC {stack.decode.grpc_url} pid {stack.decode.process.pid}, router pid {stack.router.pid}); Ctrl-C stops")
+        dead = watch(stack.processes(), stop)
+        if dead is not None:
+            return _died(stack.exit_report(dead), "stopping the rest of the stack")
+    return 0
+
+
+def _stop_on_signals() -> threading.Event:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    _say("starting a prefill server, a decode server and the router")
-    with PDStack(model=args.model, connector=args.connector, router_port=args.port) as stack:
-        _say(f"ready: OpenAI API at {stack.router_url}/v1 (prefill gRPC {stack.prefill.grpc_url}, "
-             f"decode gRPC {stack.decode.grpc_url}); Ctrl-C stops")
-        stop.wait()
-    return 0
+    return stop
+
+
+def _died(report: str, then: str = "") -> int:
+    """A supervised process died: say why and exit non-zero, for systemd or Kubernetes to
+    restart the whole unit (the launcher itself does not restart anything)."""
+    _say(f"{report}\n[pdchat] {then + '; ' if then else ''}exiting with status 1")
+    return 1
 
 
 def _prepare(args: argparse.Namespace) -> int:

@@ -199,18 +199,24 @@ class TritonServer:
         wait_healthy(self.process, f"http://{self.http_url}/v2/health/ready", timeout, "tritonserver", self.log_path)
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM (the python backend then cleans its shm), SIGKILL if it hangs."""
+        """SIGTERM (the python backend then cleans its shm), SIGKILL if it hangs; then
+        SIGKILL whatever is left of its process group (stubs of a server that died)."""
         atexit.unregister(self.stop)
-        if self.process is None or self.process.poll() is not None:
-            self.cleanup_shm()
+        if self.process is None:
             return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        if self.process.poll() is None:
+            _signal_group(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(self.process.pid, signal.SIGKILL)
+        self.process.wait()
         self.cleanup_shm()
+
+    def exit_report(self) -> str:
+        """Why the server exited, with the end of its log (for a supervisor's message)."""
+        return describe_exit(f"tritonserver ({self.role}, gRPC {self.grpc_url})", self.process, self.log_path)
 
     def leaked_shm(self) -> list[Path]:
         """Shared-memory regions of this server (none once it has stopped cleanly)."""
@@ -226,6 +232,35 @@ class TritonServer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:  # nothing left of it
+        pass
+
+
+def describe_exit(what: str, process: subprocess.Popen, log_path: Path | None, lines: int = 15) -> str:
+    """'X was killed by SIGKILL' or 'X exited with code N', then its log's last lines."""
+    code = process.returncode
+    how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited with code {code}"
+    tail = ""
+    if log_path is not None and log_path.exists():
+        with open(log_path, "rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - 16384))
+            tail = "\n".join(log.read().decode("utf-8", "replace").splitlines()[-lines:])
+    return f"{what} {how}; the end of its log ({log_path}):\n{tail}"
+
+
+def watch(processes: dict[str, subprocess.Popen], stop, interval: float = 0.5) -> str | None:
+    """Block until `stop` (a threading.Event) is set, then None, or until one of the
+    processes exits, then its name."""
+    while not stop.wait(interval):
+        for name, process in processes.items():
+            if process.poll() is not None:
+                return name
+    return None
 
 
 @dataclass
@@ -244,6 +279,7 @@ class PDStack:
     prefill: TritonServer | None = None
     decode: TritonServer | None = None
     router: subprocess.Popen | None = None
+    router_log: Path | None = None
 
     @property
     def router_url(self) -> str:
@@ -281,6 +317,7 @@ class PDStack:
     def start_router(self, log_path: Path, timeout: float = 60.0) -> None:
         """(Re)start the router process against the two servers."""
         self.router_port = self.router_port or free_port()
+        self.router_log = log_path
         command = [sys.executable, "-m", "pdchat.cli", "router", "--port", str(self.router_port),
                    "--prefill", self.prefill.grpc_url, "--decode", self.decode.grpc_url]
         with open(log_path, "ab") as log:
@@ -290,6 +327,14 @@ class PDStack:
         except ServerError:
             self.stop_router()
             raise
+
+    def processes(self) -> dict[str, subprocess.Popen]:
+        return {"prefill": self.prefill.process, "decode": self.decode.process, "router": self.router}
+
+    def exit_report(self, name: str) -> str:
+        if name == "router":
+            return describe_exit(f"the router ({self.router_url})", self.router, self.router_log)
+        return getattr(self, name).exit_report()
 
     def stop_router(self) -> None:
         if self.router is not None and self.router.poll() is None:
