@@ -1,5 +1,5 @@
 # The two commands of the README. Both set up a fresh machine first (idempotent).
-.PHONY: setup demo test
+.PHONY: setup demo test lint
 
 setup:
 	./scripts/bootstrap.sh
@@ -7,5 +7,8 @@ setup:
 demo: setup
 	.venv/bin/pdchat demo
 
-test: setup
-	.venv/bin/python -m pytest -q
+lint: setup
+	.venv/bin/ruff check .
+
+test: lint
+	.venv/bin/python -m pytest -q --durations=15

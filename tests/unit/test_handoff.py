@@ -6,7 +6,14 @@ import pytest
 
 from pdchat.core.errors import InvalidRequest, ModelUnavailable
 from pdchat.core.handoff import (
-    ForwardedIdsRejected, Gate, Policy, Rejection, forwarded_ids, load_key, render_fingerprint, sign,
+    ForwardedIdsRejected,
+    Gate,
+    Policy,
+    Rejection,
+    forwarded_ids,
+    load_key,
+    render_fingerprint,
+    sign,
 )
 from pdchat.core.protocol import parse_chat_json
 from pdchat.ensemble.routing import ChatRouter, Route
