@@ -3,6 +3,7 @@
     python -m pdchat.clients.bench reuse    # decode's render cost vs the gate's check
     python -m pdchat.clients.bench kv       # KV transfer throughput per connector
     python -m pdchat.clients.bench router   # latency the router adds per request
+    python -m pdchat.clients.bench soak     # N streams at concurrency C through a P/D pair
 
 Ratios are measured side by side in one run; these machines are noisy.
 """
@@ -192,6 +193,50 @@ def bench_router(args: argparse.Namespace) -> None:
                                   ["router adds", routed_ms - direct_ms]]))
 
 
+def bench_soak(args: argparse.Namespace) -> None:
+    """Streamed requests through the router of a P/D pair: rate, TTFT, latency, errors, and
+    each server process's memory after warm-up and at the end."""
+    from pdchat import embedded
+    from pdchat.clients import load
+    from pdchat.launcher import PDStack
+
+    embedded.ensure_model(args.model)
+
+    def body(i: int) -> dict:
+        return {"messages": [{"role": "user", "content": f"Request {i}: " + "tell me more " * (i % 7)}],
+                "max_tokens": args.max_tokens, "temperature": 0}
+
+    def progress(done: int, total: int) -> None:
+        if done % max(1, total // 20) == 0 or done == total:
+            print(f"  {done}/{total} requests", file=sys.stderr, flush=True)
+
+    with PDStack(model=args.model, connector=args.connector) as stack:
+        send = load.RouterStreams(stack.router_url)
+        print(f"warm-up: {args.concurrency * 4} requests", file=sys.stderr, flush=True)
+        load.run(send, body, args.concurrency * 4, args.concurrency)
+        servers = {"prefill": stack.prefill, "decode": stack.decode}
+        before = {name: sum(server.memory().values()) for name, server in servers.items()}
+        started = time.perf_counter()
+        outcomes = load.run(send, body, args.requests, args.concurrency, progress=progress)
+        wall = time.perf_counter() - started
+        after = {name: sum(server.memory().values()) for name, server in servers.items()}
+        alive = all(process.poll() is None for process in stack.processes().values())
+    result = {"model": args.model, "connector": args.connector, "concurrency": args.concurrency,
+              "max_tokens": args.max_tokens, "wall_s": wall, "servers_alive": alive,
+              **load.summary(outcomes, wall),
+              **{f"{name}_rss_mib_before": before[name] / 2**20 for name in servers},
+              **{f"{name}_rss_mib_after": after[name] / 2**20 for name in servers}}
+    rows = [[k, v] for k, v in result.items()]
+    text = table(["", "value"], rows)
+    print(f"\nP/D soak through the router ({args.requests} streamed requests, concurrency {args.concurrency}):")
+    print(text)
+    if errors := load.first_errors(outcomes):
+        print("first errors:", *errors, sep="\n  ")
+    OUT_DIR.mkdir(exist_ok=True)
+    (OUT_DIR / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"results: {OUT_DIR / 'soak.json'}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="bench", required=True)
@@ -206,8 +251,14 @@ def main(argv: list[str] | None = None) -> None:
     router = commands.add_parser("router")
     router.add_argument("--model", default="tiny")
     router.add_argument("--repeats", type=int, default=20)
+    soak = commands.add_parser("soak")
+    soak.add_argument("--model", default="tiny")
+    soak.add_argument("--connector", choices=("shm", "nixl"), default="shm")
+    soak.add_argument("--requests", type=int, default=2000)
+    soak.add_argument("--concurrency", type=int, default=16)
+    soak.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args(argv)
-    {"reuse": bench_reuse, "kv": bench_kv, "router": bench_router}[args.bench](args)
+    {"reuse": bench_reuse, "kv": bench_kv, "router": bench_router, "soak": bench_soak}[args.bench](args)
 
 
 if __name__ == "__main__":

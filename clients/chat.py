@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from pdchat import tensors
+from pdchat.core.errors import INTERNAL, INVALID_ARG, UNAVAILABLE, split_error_class
 
 DEFAULT_MODEL = "chat"
 TIMEOUT_S = 600.0
@@ -211,22 +212,30 @@ class HttpChat:
 
 def _from_json(event: dict[str, Any]) -> ChatOutput:
     if "error" in event:
-        raise ChatError(event["error"])
+        kind, message = split_error_class(event["error"])
+        raise ChatError(message, _STATUS_OF_CLASS.get(kind, ""))
     return _to_output(event.get)
 
 
+# Status names of the error classes pdchat's messages carry (core.errors).
+_STATUS_OF_CLASS = {INVALID_ARG: "INVALID_ARGUMENT", UNAVAILABLE: "UNAVAILABLE", INTERNAL: "INTERNAL"}
+
+
 def _grpc_error(error: Any) -> tuple[str, str]:
-    """(message, status name) of a tritonclient error."""
+    """(message, status name) of a tritonclient error. Errors inside a gRPC stream come
+    without a status: then the class at the front of pdchat's message gives it."""
     message = error.message() if hasattr(error, "message") else str(error)
-    status = error.status() if hasattr(error, "status") else ""
-    return message or str(error), str(status or "").removeprefix("StatusCode.")
+    status = str((error.status() if hasattr(error, "status") else "") or "").removeprefix("StatusCode.")
+    kind, message = split_error_class(message or str(error))
+    return message, status or _STATUS_OF_CLASS.get(kind, "")
 
 
 def _http_error_message(exc: urllib.error.HTTPError) -> str:
     try:
-        return json.loads(exc.read()).get("error", str(exc))
+        message = json.loads(exc.read()).get("error", str(exc))
     except ValueError:
-        return str(exc)
+        message = str(exc)
+    return split_error_class(message)[1]
 
 
 def _json_streams(inputs: dict[str, np.ndarray]) -> bool:

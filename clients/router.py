@@ -281,11 +281,16 @@ class _Handler(BaseHTTPRequestHandler):
         log.info("%s %s", self.address_string(), format % args)
 
 
+class _RouterHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    # socketserver's default backlog of 5 drops connections when a burst of clients
+    # connects at once (seen as resets after a 1 s SYN retry at 16 concurrent streams).
+    request_queue_size = 1024
+
+
 def make_server(router: PDRouter, host: str = "127.0.0.1", port: int = 8080) -> ThreadingHTTPServer:
     handler = type("RouterHandler", (_Handler,), {"router": router})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
+    return _RouterHTTPServer((host, port), handler)
 
 
 def stream_completion(router_url: str, body: dict[str, Any], timeout: float = 600.0) -> Iterator[dict[str, Any]]:

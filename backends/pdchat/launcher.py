@@ -214,6 +214,10 @@ class TritonServer:
         self.process.wait()
         self.cleanup_shm()
 
+    def memory(self) -> dict[int, int]:
+        """RSS of tritonserver and each of its stubs, by pid (it leads its own process group)."""
+        return resident_bytes(process_group(self.process.pid))
+
     def exit_report(self) -> str:
         """Why the server exited, with the end of its log (for a supervisor's message)."""
         return describe_exit(f"tritonserver ({self.role}, gRPC {self.grpc_url})", self.process, self.log_path)
@@ -232,6 +236,31 @@ class TritonServer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def process_group(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group: a server's are tritonserver and its stubs."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # [state, ppid, pgrp, ...]
+        except OSError:  # exited meanwhile
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def resident_bytes(pids: list[int]) -> dict[int, int]:
+    """RSS of each process still alive, by pid."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    rss = {}
+    for pid in pids:
+        try:
+            rss[pid] = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
+        except OSError:
+            continue
+    return rss
 
 
 def _signal_group(pgid: int, signum: int) -> None:

@@ -22,3 +22,15 @@ def executions(server, model: str) -> int:
     finally:
         client.close()
     return int(stats["model_stats"][0].get("execution_count", 0))
+
+
+def wait_for(condition, timeout: float = 30.0, interval: float = 0.2) -> bool:
+    """Poll until `condition()` is true or `timeout` passes (a bound for a check, not a speed claim)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True

@@ -27,6 +27,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from pdchat.core.errors import Unavailable
+
 SHM_PREFIX = "pdchat_kv_"
 FREE_PREFIX = "pdchat_kvfree_"
 _SHM_NAME = re.compile(rf"^{SHM_PREFIX}(?P<engine>[0-9a-f]+)_(?P<expires_ms>\d+)_(?P<id>[0-9a-f]+)$")
@@ -71,7 +73,7 @@ class KVUnavailable(RuntimeError):
     """The KV named by a handle cannot be had (expired, pulled already, peer gone)."""
 
 
-class KVBudgetExceeded(RuntimeError):
+class KVBudgetExceeded(Unavailable):
     """Holding this KV would pass the server's KV budget."""
 
 

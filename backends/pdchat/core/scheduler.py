@@ -33,7 +33,7 @@ class DecodeJob:
 
 class DecodeScheduler:
     def __init__(self, name: str = "pdchat-decode"):
-        self._incoming: queue.SimpleQueue[DecodeJob | None] = queue.SimpleQueue()
+        self._incoming: queue.SimpleQueue[DecodeJob | Callable[[], None] | None] = queue.SimpleQueue()
         self._active: list[tuple[DecodeJob, Generation]] = []
         self._cancel_requests: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -41,6 +41,11 @@ class DecodeScheduler:
 
     def submit(self, job: DecodeJob) -> None:
         self._incoming.put(job)
+
+    def post(self, call: Callable[[], None]) -> None:
+        """Run `call` on the scheduler thread between steps: for answers that must not
+        come from another thread (in Triton, every send of a model from one thread)."""
+        self._incoming.put(call)
 
     def cancel(self, key: str) -> None:
         """Stop the job with this key (from any thread): for callers whose own client left
@@ -73,6 +78,12 @@ class DecodeScheduler:
             if job is None:
                 return False
             block = False
+            if not isinstance(job, DecodeJob):
+                try:
+                    job()
+                except Exception:  # noqa: BLE001 - a posted call's failure is its own
+                    log.exception("posted call failed")
+                continue
             try:
                 self._active.append((job, job.start()))
             except Exception as exc:  # noqa: BLE001 - every failure must reach its client

@@ -13,7 +13,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
-from pdchat.core.errors import InvalidRequest
+from pdchat.core.errors import INVALID_ARG, UNAVAILABLE, InvalidRequest, error_class, tagged_message
 from pdchat.core.protocol import ChatRequest, GenerationParams, parse_chat_json, text_input_request
 from pdchat.core.responses import ClientOutput
 
@@ -110,10 +110,11 @@ def client_response(output: ClientOutput) -> pb_utils.InferenceResponse:
 
 
 def triton_error(exc: Exception) -> pb_utils.TritonError:
-    """InvalidRequest -> INVALID_ARG with its message; anything else -> INTERNAL."""
-    if isinstance(exc, InvalidRequest):
-        return pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
-    return pb_utils.TritonError(f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+    """InvalidRequest -> INVALID_ARG, Unavailable -> UNAVAILABLE, anything else -> INTERNAL;
+    the message carries the class too (see core.errors)."""
+    # (TritonError exists only once the stub runs a model, not at import.)
+    codes = {INVALID_ARG: pb_utils.TritonError.INVALID_ARG, UNAVAILABLE: pb_utils.TritonError.UNAVAILABLE}
+    return pb_utils.TritonError(tagged_message(exc), codes.get(error_class(exc), pb_utils.TritonError.INTERNAL))
 
 
 def error_response(exc: Exception) -> pb_utils.InferenceResponse:

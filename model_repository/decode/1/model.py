@@ -2,10 +2,12 @@
 
 Without KV it prefills locally; a KV handle it cannot pull (expired, prefill gone)
 is recomputed from the ids, never re-rendered. Requests are decoded on one scheduler thread, a
-token each in turn; execute() only validates and queues. A request carrying only
-`cancel_request_id` stops the named request instead.
+token each in turn; execute() only validates and queues, and every response, error
+included, is sent from the scheduler thread (one thread calling into the python backend;
+see the chat model). A request carrying only `cancel_request_id` stops the named request instead.
 """
 
+import functools
 import json
 import logging
 
@@ -39,14 +41,13 @@ class TritonPythonModel:
             cancel = io.input_text(request, tensors.CANCEL_REQUEST_ID)
             if cancel is not None:
                 self.scheduler.cancel(cancel)
-                sender.send(flags=FINAL)
+                self.scheduler.post(functools.partial(sender.send, flags=FINAL))
                 continue
             try:
                 job = self._job(request, sender)
             except Exception as exc:  # noqa: BLE001
-                sender.send(io.error_response(exc), flags=FINAL)
+                self.scheduler.post(functools.partial(sender.send, io.error_response(exc), flags=FINAL))
                 continue
-            self.metrics.started()
             self.scheduler.submit(job)
         return None
 
@@ -67,6 +68,7 @@ class TritonPythonModel:
         assembler = self.model.assembler(ids, params)
 
         def start():
+            self.metrics.started()
             kv_cache = kv if handle is None else self._pull(handle, params.request_id)
             released = None if handle is None or kv_cache is None else (lambda: self.connectors.done(handle))
             return self.model.generation(ids, params, first_token_id=first, kv_cache=kv_cache, on_kv_released=released)

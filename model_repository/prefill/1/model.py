@@ -11,7 +11,7 @@ import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
 from pdchat.core.generation import TextModel
-from pdchat.core.kv_transfer import Connectors, KVBudgetExceeded
+from pdchat.core.kv_transfer import Connectors
 from pdchat.core.settings import kv_options, resolve_model
 from pdchat.triton import io
 from pdchat.triton.metrics import KVHeldMetrics
@@ -41,8 +41,6 @@ class TritonPythonModel:
             if destination is None:
                 return pb_utils.InferenceResponse(output_tensors=[first, pb_utils.Tensor(tensors.KV_CACHE, kv)])
             handle = self.connectors.get(destination).publish(kv, {"first_token_id": token})
-        except KVBudgetExceeded as exc:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.UNAVAILABLE))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - KVBudgetExceeded becomes UNAVAILABLE
             return io.error_response(exc)
         return pb_utils.InferenceResponse(output_tensors=[first, io.string_tensor(tensors.KV_HANDLE, json.dumps(handle))])

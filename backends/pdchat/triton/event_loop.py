@@ -1,0 +1,92 @@
+"""One event loop per model process: the only thread that calls into the python backend.
+
+Under load, Triton 2.51's python backend crashed (`Signal (11)` in libtriton_python.so)
+when many threads of one model sent responses, checked cancellation and started BLS
+streams at once (README, "Concurrency in the python backend"). A model built on
+`ModelEventLoop` serves each request as a coroutine on one loop thread, so those calls
+never overlap; what blocks runs elsewhere and only hands results back to the loop:
+
+- `call_blocking`: a blocking call (a BLS `exec()` to another model), one at a time on
+  one worker thread, in arrival order;
+- `iterate`: a blocking iterator (a decoupled BLS response stream), read by a thread of
+  its own that only waits for the next item.
+
+All threads are daemons: a stub asked to stop never waits for a stream that cannot end.
+No Triton import here, so it is tested without a server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+_END = object()
+
+
+class ModelEventLoop:
+    def __init__(self, name: str, max_concurrent: int):
+        self.loop = asyncio.new_event_loop()
+        self._slots = asyncio.Semaphore(max_concurrent)  # bound to the loop on first use
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = queue.SimpleQueue()
+        self._name = name
+        self._threads = [
+            threading.Thread(target=self.loop.run_forever, name=f"{name}-loop", daemon=True),
+            threading.Thread(target=self._run_calls, name=f"{name}-calls", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, coroutine: Coroutine[Any, Any, Any]) -> Future:
+        """Run `coroutine` on the loop once one of `max_concurrent` slots is free (from any thread)."""
+        return asyncio.run_coroutine_threadsafe(self._in_slot(coroutine), self.loop)
+
+    async def call_blocking(self, function: Callable[..., T], *args: Any) -> T:
+        """`function(*args)` on the worker thread, after the calls queued before it."""
+        future: Future = Future()
+        self._calls.put((lambda: function(*args), future))
+        return await asyncio.wrap_future(future)
+
+    async def iterate(self, items: Iterator[T]) -> AsyncIterator[T]:
+        """The items of a blocking iterator, read on a thread of its own."""
+        arrived: asyncio.Queue = asyncio.Queue()
+        loop = self.loop
+
+        def read() -> None:
+            try:
+                for item in items:
+                    loop.call_soon_threadsafe(arrived.put_nowait, item)
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                loop.call_soon_threadsafe(arrived.put_nowait, exc)
+            loop.call_soon_threadsafe(arrived.put_nowait, _END)
+
+        threading.Thread(target=read, name=f"{self._name}-read", daemon=True).start()
+        while (item := await arrived.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the loop and the worker; coroutines still running are abandoned."""
+        self._calls.put(None)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        for thread in self._threads:
+            thread.join(timeout)
+
+    async def _in_slot(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        async with self._slots:
+            return await coroutine
+
+    def _run_calls(self) -> None:
+        while (call := self._calls.get()) is not None:
+            function, future = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(function())
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                future.set_exception(exc)

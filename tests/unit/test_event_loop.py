@@ -1,0 +1,80 @@
+"""ModelEventLoop: coroutines on one thread, blocking calls serialized, iterators read aside."""
+
+import threading
+import time
+
+import pytest
+
+from pdchat.triton.event_loop import ModelEventLoop
+
+
+@pytest.fixture
+def loop():
+    instance = ModelEventLoop("test", max_concurrent=2)
+    yield instance
+    instance.close()
+
+
+def test_coroutines_share_one_thread_and_blocking_calls_run_one_at_a_time(loop):
+    threads, running, overlaps = set(), [0], []
+
+    def blocking(i):
+        running[0] += 1
+        overlaps.append(running[0])
+        time.sleep(0.01)
+        running[0] -= 1
+        return i * 10
+
+    async def serve(i):
+        threads.add(threading.current_thread().name)
+        result = await loop.call_blocking(blocking, i)
+        threads.add(threading.current_thread().name)
+        return result
+
+    futures = [loop.submit(serve(i)) for i in range(6)]
+    assert [f.result(5) for f in futures] == [0, 10, 20, 30, 40, 50]
+    assert threads == {"test-loop"} and max(overlaps) == 1
+
+
+def test_at_most_max_concurrent_coroutines_run_at_once(loop):
+    active, peak = [0], [0]
+
+    async def serve():
+        active[0] += 1
+        peak[0] = max(peak[0], active[0])
+        await loop.call_blocking(time.sleep, 0.01)
+        active[0] -= 1
+
+    for future in [loop.submit(serve()) for _ in range(6)]:
+        future.result(5)
+    assert peak[0] == 2
+
+
+def test_iterate_yields_every_item_then_raises_the_iterators_error(loop):
+    def items():
+        yield from range(3)
+        raise ValueError("stream broke")
+
+    async def consume():
+        seen = []
+        try:
+            async for item in loop.iterate(items()):
+                seen.append(item)
+        except ValueError as exc:
+            return seen, str(exc)
+
+    assert loop.submit(consume()).result(5) == ([0, 1, 2], "stream broke")
+
+
+def test_close_does_not_wait_for_a_stream_that_never_ends():
+    loop = ModelEventLoop("stuck", max_concurrent=1)
+    never = threading.Event()
+
+    async def serve():
+        async for _ in loop.iterate(iter(never.wait, True)):
+            pass
+
+    loop.submit(serve())
+    started = time.monotonic()
+    loop.close(timeout=1)
+    assert time.monotonic() - started < 3
