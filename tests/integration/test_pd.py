@@ -139,6 +139,22 @@ def test_bad_request_through_the_router_is_a_400_with_the_reason(stack):
     assert "messages[0].role is 'wizard'" in json.loads(info.value.read())["error"]["message"]
 
 
+@pytest.mark.parametrize(("fields", "needle"), [
+    ({"max_tokens": 10**12}, "does not fit"),
+    ({"model": "no-such-model"}, "is not served here"),
+    ({"chat_template_kwargs": {"chat_template": "{{ raise_exception('refused by template') }}"}}, "refused by template"),
+])
+def test_errors_raised_at_render_on_prefill_stay_client_errors(stack, fields, needle):
+    """Caught only by the prefill server's renderer: a 400 with its message, not a fallback."""
+    fallbacks = json.loads(urllib.request.urlopen(f"{stack.router_url}/health").read())["stats"]["prefill_fallbacks"]
+    with pytest.raises(urllib.error.HTTPError) as info:
+        post(stack, {"messages": [{"role": "user", "content": "hi"}], **fields})
+    assert info.value.code == 400
+    message = json.loads(info.value.read())["error"]["message"]
+    assert needle in message and not message.startswith("[")
+    assert json.loads(urllib.request.urlopen(f"{stack.router_url}/health").read())["stats"]["prefill_fallbacks"] == fallbacks
+
+
 def test_request_id_reaches_both_servers_logs(stack):
     request_id = "trace-me-7f3a"
     router_answer_with_id = post(stack, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, {"X-Request-Id": request_id})
