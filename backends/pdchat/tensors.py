@@ -56,3 +56,7 @@ PARAM_HANDOFF_TTL_S = "handoff_ttl_s"  # chat: seconds a signed handoff stays va
 PARAM_KV_CONNECTOR = "kv_connector"  # chat (prefill role): shm | nixl
 PARAM_KV_TTL_S = "kv_ttl_s"  # prefill: seconds unpulled KV is held
 PARAM_KV_BUDGET_MB = "kv_budget_mb"  # prefill: most KV held at once
+PARAM_MAX_RUNNING = "max_running"  # decode: sequences batched at once
+PARAM_DECODE_KV_MB = "decode_kv_mb"  # decode: KV its running sequences may reserve
+PARAM_QUEUE_TIMEOUT_S = "queue_timeout_s"  # decode: longest wait for room before UNAVAILABLE
+PARAM_PREFILL_CHUNK = "prefill_chunk"  # decode: prompt tokens per local prefill chunk

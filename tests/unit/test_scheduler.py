@@ -1,22 +1,66 @@
-"""The decode scheduler interleaves requests, reports failures and honours cancellation."""
+"""The decode scheduler batches requests, reports failures, honours cancellation and limits."""
 
 import threading
 
 from pdchat.core.responses import Delta
-from pdchat.core.scheduler import DecodeJob, DecodeScheduler
+from pdchat.core.scheduler import DecodeJob, DecodeScheduler, Limits
 
 
 class CountingGeneration:
-    """Emits `length` tokens named after the job, then finishes."""
+    """Emits `length` tokens named after the job, then finishes; `prefill_chunks` chunks first."""
 
-    def __init__(self, name, length, fail_at=None):
+    def __init__(self, name, length, fail_at=None, prefill_chunks=0):
         self.name, self.length, self.fail_at, self.step = name, length, fail_at, 0
+        self.chunks_left, self.finished, self.cache, self.moved = prefill_chunks, False, name, False
 
-    def advance(self):
+    @property
+    def prefilling(self):
+        return self.chunks_left > 0
+
+    def prefill_step(self):
+        self.chunks_left -= 1
+        return self.chunks_left == 0
+
+    @property
+    def last_token_id(self):
+        return self.step
+
+    def emit(self):
         self.step += 1
         if self.step == self.fail_at:
             raise RuntimeError(f"{self.name} broke")
-        return Delta(f"{self.name}{self.step}", [self.step], "length" if self.step == self.length else None)
+        self.finished = self.step == self.length
+        return Delta(f"{self.name}{self.step}", [self.step], "length" if self.finished else None)
+
+    def accept(self, logits):
+        assert logits == (self.name, self.step), "the batch handed this row another row's logits"
+
+    def kv_moved(self):
+        self.moved = True
+
+
+class RecordingBatch:
+    """Rows in join order; a step answers each row with (its cache name, its last token)."""
+
+    def __init__(self):
+        self.rows, self.steps = [], []
+
+    def __len__(self):
+        return len(self.rows)
+
+    def join(self, cache):
+        self.rows.append(cache)
+        return len(self.rows) - 1
+
+    def leave(self, rows):
+        self.rows = [r for i, r in enumerate(self.rows) if i not in rows]
+
+    def step(self, token_ids):
+        self.steps.append(list(self.rows))
+        return list(zip(self.rows, token_ids, strict=True))
+
+    def kv_bytes(self):
+        return 100 * len(self.rows)
 
 
 class Recorder:
@@ -39,8 +83,8 @@ class Recorder:
         )
 
 
-def run_jobs(recorder, jobs, expected_events):
-    scheduler = DecodeScheduler()
+def run_jobs(recorder, jobs, expected_events, batch=None, limits=Limits()):
+    scheduler = DecodeScheduler(RecordingBatch() if batch is None else batch, limits)
     gate = threading.Event()
 
     def held_start():
@@ -98,7 +142,7 @@ def test_start_failure_is_reported():
 
 def test_cancel_by_key_stops_that_job_only():
     recorder = Recorder()
-    scheduler = DecodeScheduler()
+    scheduler = DecodeScheduler(RecordingBatch())
     seen_a1 = threading.Event()
     a = recorder.job(CountingGeneration("a", 50))
     original_emit = a.emit
@@ -121,3 +165,53 @@ def test_cancel_by_key_stops_that_job_only():
     assert seen_a1.is_set()
     assert "a:cancelled" in recorder.events and "a3" not in recorder.events
     assert "b:end" in recorder.events
+
+
+def test_running_requests_share_each_forward_pass_and_leave_when_done():
+    recorder, batch = Recorder(), RecordingBatch()
+    a, b = CountingGeneration("a", 3), CountingGeneration("b", 2)
+    run_jobs(recorder, [recorder.job(a), recorder.job(b)], 7, batch)
+    assert batch.steps == [["a", "b"], ["a"]]  # "z" (held start) finished first; b left after 2
+    assert a.moved and b.moved, "the imported KV was released once the batch held it"
+
+
+def test_a_local_prefill_is_chunked_between_the_others_steps():
+    recorder, batch = Recorder(), RecordingBatch()
+    long_prompt = CountingGeneration("p", 1, prefill_chunks=3)
+    events = run_jobs(recorder, [recorder.job(CountingGeneration("a", 4)), recorder.job(long_prompt)], 7, batch)
+    # a streams while p prefills (3 chunks), then p joins the batch.
+    assert events[:3] == ["a1", "a2", "a3"] and events.index("p1") > events.index("a2")
+
+
+def test_over_the_limits_requests_wait_then_get_unavailable_naming_the_limit():
+    recorder = Recorder()
+    clock = [0.0]
+    limits = Limits(max_running=1, max_wait_s=5.0)
+    a = recorder.job(CountingGeneration("a", 400))
+    b = recorder.job(CountingGeneration("b", 1))
+    original_emit = a.emit
+
+    def emit(delta):
+        original_emit(delta)
+        clock[0] += 1.0  # each step of a takes a "second"
+
+    a.emit = emit
+    scheduler = DecodeScheduler(RecordingBatch(), limits, clock=lambda: clock[0])
+    scheduler.submit(a)
+    scheduler.submit(b)
+    for _ in range(300):
+        if any(e.startswith("error:") for e in recorder.events):
+            break
+        threading.Event().wait(0.01)
+    scheduler.close()
+    [error] = [e for e in recorder.events if e.startswith("error:")]
+    assert "max_running=1" in error and "retry later" in error
+    assert "b1" not in recorder.events
+
+
+def test_a_request_bigger_than_the_whole_kv_budget_is_refused_at_once():
+    recorder = Recorder()
+    job = recorder.job(CountingGeneration("a", 2))
+    job.tokens = 2000
+    events = run_jobs(recorder, [job], 1, limits=Limits(kv_budget_bytes=1 << 20, kv_bytes_per_token=4096))
+    assert len(events) == 1 and "more than decode's whole KV budget of 1 MiB" in events[0]

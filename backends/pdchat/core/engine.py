@@ -53,6 +53,24 @@ class CausalLM:
         return PrefillResult(out.logits[0, -1], out.cache)
 
     @torch.inference_mode()
+    def prefill_chunk(self, token_ids: list[int], cache: object | None) -> PrefillResult:
+        """Extend `cache` (None: a new one) by `token_ids`: prefill in pieces, so a long
+        prompt can share the thread with other requests' decode steps."""
+        if cache is None:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=self.model.config)
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        return PrefillResult(out.logits[0, -1], out.cache)
+
+    def kv_bytes_per_token(self) -> int:
+        config = self.model.config
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 2 * self.num_layers * heads * head_dim * self.model.dtype.itemsize
+
+    @torch.inference_mode()
     def step(self, token_id: int, cache: object) -> torch.Tensor:
         """Feed one token after `cache`; return the next token's logits (the cache grows)."""
         ids = torch.tensor([[token_id]], dtype=torch.long, device=self.device)
@@ -89,3 +107,81 @@ class CausalLM:
         for index in range(self.num_layers):
             cache.update(tensor[index, 0].unsqueeze(0), tensor[index, 1].unsqueeze(0), index)
         return cache
+
+
+class DecodeBatch:
+    """The KV of every running sequence as one left-padded batch: one forward pass steps them all.
+
+    Why this layout: transformers' causal LMs take a 2-D attention mask and per-row
+    position ids together with a cache, so rows of different lengths step together in
+    plain HF code, with no custom attention kernel or paged storage. Rows are aligned on
+    the right (each row's tokens end at the last column) and masked on the left. A row
+    joining or leaving costs one copy of the batch's KV; a step costs, per row, what a
+    batch-1 step costs plus attention over the padding, which is trimmed whenever every
+    row has some. Rotary positions come from each row's own length, so padding changes
+    no row's numbers beyond floating-point summation order.
+    """
+
+    def __init__(self, engine: CausalLM):
+        self.engine = engine
+        self._cache = None  # DynamicCache; every layer [rows, kv_heads, columns, head_dim]
+        self._pads: list[int] = []  # left padding of each row
+
+    def __len__(self) -> int:
+        return len(self._pads)
+
+    @property
+    def columns(self) -> int:
+        return 0 if self._cache is None else self._cache.layers[0].keys.shape[-2]
+
+    def kv_bytes(self) -> int:
+        """Bytes of KV the batch holds, padding included."""
+        return len(self) * self.columns * self.engine.kv_bytes_per_token()
+
+    def join(self, cache: object) -> int:
+        """Add a one-row cache (a prefilled or imported prompt); return its row. The KV is
+        copied: the cache passed in (and memory it maps) is not read afterwards."""
+        length = cache.layers[0].keys.shape[-2]
+        if self._cache is None:
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+            self._cache, self._pads = cache, [0]
+            return 0
+        columns = self.columns
+        grow = max(0, length - columns)
+        for mine, theirs in zip(self._cache.layers, cache.layers, strict=True):
+            mine.keys = torch.cat([_pad_left(mine.keys, grow), _pad_left(theirs.keys, columns + grow - length)])
+            mine.values = torch.cat([_pad_left(mine.values, grow), _pad_left(theirs.values, columns + grow - length)])
+        self._pads = [pad + grow for pad in self._pads] + [columns + grow - length]
+        return len(self._pads) - 1
+
+    def leave(self, rows: list[int]) -> None:
+        """Drop these rows (finished, cancelled or failed) and free their KV now."""
+        keep = [row for row in range(len(self._pads)) if row not in set(rows)]
+        if not keep:
+            self._cache, self._pads = None, []
+            return
+        index = torch.tensor(keep, device=self.engine.device)
+        trim = min(self._pads[row] for row in keep)  # columns that are padding in every row left
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, trim:]
+            layer.values = layer.values.index_select(0, index)[:, :, trim:]
+        self._pads = [self._pads[row] - trim for row in keep]
+
+    @torch.inference_mode()
+    def step(self, token_ids: list[int]) -> torch.Tensor:
+        """Feed one token per row; the next token's logits per row, [rows, vocab]."""
+        rows, columns = len(self._pads), self.columns
+        device = self.engine.device
+        ids = torch.tensor(token_ids, dtype=torch.long, device=device).view(rows, 1)
+        pads = torch.tensor(self._pads, device=device)
+        mask = (torch.arange(columns + 1, device=device).unsqueeze(0) >= pads.unsqueeze(1)).long()
+        positions = (columns - pads).view(rows, 1)  # each row's own length: where its new token sits
+        out = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self._cache, use_cache=True)
+        self._cache = out.cache
+        return out.logits[:, -1]
+
+
+def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:
+    """`columns` zero columns before the token axis of a [rows, heads, tokens, dim] tensor."""
+    return tensor if columns == 0 else torch.nn.functional.pad(tensor, (0, 0, columns, 0))

@@ -1,8 +1,16 @@
-"""Decode many requests on one thread, a token each in turn.
+"""Continuous batching: every running request advances in one forward pass per step.
 
-Interleaving keeps a new request's first token from waiting behind a long answer,
-and one thread owns the model, so no two requests race on it. (Batching the steps
-into one forward pass is the next step for throughput.)
+One thread owns the model. Each turn of its loop it
+1. takes new requests into a queue, and drops cancelled ones wherever they are;
+2. admits queued requests while the limits allow (running sequences, reserved KV);
+   a request that waits longer than `max_wait_s` gets UNAVAILABLE naming the limit;
+3. computes one chunk of one local prefill (a request decode prefills itself), so a long
+   prompt shares the thread with the others' steps instead of freezing them;
+4. emits each running request's pending token (requests that finish leave the batch
+   at once, freeing their KV), then runs one forward pass for all the others.
+
+Requests join between steps, after their KV import or local prefill. Cancellation takes
+effect at the next turn, within one step.
 """
 
 from __future__ import annotations
@@ -10,13 +18,50 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-from pdchat.core.generation import Generation
+from pdchat.core.errors import Unavailable
 from pdchat.core.responses import Delta
 
 log = logging.getLogger(__name__)
+
+
+class Decoding(Protocol):
+    """What the scheduler needs of a request's decode state (core.generation.Generation)."""
+
+    finished: bool
+    cache: Any
+
+    @property
+    def prefilling(self) -> bool: ...
+
+    @property
+    def last_token_id(self) -> int: ...
+
+    def prefill_step(self) -> bool: ...
+
+    def emit(self) -> Delta: ...
+
+    def accept(self, logits: Any) -> None: ...
+
+    def kv_moved(self) -> None: ...
+
+
+class Batch(Protocol):
+    """The running requests' KV, stepped together (core.engine.DecodeBatch)."""
+
+    def __len__(self) -> int: ...
+
+    def join(self, cache: Any) -> int: ...
+
+    def leave(self, rows: list[int]) -> None: ...
+
+    def step(self, token_ids: list[int]) -> Sequence[Any]: ...
+
+    def kv_bytes(self) -> int: ...
 
 
 @dataclass
@@ -24,18 +69,49 @@ class DecodeJob:
     """A request to decode, with the callbacks that reach its client."""
 
     key: str  # unique per request (GenerationParams.request_id): what cancel() names
-    start: Callable[[], Generation]  # builds the decode state (KV import or local prefill)
+    start: Callable[[], Decoding]  # builds the decode state (KV import, or a local prefill to run)
     emit: Callable[[Delta], None]  # called per token; the last delta has a finish_reason
     fail: Callable[[Exception], None]  # the request ends with this error
     is_cancelled: Callable[[], bool]
     on_cancel: Callable[[], None]  # the client went away: close the stream, drop the state
+    tokens: int = 0  # prompt + max_tokens: the KV it may come to hold, reserved on admission
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_running: int = 32  # sequences decoding or prefilling at once
+    kv_budget_bytes: int = 1 << 30  # KV reserved by admitted requests (prompt + max_tokens each)
+    kv_bytes_per_token: int = 0  # 0: reserve nothing (no KV budget check)
+    max_wait_s: float = 30.0  # in the queue, before UNAVAILABLE
+
+
+@dataclass(frozen=True)
+class SchedulerState:
+    running: int
+    waiting: int
+    kv_bytes: int  # KV the batch holds now
+
+
+@dataclass
+class _Entry:
+    job: DecodeJob
+    queued_at: float
+    decoding: Decoding | None = None
 
 
 class DecodeScheduler:
-    def __init__(self, name: str = "pdchat-decode"):
+    def __init__(self, batch: Batch, limits: Limits = Limits(), *, name: str = "pdchat-decode",
+                 on_state: Callable[[SchedulerState], None] | None = None, clock: Callable[[], float] = time.monotonic):
+        self._batch = batch
+        self._limits = limits
+        self._on_state = on_state
+        self._clock = clock
+        self._state: SchedulerState | None = None
         self._incoming: queue.SimpleQueue[DecodeJob | Callable[[], None] | None] = queue.SimpleQueue()
-        self._active: list[tuple[DecodeJob, Generation]] = []
         self._cancel_requests: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._waiting: list[_Entry] = []
+        self._prefilling: list[_Entry] = []
+        self._running: list[_Entry] = []  # in the batch's row order
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -53,63 +129,158 @@ class DecodeScheduler:
         self._cancel_requests.put(key)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop after cancelling whatever is still running."""
+        """Stop after cancelling whatever is still queued or running."""
         self._incoming.put(None)
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        while True:
-            if not self._take_incoming(block=not self._active):
-                break
-            cancelled = self._cancelled_keys()
-            for entry in list(self._active):
-                self._step(*entry, cancelled=entry[0].key in cancelled)
-        for job, _ in self._active:
-            job.on_cancel()
-        self._active.clear()
+        while self._take_incoming(block=not (self._waiting or self._prefilling or self._running)):
+            self._drop_cancelled()
+            self._admit()
+            self._prefill_chunk()
+            self._step()
+            self._report()
+        for entry in self._waiting + self._prefilling + self._running:
+            entry.job.on_cancel()
 
     def _take_incoming(self, *, block: bool) -> bool:
-        """Start queued jobs; False once close() was called."""
+        """Queue new jobs, run posted calls; False once close() was called."""
         while True:
             try:
-                job = self._incoming.get(block=block)
+                item = self._incoming.get(block=block, timeout=self._limits.max_wait_s if block else None)
             except queue.Empty:
                 return True
-            if job is None:
+            if item is None:
                 return False
             block = False
-            if not isinstance(job, DecodeJob):
-                try:
-                    job()
-                except Exception:  # noqa: BLE001 - a posted call's failure is its own
-                    log.exception("posted call failed")
+            if isinstance(item, DecodeJob):
+                self._waiting.append(_Entry(item, self._clock()))
                 continue
             try:
-                self._active.append((job, job.start()))
-            except Exception as exc:  # noqa: BLE001 - every failure must reach its client
-                job.fail(exc)
+                item()
+            except Exception:  # noqa: BLE001 - a posted call's failure is its own
+                log.exception("posted call failed")
 
-    def _cancelled_keys(self) -> set[str]:
-        """Keys cancel() named since the last turn; those matching no active job are dropped."""
+    def _drop_cancelled(self) -> None:
         keys = set()
         while True:
             try:
                 keys.add(self._cancel_requests.get_nowait())
             except queue.Empty:
-                return keys
+                break
 
-    def _step(self, job: DecodeJob, generation: Generation, *, cancelled: bool) -> None:
-        try:
-            if cancelled or job.is_cancelled():
-                self._active.remove((job, generation))
-                job.on_cancel()
+        def cancelled(entry: _Entry) -> bool:
+            if entry.job.key in keys or entry.job.is_cancelled():
+                entry.job.on_cancel()
+                return True
+            return False
+
+        self._waiting = [e for e in self._waiting if not cancelled(e)]
+        self._prefilling = [e for e in self._prefilling if not cancelled(e)]
+        self._leave([row for row, entry in enumerate(self._running) if cancelled(entry)])
+
+    def _admit(self) -> None:
+        limits = self._limits
+        while self._waiting:
+            entry = self._waiting[0]
+            reserved = limits.kv_bytes_per_token * sum(e.job.tokens for e in self._prefilling + self._running)
+            wanted = limits.kv_bytes_per_token * entry.job.tokens
+            if wanted > limits.kv_budget_bytes:
+                self._waiting.pop(0)
+                entry.job.fail(Unavailable(
+                    f"this request may need {wanted >> 20} MiB of KV (prompt + max_tokens = {entry.job.tokens} tokens), "
+                    f"more than decode's whole KV budget of {limits.kv_budget_bytes >> 20} MiB (kv_budget_mb)"))
+                continue
+            busy = len(self._prefilling) + len(self._running)
+            if busy >= limits.max_running or reserved + wanted > limits.kv_budget_bytes:
+                self._expire_waiting(busy, reserved)
                 return
-            delta = generation.advance()
-        except Exception as exc:  # noqa: BLE001
-            log.exception("decode step failed")
-            self._active.remove((job, generation))
-            job.fail(exc)
+            self._waiting.pop(0)
+            try:
+                entry.decoding = entry.job.start()
+            except Exception as exc:  # noqa: BLE001 - every failure must reach its client
+                entry.job.fail(exc)
+                continue
+            if entry.decoding.prefilling:
+                self._prefilling.append(entry)
+            else:
+                self._join(entry)
+
+    def _expire_waiting(self, busy: int, reserved: int) -> None:
+        limits, now = self._limits, self._clock()
+        expired = [e for e in self._waiting if now - e.queued_at > limits.max_wait_s]
+        for entry in expired:
+            entry.job.fail(Unavailable(
+                f"decode stayed at its limits for {limits.max_wait_s:g} s: {busy} of max_running={limits.max_running} "
+                f"sequences, {reserved >> 20} of kv_budget_mb={limits.kv_budget_bytes >> 20} MiB KV reserved; retry later"))
+        self._waiting = [e for e in self._waiting if e not in expired]
+
+    def _prefill_chunk(self) -> None:
+        if not self._prefilling:
             return
-        if delta.finish_reason:
-            self._active.remove((job, generation))
-        job.emit(delta)
+        entry = self._prefilling[0]
+        try:
+            done = entry.decoding.prefill_step()
+        except Exception as exc:  # noqa: BLE001
+            self._prefilling.pop(0)
+            entry.job.fail(exc)
+            return
+        if done:
+            self._prefilling.pop(0)
+            self._join(entry)
+
+    def _join(self, entry: _Entry) -> None:
+        try:
+            self._batch.join(entry.decoding.cache)
+        except Exception as exc:  # noqa: BLE001
+            entry.job.fail(exc)
+            return
+        entry.decoding.cache = None  # the batch holds (a copy of) it now
+        entry.decoding.kv_moved()
+        self._running.append(entry)
+
+    def _step(self) -> None:
+        ended = []
+        for row, entry in enumerate(self._running):
+            try:
+                delta = entry.decoding.emit()
+            except Exception as exc:  # noqa: BLE001
+                log.exception("decode step failed")
+                entry.job.fail(exc)
+                ended.append(row)
+                continue
+            entry.job.emit(delta)
+            if entry.decoding.finished:
+                ended.append(row)
+        self._leave(ended)
+        if not self._running:
+            return
+        try:
+            logits = self._batch.step([e.decoding.last_token_id for e in self._running])
+        except Exception as exc:  # noqa: BLE001 - the whole batch failed: each client hears it
+            log.exception("batched decode step failed")
+            for entry in self._running:
+                entry.job.fail(exc)
+            self._leave(list(range(len(self._running))))
+            return
+        failed = []
+        for row, (entry, row_logits) in enumerate(zip(self._running, logits, strict=True)):
+            try:
+                entry.decoding.accept(row_logits)
+            except Exception as exc:  # noqa: BLE001
+                entry.job.fail(exc)
+                failed.append(row)
+        self._leave(failed)
+
+    def _leave(self, rows: list[int]) -> None:
+        if rows:
+            self._batch.leave(rows)
+            self._running = [e for row, e in enumerate(self._running) if row not in set(rows)]
+
+    def _report(self) -> None:
+        if self._on_state is None:
+            return
+        state = SchedulerState(len(self._running) + len(self._prefilling), len(self._waiting), self._batch.kv_bytes())
+        if state != self._state:
+            self._state = state
+            self._on_state(state)

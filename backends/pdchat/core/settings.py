@@ -21,6 +21,10 @@ ENV_HANDOFF_TTL_S = "PDCHAT_HANDOFF_TTL_S"
 ENV_KV_CONNECTOR = "PDCHAT_KV_CONNECTOR"
 ENV_KV_TTL_S = "PDCHAT_KV_TTL_S"
 ENV_KV_BUDGET_MB = "PDCHAT_KV_BUDGET_MB"
+ENV_MAX_RUNNING = "PDCHAT_MAX_RUNNING"
+ENV_DECODE_KV_MB = "PDCHAT_DECODE_KV_MB"
+ENV_QUEUE_TIMEOUT_S = "PDCHAT_QUEUE_TIMEOUT_S"
+ENV_PREFILL_CHUNK = "PDCHAT_PREFILL_CHUNK"
 DEFAULT_MODEL = "smollm2"
 
 
@@ -93,6 +97,29 @@ def kv_options(parameters: dict[str, str], environ: os._Environ | dict | None = 
     ttl = _positive(setting(parameters, tensors.PARAM_KV_TTL_S, ENV_KV_TTL_S, "60", environ), "KV TTL")
     budget = _positive(setting(parameters, tensors.PARAM_KV_BUDGET_MB, ENV_KV_BUDGET_MB, "2048", environ), "KV budget")
     return {"ttl_s": ttl, "budget_bytes": int(budget * (1 << 20))}
+
+
+@dataclass(frozen=True)
+class BatchingOptions:
+    max_running: int  # sequences in one decode batch
+    kv_budget_bytes: int  # KV those sequences may reserve (prompt + max_tokens each)
+    queue_timeout_s: float  # longest wait for room, then UNAVAILABLE
+    prefill_chunk: int  # prompt tokens per local prefill chunk, between decode steps
+
+
+def batching_options(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> BatchingOptions:
+    """Decode's limits: max_running (PDCHAT_MAX_RUNNING, 32), decode_kv_mb (PDCHAT_DECODE_KV_MB,
+    1024), queue_timeout_s (PDCHAT_QUEUE_TIMEOUT_S, 30), prefill_chunk (PDCHAT_PREFILL_CHUNK, 512)."""
+
+    def number(key: str, env_name: str, default: str, what: str) -> float:
+        return _positive(setting(parameters, key, env_name, default, environ), what)
+
+    return BatchingOptions(
+        max_running=int(number(tensors.PARAM_MAX_RUNNING, ENV_MAX_RUNNING, "32", "max_running")),
+        kv_budget_bytes=int(number(tensors.PARAM_DECODE_KV_MB, ENV_DECODE_KV_MB, "1024", "decode_kv_mb") * (1 << 20)),
+        queue_timeout_s=number(tensors.PARAM_QUEUE_TIMEOUT_S, ENV_QUEUE_TIMEOUT_S, "30", "queue_timeout_s"),
+        prefill_chunk=int(number(tensors.PARAM_PREFILL_CHUNK, ENV_PREFILL_CHUNK, "512", "prefill_chunk")),
+    )
 
 
 def _positive(value: str, what: str) -> float:

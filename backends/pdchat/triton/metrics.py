@@ -53,6 +53,10 @@ class DecodeMetrics:
             name="pdchat_decode_active", description="Decode requests in progress", kind=pb_utils.MetricFamily.GAUGE
         )
         self._pulls_family = _counter("pdchat_kv_pulls_total", "KV handed over by prefill: pulled, or recomputed when the pull failed")
+        self._waiting_family = _gauge("pdchat_decode_waiting", "Decode requests queued at the limits (max_running, KV budget)")
+        self._kv_family = _gauge("pdchat_decode_kv_bytes", "KV the decode batch holds now, padding included")
+        self._waiting = self._waiting_family.Metric(labels=labels)
+        self._kv = self._kv_family.Metric(labels=labels)
         self._ended = {o: self._ended_family.Metric(labels={**labels, "outcome": o}) for o in self.OUTCOMES}
         self._pulls = {o: self._pulls_family.Metric(labels={**labels, "outcome": o}) for o in ("pulled", "recomputed")}
         self._active = self._active_family.Metric(labels=labels)
@@ -67,11 +71,16 @@ class DecodeMetrics:
         self._ended[outcome].increment(1)
         self._active.increment(-1)
 
+    def scheduler(self, waiting: int, kv_bytes: int) -> None:
+        self._waiting.set(waiting)
+        self._kv.set(kv_bytes)
+
     def close(self) -> None:
         """Drop metrics before their families, as the python backend requires."""
         self._ended.clear()
         self._pulls.clear()
-        del self._active, self._ended_family, self._active_family, self._pulls_family
+        del self._active, self._waiting, self._kv
+        del self._ended_family, self._active_family, self._pulls_family, self._waiting_family, self._kv_family
 
 
 class KVHeldMetrics:
@@ -93,6 +102,10 @@ class KVHeldMetrics:
     def close(self) -> None:
         self._by_connector.clear()
         del self._family
+
+
+def _gauge(name: str, description: str):
+    return pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.GAUGE)
 
 
 def _counter(name: str, description: str):

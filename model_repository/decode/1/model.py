@@ -1,10 +1,11 @@
 """decode (decoupled): prompt ids + prefill's KV and first token -> streamed answer.
 
-Without KV it prefills locally; a KV handle it cannot pull (expired, prefill gone)
-is recomputed from the ids, never re-rendered. Requests are decoded on one scheduler thread, a
-token each in turn; execute() only validates and queues, and every response, error
-included, is sent from the scheduler thread (one thread calling into the python backend;
-see the chat model). A request carrying only `cancel_request_id` stops the named request instead.
+Without KV it prefills locally, in chunks between decode steps; a KV handle it cannot
+pull (expired, prefill gone) is recomputed from the ids, never re-rendered. All running
+requests advance in one forward pass per step (continuous batching, core.scheduler);
+execute() only validates and queues, and every response, errors included, is sent from
+the scheduler thread (one thread calling into the python backend; see the chat model).
+A request carrying only `cancel_request_id` stops the named request instead.
 """
 
 import functools
@@ -15,10 +16,11 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
+from pdchat.core.engine import DecodeBatch
 from pdchat.core.generation import TextModel
 from pdchat.core.kv_transfer import Connectors, KVUnavailable
-from pdchat.core.scheduler import DecodeJob, DecodeScheduler
-from pdchat.core.settings import kv_options, resolve_model
+from pdchat.core.scheduler import DecodeJob, DecodeScheduler, Limits
+from pdchat.core.settings import batching_options, kv_options, resolve_model
 from pdchat.triton import io
 from pdchat.triton.metrics import DecodeMetrics
 
@@ -32,8 +34,12 @@ class TritonPythonModel:
         settings = resolve_model(parameters)
         self.model = TextModel(settings.path, settings.device)
         self.connectors = Connectors(**kv_options(parameters))
-        self.scheduler = DecodeScheduler()
         self.metrics = DecodeMetrics(args["model_name"])
+        self.options = batching_options(parameters)
+        limits = Limits(max_running=self.options.max_running, kv_budget_bytes=self.options.kv_budget_bytes,
+                        kv_bytes_per_token=self.model.engine.kv_bytes_per_token(), max_wait_s=self.options.queue_timeout_s)
+        self.scheduler = DecodeScheduler(DecodeBatch(self.model.engine), limits,
+                                         on_state=lambda state: self.metrics.scheduler(state.waiting, state.kv_bytes))
 
     def execute(self, requests):
         for request in requests:
@@ -71,7 +77,8 @@ class TritonPythonModel:
             self.metrics.started()
             kv_cache = kv if handle is None else self._pull(handle, params.request_id)
             released = None if handle is None or kv_cache is None else (lambda: self.connectors.done(handle))
-            return self.model.generation(ids, params, first_token_id=first, kv_cache=kv_cache, on_kv_released=released)
+            return self.model.generation(ids, params, first_token_id=first, kv_cache=kv_cache, on_kv_released=released,
+                                         prefill_chunk=self.options.prefill_chunk)
 
         def emit(delta):
             output = assembler.on_delta(delta)
@@ -95,6 +102,7 @@ class TritonPythonModel:
             fail=fail,
             is_cancelled=sender.is_cancelled,
             on_cancel=on_cancel,
+            tokens=len(ids) + params.max_tokens,
         )
 
     def _pull(self, handle, request_id):

@@ -1,0 +1,56 @@
+"""DecodeBatch: rows of different lengths joining and leaving mid-way decode exactly the
+tokens each would alone (greedy, fp32, CPU)."""
+
+import pytest
+import torch
+
+from pdchat.core.engine import CausalLM, DecodeBatch
+
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return CausalLM(tiny_model_dir, "cpu")
+
+
+def alone(engine, prompt):
+    result = engine.prefill(prompt)
+    token, out = int(result.last_logits.argmax()), []
+    for _ in range(STEPS):
+        out.append(token)
+        token = int(engine.step(token, result.cache).argmax())
+    return out
+
+
+def test_joining_and_leaving_rows_decode_what_each_would_alone(engine):
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, engine.vocab_size, (n,), generator=generator).tolist() for n in (5, 40, 17, 300, 2, 90, 64, 11)]
+    expected = [alone(engine, p) for p in prompts]
+    batch, rows, results, waiting, turn = DecodeBatch(engine), [], {}, list(range(len(prompts))), 0
+    while waiting or rows:
+        if waiting and turn % 3 == 0:  # a new request joins every third step
+            index = waiting.pop(0)
+            result = engine.prefill(prompts[index])
+            batch.join(result.cache)
+            rows.append((index, [int(result.last_logits.argmax())]))
+        done = [row for row, (index, tokens) in enumerate(rows) if len(tokens) >= STEPS - index % 4]  # leave at different times
+        results.update(rows[row] for row in done)
+        batch.leave(done)
+        rows = [r for row, r in enumerate(rows) if row not in done]
+        if rows:
+            for (_, tokens), logits in zip(rows, batch.step([tokens[-1] for _, tokens in rows]), strict=True):
+                tokens.append(int(logits.argmax()))
+        turn += 1
+    for index in range(len(prompts)):
+        assert results[index] == expected[index][:len(results[index])], f"prompt {index} diverged in the batch"
+    assert len(batch) == 0 and batch.kv_bytes() == 0
+
+
+def test_the_batch_drops_padding_once_the_longest_row_leaves(engine):
+    batch = DecodeBatch(engine)
+    batch.join(engine.prefill(list(range(1, 300))).cache)
+    batch.join(engine.prefill([5, 6, 7]).cache)
+    assert batch.columns == 299
+    batch.leave([0])
+    assert batch.columns == 3 and batch.kv_bytes() == 3 * engine.kv_bytes_per_token()
