@@ -83,8 +83,8 @@ class Recorder:
         )
 
 
-def run_jobs(recorder, jobs, expected_events, batch=None, limits=Limits()):
-    scheduler = DecodeScheduler(RecordingBatch() if batch is None else batch, limits)
+def run_jobs(recorder, jobs, expected_events, batch=None, limits=None):
+    scheduler = DecodeScheduler(RecordingBatch() if batch is None else batch, limits or Limits())
     gate = threading.Event()
 
     def held_start():

@@ -1,10 +1,35 @@
-"""Forwarded-id outcomes and render savings on Triton's metrics endpoint."""
+"""pdchat's metrics on Triton's metrics endpoint: forwarded-id outcomes and render
+savings, decode requests and batch, KV held for pulls.
+
+Every update goes through one lock per process: in Triton 2.51 two threads calling
+`increment()` on one `pb_utils.Metric` corrupt the python backend's shared memory and
+crash the server (`Metric::SendIncrementRequest` releases the GIL, then rewrites the
+object's shared-memory members unlocked; see scripts/metric_race_repro). pdchat's
+models update metrics from one thread each anyway; the lock keeps it safe by construction.
+"""
 
 from __future__ import annotations
 
 import threading
 
 import triton_python_backend_utils as pb_utils
+
+_UPDATES = threading.Lock()
+
+
+class _Metric:
+    """A pb_utils Metric whose updates never overlap."""
+
+    def __init__(self, family, labels: dict[str, str]):
+        self._metric = family.Metric(labels=labels)
+
+    def increment(self, value: float) -> None:
+        with _UPDATES:
+            self._metric.increment(value)
+
+    def set(self, value: float) -> None:
+        with _UPDATES:
+            self._metric.set(value)
 
 
 class HandoffMetrics:
@@ -14,8 +39,8 @@ class HandoffMetrics:
         self._outcomes = _counter("pdchat_forwarded_ids_total", "Requests with forwarded prompt token ids, by outcome and rejection reason")
         self._skipped_family = _counter("pdchat_renders_skipped_total", "Renders (chat template + tokenization) skipped")
         self._saved_family = _counter("pdchat_render_seconds_saved_total", "Render seconds skipped, estimated from this host's measured render rate")
-        self._skipped = self._skipped_family.Metric(labels=self._labels)
-        self._saved = self._saved_family.Metric(labels=self._labels)
+        self._skipped = _Metric(self._skipped_family, self._labels)
+        self._saved = _Metric(self._saved_family, self._labels)
         self._by_outcome: dict[tuple[str, str], object] = {}
         self._lock = threading.Lock()
 
@@ -37,7 +62,7 @@ class HandoffMetrics:
         with self._lock:
             key = (outcome, reason)
             if key not in self._by_outcome:
-                self._by_outcome[key] = self._outcomes.Metric(labels={**self._labels, "outcome": outcome, "reason": reason})
+                self._by_outcome[key] = _Metric(self._outcomes, {**self._labels, "outcome": outcome, "reason": reason})
             return self._by_outcome[key]
 
 
@@ -55,11 +80,11 @@ class DecodeMetrics:
         self._pulls_family = _counter("pdchat_kv_pulls_total", "KV handed over by prefill: pulled, or recomputed when the pull failed")
         self._waiting_family = _gauge("pdchat_decode_waiting", "Decode requests queued at the limits (max_running, KV budget)")
         self._kv_family = _gauge("pdchat_decode_kv_bytes", "KV the decode batch holds now, padding included")
-        self._waiting = self._waiting_family.Metric(labels=labels)
-        self._kv = self._kv_family.Metric(labels=labels)
-        self._ended = {o: self._ended_family.Metric(labels={**labels, "outcome": o}) for o in self.OUTCOMES}
-        self._pulls = {o: self._pulls_family.Metric(labels={**labels, "outcome": o}) for o in ("pulled", "recomputed")}
-        self._active = self._active_family.Metric(labels=labels)
+        self._waiting = _Metric(self._waiting_family, labels)
+        self._kv = _Metric(self._kv_family, labels)
+        self._ended = {o: _Metric(self._ended_family, {**labels, "outcome": o}) for o in self.OUTCOMES}
+        self._pulls = {o: _Metric(self._pulls_family, {**labels, "outcome": o}) for o in ("pulled", "recomputed")}
+        self._active = _Metric(self._active_family, labels)
 
     def kv_pull(self, outcome: str) -> None:
         self._pulls[outcome].increment(1)
@@ -96,7 +121,7 @@ class KVHeldMetrics:
     def update(self, held: dict[str, int]) -> None:
         for connector, size in held.items():
             if connector not in self._by_connector:
-                self._by_connector[connector] = self._family.Metric(labels={"model": self._model, "connector": connector})
+                self._by_connector[connector] = _Metric(self._family, {"model": self._model, "connector": connector})
             self._by_connector[connector].set(size)
 
     def close(self) -> None:
