@@ -4,6 +4,7 @@
     python -m pdchat.clients.bench kv       # KV transfer throughput per connector
     python -m pdchat.clients.bench router   # latency the router adds per request
     python -m pdchat.clients.bench soak     # N streams at concurrency C through a P/D pair
+    python -m pdchat.clients.bench batching # throughput and latency by concurrency (batched decode)
 
 Ratios are measured side by side in one run; these machines are noisy.
 """
@@ -237,6 +238,85 @@ def bench_soak(args: argparse.Namespace) -> None:
     print(f"results: {OUT_DIR / 'soak.json'}")
 
 
+def bench_batching(args: argparse.Namespace) -> None:
+    """Output tokens/s, TTFT and inter-token latency by concurrency: perf_analyzer on one
+    server's `chat`, the router's OpenAI API on a P/D pair; then the other streams'
+    inter-token latency while decode prefills a long prompt itself."""
+    from transformers import AutoTokenizer
+
+    from pdchat import embedded
+    from pdchat.clients import load, perf
+    from pdchat.launcher import PDStack, TritonServer
+
+    model_dir = embedded.ensure_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    words = 100
+    prompt = perf.input_data(words, args.max_tokens)
+    prompt_tokens = len(tokenizer.apply_chat_template(json.loads(prompt["data"][0]["request"][0])["messages"],
+                                                      add_generation_prompt=True, return_dict=False))
+    results: dict[str, dict[int, dict[str, float]]] = {}
+    env = {"PDCHAT_MODEL": args.model, "PDCHAT_FORWARDED_IDS": "trusted"}
+    with TritonServer(env=env, extra_args=("--exit-timeout-secs=5",)) as server:
+        print(f"monolithic server: perf_analyzer at concurrency {args.concurrency}", file=sys.stderr, flush=True)
+        export = perf.profile(server.grpc_url, "chat", args.concurrency, words, args.max_tokens, args.measurement_ms)
+        results["monolithic (perf_analyzer)"] = perf.summarize(export)
+        results["long local prefill"] = {args.long_prompt: _during_long_prefill(server, tokenizer, args)}
+    with PDStack(model=args.model, connector="shm") as stack:
+        send = load.RouterStreams(stack.router_url)
+        body = json.loads(prompt["data"][0]["request"][0])
+        pd = {}
+        for concurrency in args.concurrency:
+            print(f"P/D pair through the router: concurrency {concurrency}", file=sys.stderr, flush=True)
+            load.run(send, lambda i: body, concurrency, concurrency)  # warm the connections
+            started = time.perf_counter()
+            outcomes = load.run(send, lambda i: body, max(8, 3 * concurrency), concurrency)
+            pd[concurrency] = load.summary(outcomes, time.perf_counter() - started)
+        results["P/D through the router"] = pd
+    print(f"\nBatched decode, model {args.model}, ~{prompt_tokens}-token prompts, {args.max_tokens} output tokens, ignore_eos:")
+    for name, by_concurrency in results.items():
+        if name == "long local prefill":
+            continue
+        print(f"\n{name}:")
+        print(table(["concurrency", "requests", *perf.COLUMNS], perf.rows(by_concurrency, args.concurrency)))
+    [long] = results["long local prefill"].values()
+    print(f"\nWhile decode prefills a {args.long_prompt}-token prompt itself (chunks of 512), the other streams:")
+    print(table(["itl p50 ms", "itl p99 ms", "p99 / p50"], [[long["itl_p50_ms"], long["itl_p99_ms"], long["itl_p99_ms"] / long["itl_p50_ms"]]]))
+    mono = results["monolithic (perf_analyzer)"]
+    if 1 in mono and 16 in mono:
+        print(f"\nmonolithic: tokens/s at 16 / at 1 = {mono[16]['output_tokens_per_s'] / mono[1]['output_tokens_per_s']:.1f}x; "
+              f"itl p50 at 16 / at 1 = {mono[16]['itl_p50_ms'] / mono[1]['itl_p50_ms']:.1f}x")
+    OUT_DIR.mkdir(exist_ok=True)
+    (OUT_DIR / "batching.json").write_text(json.dumps({"model": args.model, "prompt_tokens": prompt_tokens,
+                                                        "max_tokens": args.max_tokens, "results": results}, indent=2) + "\n")
+    plot("batching", "Batched decode: output tokens/s by concurrency", "concurrency", "output tokens/s",
+         {name: (list(r), [v["output_tokens_per_s"] for v in r.values()]) for name, r in results.items() if name != "long local prefill"})
+    print(f"results: {OUT_DIR / 'batching.json'}")
+
+
+def _during_long_prefill(server, tokenizer, args: argparse.Namespace) -> dict[str, float]:
+    """Streams running while one request's ids go to decode without KV (trusted policy):
+    decode prefills them itself, in chunks between the others' steps."""
+    import threading
+
+    from pdchat.clients import load
+    from pdchat.clients.chat import GrpcChat, chat_inputs
+
+    body = {"messages": [{"role": "user", "content": "Go on"}], "max_tokens": 600, "ignore_eos": True, "temperature": 0}
+    ids = list(range(100, 100 + args.long_prompt))
+    send = load.TritonStreams(server.grpc_url)
+    long_client = GrpcChat(server.grpc_url)
+    outcomes: list = []
+    streams = threading.Thread(target=lambda: outcomes.extend(load.run(send, lambda i: body, 4, 4)))
+    streams.start()
+    time.sleep(1.0)  # the streams are decoding
+    print(f"decode prefills {args.long_prompt} tokens while 4 streams decode", file=sys.stderr, flush=True)
+    list(long_client.stream(chat_inputs({**body, "max_tokens": 1}, prompt_token_ids=ids, kv_transfer_params={})))
+    streams.join()
+    long_client.close()
+    send.close()
+    return load.summary(outcomes, 1.0)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="bench", required=True)
@@ -257,8 +337,15 @@ def main(argv: list[str] | None = None) -> None:
     soak.add_argument("--requests", type=int, default=2000)
     soak.add_argument("--concurrency", type=int, default=16)
     soak.add_argument("--max-tokens", type=int, default=16)
+    batching = commands.add_parser("batching")
+    batching.add_argument("--model", default="tiny")
+    batching.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    batching.add_argument("--max-tokens", type=int, default=64)
+    batching.add_argument("--measurement-ms", type=int, default=10000)
+    batching.add_argument("--long-prompt", type=int, default=16000)
     args = parser.parse_args(argv)
-    {"reuse": bench_reuse, "kv": bench_kv, "router": bench_router, "soak": bench_soak}[args.bench](args)
+    benches = {"reuse": bench_reuse, "kv": bench_kv, "router": bench_router, "soak": bench_soak, "batching": bench_batching}
+    benches[args.bench](args)
 
 
 if __name__ == "__main__":

@@ -21,14 +21,26 @@ from pdchat.clients.chat import ChatError, GrpcChat, chat_inputs
 
 @dataclass(frozen=True)
 class Outcome:
-    """One request: whether it ended as expected, its timings and what it received."""
+    """One request: whether it ended as expected, its timings and what it received.
+    `arrivals`: seconds from sending the request to each streamed chunk."""
 
     ok: bool
     error: str = ""
-    ttft_s: float = 0.0
     latency_s: float = 0.0
-    chunks: int = 0
+    arrivals: tuple[float, ...] = ()
     abandoned: bool = False
+
+    @property
+    def ttft_s(self) -> float:
+        return self.arrivals[0] if self.arrivals else 0.0
+
+    @property
+    def chunks(self) -> int:
+        return len(self.arrivals)
+
+    @property
+    def gaps_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
 
 
 class RouterStreams:
@@ -43,35 +55,38 @@ class RouterStreams:
     def __call__(self, body: dict, abandon_after: int | None = None) -> Outcome:
         started = time.perf_counter()
         connection = self._connection()
-        ttft, chunks = 0.0, 0
+        arrivals: list[float] = []
+
+        def outcome(ok: bool, error: str = "", abandoned: bool = False) -> Outcome:
+            return Outcome(ok, error, time.perf_counter() - started, tuple(arrivals), abandoned)
+
         try:
             connection.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
                                {"Content-Type": "application/json"})
             reply = connection.getresponse()
             if reply.status != 200:
-                return Outcome(False, f"HTTP {reply.status}: {reply.read()[:300]!r}")
+                return outcome(False, f"HTTP {reply.status}: {reply.read()[:300]!r}")
             while True:
                 line = reply.readline()
                 if not line:
                     self._drop()
-                    return Outcome(False, "stream ended without [DONE]", ttft, time.perf_counter() - started, chunks)
+                    return outcome(False, "stream ended without [DONE]")
                 if not line.startswith(b"data: "):
                     continue
                 if line.strip() == b"data: [DONE]":
                     reply.read()  # the end of the chunked body, so the connection can carry the next request
-                    return Outcome(True, "", ttft, time.perf_counter() - started, chunks)
+                    return outcome(True)
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     self._drop()
-                    return Outcome(False, str(chunk["error"]), ttft, time.perf_counter() - started, chunks)
-                chunks += 1
-                ttft = ttft or time.perf_counter() - started
-                if abandon_after is not None and chunks >= abandon_after:
+                    return outcome(False, str(chunk["error"]))
+                arrivals.append(time.perf_counter() - started)
+                if abandon_after is not None and len(arrivals) >= abandon_after:
                     self._drop()  # leave mid-stream: the router sees the connection close
-                    return Outcome(True, "", ttft, time.perf_counter() - started, chunks, abandoned=True)
+                    return outcome(True, abandoned=True)
         except (OSError, http.client.HTTPException, ValueError) as exc:
             self._drop()
-            return Outcome(False, f"{type(exc).__name__}: {exc}", ttft, time.perf_counter() - started, chunks)
+            return outcome(False, f"{type(exc).__name__}: {exc}")
 
     def _connection(self) -> http.client.HTTPConnection:
         if getattr(self._local, "connection", None) is None:
@@ -100,19 +115,22 @@ class TritonStreams:
             with self._lock:
                 self._clients.append(self._local.client)
         started = time.perf_counter()
-        ttft, chunks = 0.0, 0
+        arrivals: list[float] = []
+
+        def outcome(ok: bool, error: str = "", abandoned: bool = False) -> Outcome:
+            return Outcome(ok, error, time.perf_counter() - started, tuple(arrivals), abandoned)
+
         outputs = self._local.client.stream(chat_inputs({**body, "stream": True}))
         try:
             for output in outputs:
-                chunks += 1
-                ttft = ttft or time.perf_counter() - started
-                if abandon_after is not None and chunks >= abandon_after:
-                    return Outcome(True, "", ttft, time.perf_counter() - started, chunks, abandoned=True)
+                arrivals.append(time.perf_counter() - started)
+                if abandon_after is not None and len(arrivals) >= abandon_after:
+                    return outcome(True, abandoned=True)
                 if output.finish_reason:
-                    return Outcome(True, "", ttft, time.perf_counter() - started, chunks)
-            return Outcome(False, "stream ended without a finish_reason", ttft, time.perf_counter() - started, chunks)
+                    return outcome(True)
+            return outcome(False, "stream ended without a finish_reason")
         except ChatError as exc:
-            return Outcome(False, f"{exc.status}: {exc}", ttft, time.perf_counter() - started, chunks)
+            return outcome(False, f"{exc.status}: {exc}")
         finally:
             outputs.close()  # an abandoned stream is cancelled on the server
 
@@ -151,16 +169,21 @@ def run(send: Callable[[dict, int | None], Outcome], bodies: Callable[[int], dic
 
 
 def summary(outcomes: list[Outcome], wall_s: float) -> dict[str, float]:
-    """Request rate, errors, and TTFT / whole-request latency percentiles (ms)."""
+    """Request and output-token rates, errors, and TTFT / inter-token / whole-request
+    percentiles (ms) of the requests that completed."""
     done = [o for o in outcomes if o.ok and not o.abandoned]
     ttft = sorted(o.ttft_s for o in done) or [0.0]
+    gaps = sorted(g for o in done for g in o.gaps_s) or [0.0]
     latency = sorted(o.latency_s for o in done) or [0.0]
     return {
         "requests": len(outcomes),
         "errors": sum(not o.ok for o in outcomes),
         "req_per_s": len(done) / wall_s if wall_s else 0.0,
+        "output_tokens_per_s": sum(o.chunks for o in done) / wall_s if wall_s else 0.0,
         "ttft_p50_ms": 1000 * statistics.median(ttft),
         "ttft_p99_ms": 1000 * percentile(ttft, 99),
+        "itl_p50_ms": 1000 * statistics.median(gaps),
+        "itl_p99_ms": 1000 * percentile(gaps, 99),
         "latency_p50_ms": 1000 * statistics.median(latency),
         "latency_p99_ms": 1000 * percentile(latency, 99),
     }

@@ -13,13 +13,13 @@ import argparse
 import importlib.util
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from pdchat.clients.bench import table
+from pdchat.clients.load import Outcome, summary
 
 
 def perf_analyzer_env() -> dict[str, str]:
@@ -40,16 +40,46 @@ def input_data(prompt_words: int, max_tokens: int) -> dict:
     return {"data": [{"request": [json.dumps(body)]}]}
 
 
-def summarize(export: dict) -> list[list[object]]:
-    rows = []
+def summarize(export: dict) -> dict[int, dict[str, float]]:
+    """Per concurrency: the stream statistics of pdchat.clients.load.summary, computed from
+    each request's send and response timestamps (ns) in perf_analyzer's profile export."""
+    results = {}
     for experiment in export["experiments"]:
         requests = [r for r in experiment["requests"] if r.get("response_timestamps")]
-        ttft = [(r["response_timestamps"][0] - r["timestamp"]) / 1e6 for r in requests]
-        gaps = [(b - a) / 1e6 for r in requests for a, b in zip(r["response_timestamps"], r["response_timestamps"][1:], strict=False)]
-        whole = [(r["response_timestamps"][-1] - r["timestamp"]) / 1e6 for r in requests]
-        rows.append([experiment["experiment"]["value"], len(requests), statistics.median(ttft),
-                     statistics.median(gaps) if gaps else 0.0, statistics.median(whole)])
-    return rows
+        outcomes = [Outcome(True, "", (r["response_timestamps"][-1] - r["timestamp"]) / 1e9,
+                            tuple((t - r["timestamp"]) / 1e9 for t in r["response_timestamps"])) for r in requests]
+        window = (max(r["response_timestamps"][-1] for r in requests) - min(r["timestamp"] for r in requests)) / 1e9 if requests else 0
+        results[experiment["experiment"]["value"]] = summary(outcomes, window)
+    return results
+
+
+def perf_analyzer_binary() -> str:
+    """perf_analyzer of the tritonclient wheel: beside this interpreter (a venv's bin), else on PATH."""
+    beside = Path(sys.executable).parent / "perf_analyzer"
+    return str(beside) if beside.exists() else "perf_analyzer"
+
+
+def profile(url: str, model: str, concurrency: list[int], prompt_words: int, max_tokens: int, measurement_ms: int) -> dict:
+    """Run perf_analyzer over gRPC streaming at each concurrency; its profile export."""
+    with tempfile.TemporaryDirectory() as scratch:
+        data, export = Path(scratch) / "input.json", Path(scratch) / "profile.json"
+        data.write_text(json.dumps(input_data(prompt_words, max_tokens)))
+        command = [perf_analyzer_binary(), "-m", model, "-u", url, "-i", "grpc", "--streaming",
+                   "--input-data", str(data), "--concurrency-range", f"{min(concurrency)}:{max(concurrency)}",
+                   "--measurement-interval", str(measurement_ms), "--stability-percentage", "50", "--max-trials", "3",
+                   "--profile-export-file", str(export)]
+        print(" ".join(command), file=sys.stderr, flush=True)
+        completed = subprocess.run(command, env=perf_analyzer_env(), text=True, capture_output=True)
+        if completed.returncode != 0 or not export.exists():
+            raise RuntimeError(f"perf_analyzer failed ({completed.returncode}):\n{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}")
+        return json.loads(export.read_text())
+
+
+COLUMNS = ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "latency_p50_ms")
+
+
+def rows(results: dict[int, dict[str, float]], wanted: list[int]) -> list[list[object]]:
+    return [[c, int(results[c]["requests"]), *(results[c][k] for k in COLUMNS)] for c in wanted if c in results]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,21 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--measurement-ms", type=int, default=8000)
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as scratch:
-        data, export = Path(scratch) / "input.json", Path(scratch) / "profile.json"
-        data.write_text(json.dumps(input_data(args.prompt_words, args.max_tokens)))
-        command = ["perf_analyzer", "-m", args.model, "-u", args.url, "-i", "grpc", "--streaming",
-                   "--input-data", str(data), "--concurrency-range", f"{min(args.concurrency)}:{max(args.concurrency)}",
-                   "--measurement-interval", str(args.measurement_ms), "--stability-percentage", "50",
-                   "--profile-export-file", str(export)]
-        print(" ".join(command), file=sys.stderr)
-        completed = subprocess.run(command, env=perf_analyzer_env(), text=True, capture_output=True)
-        if completed.returncode != 0 or not export.exists():
-            print(completed.stdout[-3000:], completed.stderr[-3000:], sep="\n", file=sys.stderr)
-            return completed.returncode or 1
-        rows = [r for r in summarize(json.loads(export.read_text())) if r[0] in args.concurrency]
-    print(f"\nperf_analyzer on {args.model}, ~{args.prompt_words}-word prompt, {args.max_tokens} tokens (medians, ms):")
-    print(table(["concurrency", "requests", "time to first token", "inter-token gap", "whole stream"], rows))
+    try:
+        export = profile(args.url, args.model, args.concurrency, args.prompt_words, args.max_tokens, args.measurement_ms)
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(f"\nperf_analyzer on {args.model}, ~{args.prompt_words}-word prompt, {args.max_tokens} tokens:")
+    print(table(["concurrency", "requests", *COLUMNS], rows(summarize(export), args.concurrency)))
     return 0
 
 

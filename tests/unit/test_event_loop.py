@@ -27,7 +27,7 @@ def test_coroutines_share_one_thread_and_blocking_calls_run_one_at_a_time(loop):
 
     async def serve(i):
         threads.add(threading.current_thread().name)
-        result = await loop.call_blocking(blocking, i)
+        result = await loop.call_blocking("stage", blocking, i)
         threads.add(threading.current_thread().name)
         return result
 
@@ -42,12 +42,22 @@ def test_at_most_max_concurrent_coroutines_run_at_once(loop):
     async def serve():
         active[0] += 1
         peak[0] = max(peak[0], active[0])
-        await loop.call_blocking(time.sleep, 0.01)
+        await loop.call_blocking("stage", time.sleep, 0.01)
         active[0] -= 1
 
     for future in [loop.submit(serve()) for _ in range(6)]:
         future.result(5)
     assert peak[0] == 2
+
+
+def test_lanes_run_side_by_side(loop):
+    both_in = threading.Barrier(2, timeout=5)
+
+    async def serve(lane):
+        return await loop.call_blocking(lane, both_in.wait)
+
+    futures = [loop.submit(serve("renderer")), loop.submit(serve("prefill"))]
+    assert sorted(f.result(5) for f in futures) == [0, 1], "one lane waited for the other"
 
 
 def test_iterate_yields_every_item_then_raises_the_iterators_error(loop):

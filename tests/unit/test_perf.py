@@ -1,5 +1,7 @@
 """Reading perf_analyzer's profile export: time to first token and inter-token gaps."""
 
+import pytest
+
 from pdchat.clients.perf import input_data, summarize
 
 
@@ -13,11 +15,14 @@ def test_first_response_latency_and_gaps_come_from_response_timestamps():
             {"timestamp": 200 * ms, "response_timestamps": []},
         ],
     }]}
-    [[concurrency, requests, ttft, gap, whole]] = summarize(export)
-    assert (concurrency, requests) == (2, 2)
-    assert ttft == 20.0  # median of 30 and 10
-    assert gap == 10.0  # median of 10, 10, 20
-    assert whole == 40.0  # median of 50 and 30
+    [(concurrency, stats)] = summarize(export).items()
+    assert (concurrency, stats["requests"]) == (2, 2)
+    assert stats["ttft_p50_ms"] == pytest.approx(20.0)  # median of 30 and 10
+    assert stats["ttft_p99_ms"] == pytest.approx(30.0)
+    assert stats["itl_p50_ms"] == pytest.approx(10.0)  # median of 10, 10, 20
+    assert stats["itl_p99_ms"] == pytest.approx(20.0)
+    assert stats["latency_p50_ms"] == pytest.approx(40.0)  # median of 50 and 30
+    assert stats["output_tokens_per_s"] == pytest.approx(5 / 0.13)  # 5 responses from 0 to 130 ms
 
 
 def test_input_data_is_one_streamed_chat_request():

@@ -1,13 +1,14 @@
 """One event loop per model process: the only thread that calls into the python backend.
 
-Under load, Triton 2.51's python backend crashed (`Signal (11)` in libtriton_python.so)
-when many threads of one model sent responses, checked cancellation and started BLS
-streams at once (README, "Concurrency in the python backend"). A model built on
-`ModelEventLoop` serves each request as a coroutine on one loop thread, so those calls
-never overlap; what blocks runs elsewhere and only hands results back to the loop:
+Triton 2.51's python backend is not safe against every call overlapping with itself
+from several threads of one model: two threads bumping one metric crashed the server
+(`Signal (11)` in libtriton_python.so; README, "Concurrency in the python backend"). A
+model built on `ModelEventLoop` serves each request as a coroutine on one loop thread,
+so its sends, cancellation checks, BLS set-ups, logs and metric updates never overlap;
+what blocks runs elsewhere and only hands results back to the loop:
 
-- `call_blocking`: a blocking call (a BLS `exec()` to another model), one at a time on
-  one worker thread, in arrival order;
+- `call_blocking`: a blocking call (a BLS `exec()` to another model), one at a time per
+  lane (a worker thread per lane, e.g. one per called model), in arrival order;
 - `iterate`: a blocking iterator (a decoupled BLS response stream), read by a thread of
   its own that only waits for the next item.
 
@@ -32,23 +33,24 @@ class ModelEventLoop:
     def __init__(self, name: str, max_concurrent: int):
         self.loop = asyncio.new_event_loop()
         self._slots = asyncio.Semaphore(max_concurrent)  # bound to the loop on first use
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = queue.SimpleQueue()
+        self._lanes: dict[str, queue.SimpleQueue[tuple[Callable[[], Any], Future] | None]] = {}
         self._name = name
-        self._threads = [
-            threading.Thread(target=self.loop.run_forever, name=f"{name}-loop", daemon=True),
-            threading.Thread(target=self._run_calls, name=f"{name}-calls", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._threads = [threading.Thread(target=self.loop.run_forever, name=f"{name}-loop", daemon=True)]
+        self._threads[0].start()
 
     def submit(self, coroutine: Coroutine[Any, Any, Any]) -> Future:
         """Run `coroutine` on the loop once one of `max_concurrent` slots is free (from any thread)."""
         return asyncio.run_coroutine_threadsafe(self._in_slot(coroutine), self.loop)
 
-    async def call_blocking(self, function: Callable[..., T], *args: Any) -> T:
-        """`function(*args)` on the worker thread, after the calls queued before it."""
+    async def call_blocking(self, lane: str, function: Callable[..., T], *args: Any) -> T:
+        """`function(*args)` on `lane`'s worker thread, after the calls queued there before it."""
+        if lane not in self._lanes:  # (only the loop thread gets here: no race)
+            self._lanes[lane] = queue.SimpleQueue()
+            thread = threading.Thread(target=_run_calls, args=(self._lanes[lane],), name=f"{self._name}-{lane}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
         future: Future = Future()
-        self._calls.put((lambda: function(*args), future))
+        self._lanes[lane].put((lambda: function(*args), future))
         return await asyncio.wrap_future(future)
 
     async def iterate(self, items: Iterator[T]) -> AsyncIterator[T]:
@@ -71,8 +73,9 @@ class ModelEventLoop:
             yield item
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the loop and the worker; coroutines still running are abandoned."""
-        self._calls.put(None)
+        """Stop the loop and the workers; coroutines still running are abandoned."""
+        for calls in self._lanes.values():
+            calls.put(None)
         self.loop.call_soon_threadsafe(self.loop.stop)
         for thread in self._threads:
             thread.join(timeout)
@@ -81,12 +84,14 @@ class ModelEventLoop:
         async with self._slots:
             return await coroutine
 
-    def _run_calls(self) -> None:
-        while (call := self._calls.get()) is not None:
-            function, future = call
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(function())
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-                future.set_exception(exc)
+
+
+def _run_calls(calls: queue.SimpleQueue) -> None:
+    while (call := calls.get()) is not None:
+        function, future = call
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            future.set_result(function())
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            future.set_exception(exc)
