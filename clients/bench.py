@@ -256,7 +256,7 @@ def bench_batching(args: argparse.Namespace) -> None:
                                                       add_generation_prompt=True, return_dict=False))
     results: dict[str, dict[int, dict[str, float]]] = {}
     env = {"PDCHAT_MODEL": args.model, "PDCHAT_FORWARDED_IDS": "trusted"}
-    with TritonServer(env=env, extra_args=("--exit-timeout-secs=5",)) as server:
+    with TritonServer(env=env, exit_timeout_s=5) as server:
         print(f"monolithic server: perf_analyzer at concurrency {args.concurrency}", file=sys.stderr, flush=True)
         export = perf.profile(server.grpc_url, "chat", args.concurrency, words, args.max_tokens, args.measurement_ms)
         results["monolithic (perf_analyzer)"] = perf.summarize(export)

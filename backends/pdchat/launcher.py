@@ -126,6 +126,9 @@ class TritonServer:
     load_models: tuple[str, ...] | None = None
     log_path: Path | None = None
     extra_args: tuple[str, ...] = ()
+    # How long a stopping server lets requests in flight finish before it unloads its
+    # models anyway (Triton's default, 30 s, makes a stop under load look like a hang).
+    exit_timeout_s: int = 10
     process: subprocess.Popen | None = None
     shm_prefix: str = field(default_factory=lambda: f"pdchat_{uuid.uuid4().hex[:8]}_")
 
@@ -162,6 +165,7 @@ class TritonServer:
             f"--metrics-address={self.host}",
             f"--metrics-port={self.metrics_port}",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            f"--exit-timeout-secs={self.exit_timeout_s}",
             "--log-info=true",
         ]
         if backend_dir is not None:
@@ -212,6 +216,9 @@ class TritonServer:
                 pass
         _signal_group(self.process.pid, signal.SIGKILL)
         self.process.wait()
+        deadline = time.monotonic() + 10  # SIGKILL is delivered, not yet done: wait for the stubs to go
+        while process_group(self.process.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         self.cleanup_shm()
 
     def memory(self) -> dict[int, int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -73,12 +74,14 @@ class ModelEventLoop:
             yield item
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the loop and the workers; coroutines still running are abandoned."""
+        """Stop the loop and the workers within `timeout` in all; coroutines still running
+        are abandoned (their threads are daemons)."""
         for calls in self._lanes.values():
             calls.put(None)
         self.loop.call_soon_threadsafe(self.loop.stop)
+        deadline = time.monotonic() + timeout
         for thread in self._threads:
-            thread.join(timeout)
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     async def _in_slot(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
         async with self._slots:
