@@ -269,7 +269,7 @@ def bench_batching(args: argparse.Namespace) -> None:
             print(f"P/D pair through the router: concurrency {concurrency}", file=sys.stderr, flush=True)
             load.run(send, lambda i: body, concurrency, concurrency)  # warm the connections
             started = time.perf_counter()
-            outcomes = load.run(send, lambda i: body, max(8, 3 * concurrency), concurrency)
+            outcomes = load.run(send, lambda i: body, max(8, 2 * concurrency), concurrency)
             pd[concurrency] = load.summary(outcomes, time.perf_counter() - started)
         results["P/D through the router"] = pd
     print(f"\nBatched decode, model {args.model}, ~{prompt_tokens}-token prompts, {args.max_tokens} output tokens, ignore_eos:")
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     batching.add_argument("--model", default="tiny")
     batching.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     batching.add_argument("--max-tokens", type=int, default=64)
-    batching.add_argument("--measurement-ms", type=int, default=10000)
+    batching.add_argument("--measurement-ms", type=int, default=8000)
     batching.add_argument("--long-prompt", type=int, default=16000)
     args = parser.parse_args(argv)
     benches = {"reuse": bench_reuse, "kv": bench_kv, "router": bench_router, "soak": bench_soak, "batching": bench_batching}

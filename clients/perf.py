@@ -60,19 +60,26 @@ def perf_analyzer_binary() -> str:
 
 
 def profile(url: str, model: str, concurrency: list[int], prompt_words: int, max_tokens: int, measurement_ms: int) -> dict:
-    """Run perf_analyzer over gRPC streaming at each concurrency; its profile export."""
+    """Run perf_analyzer over gRPC streaming at each concurrency (one run each: a range
+    would visit every value between); the experiments of their profile exports."""
+    experiments = []
     with tempfile.TemporaryDirectory() as scratch:
-        data, export = Path(scratch) / "input.json", Path(scratch) / "profile.json"
+        data = Path(scratch) / "input.json"
         data.write_text(json.dumps(input_data(prompt_words, max_tokens)))
-        command = [perf_analyzer_binary(), "-m", model, "-u", url, "-i", "grpc", "--streaming",
-                   "--input-data", str(data), "--concurrency-range", f"{min(concurrency)}:{max(concurrency)}",
-                   "--measurement-interval", str(measurement_ms), "--stability-percentage", "50", "--max-trials", "3",
-                   "--profile-export-file", str(export)]
-        print(" ".join(command), file=sys.stderr, flush=True)
-        completed = subprocess.run(command, env=perf_analyzer_env(), text=True, capture_output=True)
-        if completed.returncode != 0 or not export.exists():
-            raise RuntimeError(f"perf_analyzer failed ({completed.returncode}):\n{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}")
-        return json.loads(export.read_text())
+        for value in concurrency:
+            export = Path(scratch) / f"profile-{value}.json"
+            # Stability is not asked for: the statistics come from the export's timestamps, and
+            # a noisy 2-core host would otherwise end the run without writing the export.
+            command = [perf_analyzer_binary(), "-m", model, "-u", url, "-i", "grpc", "--streaming",
+                       "--input-data", str(data), "--concurrency-range", f"{value}:{value}",
+                       "--measurement-interval", str(measurement_ms), "--stability-percentage", "1000", "--max-trials", "3",
+                       "--profile-export-file", str(export)]
+            print(" ".join(command), file=sys.stderr, flush=True)
+            completed = subprocess.run(command, env=perf_analyzer_env(), text=True, capture_output=True)
+            if completed.returncode != 0 or not export.exists():
+                raise RuntimeError(f"perf_analyzer failed ({completed.returncode}):\n{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}")
+            experiments += json.loads(export.read_text())["experiments"]
+    return {"experiments": experiments}
 
 
 COLUMNS = ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "latency_p50_ms")

@@ -1,0 +1,84 @@
+"""Continuous batching on a real tritonserver: requests served together get exactly the
+tokens each gets alone (greedy, fp32), on the render path and on the reuse path with a
+local, chunked prefill; over decode's limits a request gets UNAVAILABLE naming the limit."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from pdchat.clients.chat import ChatError, GrpcChat, chat_inputs, collect
+from tests.conversations import CONVERSATIONS
+from tests.integration.conftest import running_server, stop_checked
+from tests.integration.server_stats import metric, wait_for
+
+
+def bodies() -> list[dict]:
+    """Eight greedy requests of different prompt and answer lengths (one over a 512-token chunk)."""
+    chats = [{"messages": messages} for messages in CONVERSATIONS.values()][:6]
+    chats.append({"messages": [{"role": "user", "content": "Summarize: " + "the quick brown fox " * 200}]})
+    chats.append({"messages": [{"role": "user", "content": "Hi"}]})
+    return [{**chat, "max_tokens": 6 + 3 * i, "temperature": 0, "stream": True} for i, chat in enumerate(chats)]
+
+
+def together(url: str, requests: list[dict]) -> list[list[int]]:
+    answers: list[list[int] | None] = [None] * len(requests)
+
+    def run(index: int) -> None:
+        client = GrpcChat(url)
+        try:
+            answers[index] = collect(client.stream(chat_inputs(**requests[index]))).output_token_ids
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    return answers
+
+
+def test_batched_requests_get_the_tokens_each_gets_alone_on_the_render_path(server):
+    client = GrpcChat(server.grpc_url)
+    requests = [{"request": body} for body in bodies()]
+    alone = [collect(client.stream(chat_inputs(**r))).output_token_ids for r in requests]
+    client.close()
+    assert together(server.grpc_url, requests) == alone
+
+
+def test_batched_local_prefills_get_the_tokens_each_gets_alone_on_the_reuse_path(trusted_server):
+    """Forwarded ids without KV: decode prefills them itself, in chunks, between steps."""
+    client = GrpcChat(trusted_server.grpc_url)
+    requests = []
+    for body in bodies():
+        [handed] = client.stream(chat_inputs({**body, "stream": False, "max_tokens": 1}, kv_transfer_params={"do_remote_decode": True}))
+        requests.append({"request": body, "prompt_token_ids": handed.prompt_token_ids, "kv_transfer_params": {}})
+    assert max(len(r["prompt_token_ids"]) for r in requests) > 512
+    alone = [collect(client.stream(chat_inputs(**r))).output_token_ids for r in requests]
+    client.close()
+    assert together(trusted_server.grpc_url, requests) == alone
+
+
+@pytest.fixture(scope="module")
+def one_slot_server(tmp_path_factory, tiny_model_dir):
+    instance = running_server(tmp_path_factory, "one-slot", env={"PDCHAT_MAX_RUNNING": "1", "PDCHAT_QUEUE_TIMEOUT_S": "1"})
+    yield instance
+    stop_checked(instance)
+
+
+def test_over_the_limit_a_request_waits_then_gets_unavailable_naming_it(one_slot_server):
+    holder = GrpcChat(one_slot_server.grpc_url)
+    stream = holder.stream(chat_inputs({"messages": [{"role": "user", "content": "Go on"}], "max_tokens": 3000,
+                                        "ignore_eos": True, "stream": True}))
+    next(stream)  # it holds decode's one slot
+    client = GrpcChat(one_slot_server.grpc_url)
+    with pytest.raises(ChatError) as info:
+        collect(client.stream(chat_inputs({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})))
+    assert info.value.status == "UNAVAILABLE" and "max_running=1" in str(info.value)
+    stream.close()  # leaving cancels the holder; the slot frees
+    assert wait_for(lambda: metric(one_slot_server, "pdchat_decode_active") == 0, timeout=30)
+    assert collect(client.stream(chat_inputs({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))).finish_reason
+    for c in (holder, client):
+        c.close()
