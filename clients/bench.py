@@ -258,7 +258,7 @@ def bench_batching(args: argparse.Namespace) -> None:
     env = {"PDCHAT_MODEL": args.model, "PDCHAT_FORWARDED_IDS": "trusted"}
     with TritonServer(env=env, exit_timeout_s=5) as server:
         print(f"monolithic server: perf_analyzer at concurrency {args.concurrency}", file=sys.stderr, flush=True)
-        export = perf.profile(server.grpc_url, "chat", args.concurrency, words, args.max_tokens, args.measurement_ms)
+        export = perf.profile(server.grpc_url, "chat", args.concurrency, words, args.max_tokens)
         results["monolithic (perf_analyzer)"] = perf.summarize(export)
         results["long local prefill"] = {args.long_prompt: _during_long_prefill(server, tokenizer, args)}
     with PDStack(model=args.model, connector="shm") as stack:
@@ -341,7 +341,6 @@ def main(argv: list[str] | None = None) -> None:
     batching.add_argument("--model", default="tiny")
     batching.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     batching.add_argument("--max-tokens", type=int, default=64)
-    batching.add_argument("--measurement-ms", type=int, default=8000)
     batching.add_argument("--long-prompt", type=int, default=16000)
     args = parser.parse_args(argv)
     benches = {"reuse": bench_reuse, "kv": bench_kv, "router": bench_router, "soak": bench_soak, "batching": bench_batching}

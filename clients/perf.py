@@ -59,7 +59,7 @@ def perf_analyzer_binary() -> str:
     return str(beside) if beside.exists() else "perf_analyzer"
 
 
-def profile(url: str, model: str, concurrency: list[int], prompt_words: int, max_tokens: int, measurement_ms: int) -> dict:
+def profile(url: str, model: str, concurrency: list[int], prompt_words: int, max_tokens: int) -> dict:
     """Run perf_analyzer over gRPC streaming at each concurrency (one run each: a range
     would visit every value between); the experiments of their profile exports."""
     experiments = []
@@ -68,11 +68,13 @@ def profile(url: str, model: str, concurrency: list[int], prompt_words: int, max
         data.write_text(json.dumps(input_data(prompt_words, max_tokens)))
         for value in concurrency:
             export = Path(scratch) / f"profile-{value}.json"
-            # Stability is not asked for: the statistics come from the export's timestamps, and
-            # a noisy 2-core host would otherwise end the run without writing the export.
+            # Windows of 2x concurrency requests, stability not asked for: the statistics come
+            # from the export's timestamps, and a noisy 2-core host would otherwise end the run
+            # without writing the export.
             command = [perf_analyzer_binary(), "-m", model, "-u", url, "-i", "grpc", "--streaming",
                        "--input-data", str(data), "--concurrency-range", f"{value}:{value}",
-                       "--measurement-interval", str(measurement_ms), "--stability-percentage", "1000", "--max-trials", "3",
+                       "--measurement-mode", "count_windows", "--measurement-request-count", str(max(8, 2 * value)),
+                       "--stability-percentage", "1000", "--max-trials", "3",
                        "--profile-export-file", str(export)]
             print(" ".join(command), file=sys.stderr, flush=True)
             completed = subprocess.run(command, env=perf_analyzer_env(), text=True, capture_output=True)
@@ -96,10 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-words", type=int, default=500)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--measurement-ms", type=int, default=8000)
     args = parser.parse_args(argv)
     try:
-        export = profile(args.url, args.model, args.concurrency, args.prompt_words, args.max_tokens, args.measurement_ms)
+        export = profile(args.url, args.model, args.concurrency, args.prompt_words, args.max_tokens)
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
         return 1

@@ -125,7 +125,7 @@ def test_cancelled_request_is_closed_and_dropped():
         steps["n"] += 1
         return steps["n"] > 2
 
-    events = run_jobs(recorder, [recorder.job(CountingGeneration("a", 10), cancelled=cancelled)], 3)
+    events = run_jobs(recorder, [recorder.job(CountingGeneration("a", 10), cancelled=cancelled)], 3, limits=Limits(cancel_poll_s=0.0))
     assert events == ["a1", "a2", "a:cancelled"]
 
 

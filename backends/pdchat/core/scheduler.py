@@ -83,6 +83,9 @@ class Limits:
     kv_budget_bytes: int = 1 << 30  # KV reserved by admitted requests (prompt + max_tokens each)
     kv_bytes_per_token: int = 0  # 0: reserve nothing (no KV budget check)
     max_wait_s: float = 30.0  # in the queue, before UNAVAILABLE
+    # How often a job's is_cancelled() is asked (a round trip to the server in Triton);
+    # cancel(key) takes effect at the next step regardless.
+    cancel_poll_s: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class _Entry:
     job: DecodeJob
     queued_at: float
     decoding: Decoding | None = None
+    polled_at: float = float("-inf")  # when is_cancelled() was last asked
 
 
 class DecodeScheduler:
@@ -169,8 +173,13 @@ class DecodeScheduler:
             except queue.Empty:
                 break
 
+        now = self._clock()
+
         def cancelled(entry: _Entry) -> bool:
-            if entry.job.key in keys or entry.job.is_cancelled():
+            polled = now - entry.polled_at >= self._limits.cancel_poll_s
+            if polled:
+                entry.polled_at = now
+            if entry.job.key in keys or (polled and entry.job.is_cancelled()):
                 entry.job.on_cancel()
                 return True
             return False

@@ -34,6 +34,8 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 RENDERER, PREFILL, DECODE = "renderer", "prefill", "decode"
 # Requests served at once; more wait (as coroutines, holding nothing) for a slot.
 MAX_CONCURRENT_REQUESTS = 64
+# How often a stream asks whether its client left (each ask is a round trip to the server).
+CANCEL_POLL_S = 0.05
 
 
 class TritonPythonModel:
@@ -131,11 +133,14 @@ class TritonPythonModel:
             model_name=DECODE, inputs=inputs, requested_output_names=list(tensors.CLIENT_OUTPUTS), request_id=request.request_id()
         ).exec(decoupled=True)
         finished = cancelled = False
+        polled_at = float("-inf")
         async for response in self.loop.iterate(responses):
-            if not cancelled and sender.is_cancelled():
-                # 2.51 passes no cancellation down a BLS call: tell decode ourselves, then drain.
-                cancelled = True
-                await self._cancel_decode(params.request_id)
+            if not cancelled and time.monotonic() - polled_at >= CANCEL_POLL_S:
+                polled_at = time.monotonic()
+                if sender.is_cancelled():
+                    # 2.51 passes no cancellation down a BLS call: tell decode ourselves, then drain.
+                    cancelled = True
+                    await self._cancel_decode(params.request_id)
             if cancelled:
                 continue
             if response.has_error():
