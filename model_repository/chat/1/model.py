@@ -7,8 +7,9 @@ answer with signed kv_transfer_params.
 
 Each request is a coroutine on the model's one event loop (pdchat.triton.event_loop):
 every call that talks to the server process (response sends, cancellation checks,
-decoupled BLS set-up, logs, metrics) happens on that thread; blocking BLS calls run one
-at a time per called model on a worker thread of its own (renders overlap prefills). Many threads calling into
+decoupled BLS set-up, logs, metrics) happens on that thread; blocking BLS calls to
+renderer and prefill run one at a time on one worker thread. (Two threads making blocking
+BLS calls at once corrupted the stub's heap at concurrency 16: keep it one.) Many threads calling into
 the python backend at once is what crashed the server under load.
 """
 
@@ -32,6 +33,7 @@ from pdchat.triton.metrics import HandoffMetrics
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 RENDERER, PREFILL, DECODE = "renderer", "prefill", "decode"
+STAGES = "stages"  # the one lane for blocking BLS calls
 # Requests served at once; more wait (as coroutines, holding nothing) for a slot.
 MAX_CONCURRENT_REQUESTS = 64
 # How often a stream asks whether its client left (each ask is a round trip to the server).
@@ -92,15 +94,15 @@ class TritonPythonModel:
                                             io.int32_tensor(tensors.FIRST_TOKEN_ID, [handle["first_token_id"]])]
             await self._stream_decode(request, sender, plan.prompt_token_ids, plan.params, kv)
             return
-        ids, params = await self.loop.call_blocking(RENDERER, self._render, request)
+        ids, params = await self.loop.call_blocking(STAGES, self._render, request)
         if plan.route is Route.REMOTE_PREFILL:
-            first, handle = await self.loop.call_blocking(PREFILL, self._prefill, request, ids, params, self.kv_connector)
+            first, handle = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params, self.kv_connector)
             handoff = self.router.handoff_params(chat, ids, kv_handle=handle)
             output = remote_prefill_output(params, ids, first, self.renderer.tokenizer.decode([first], skip_special_tokens=True))
             sender.send(pb_utils.InferenceResponse(output_tensors=io.client_tensors(output) + [
                 io.string_tensor(tensors.KV_TRANSFER_PARAMS, json.dumps(handoff))]), flags=FINAL)
             return
-        first, kv_cache = await self.loop.call_blocking(PREFILL, self._prefill, request, ids, params)
+        first, kv_cache = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params)
         await self._stream_decode(request, sender, ids, params, [kv_cache, io.int32_tensor(tensors.FIRST_TOKEN_ID, [first])])
 
     def _render(self, request):
