@@ -96,7 +96,7 @@ class BackendPool:
         with self._lock:
             start = next(self._turn)
             order = self.backends[start % len(self.backends):] + self.backends[: start % len(self.backends)]
-            backend = min((b for b in order if b.healthy), key=lambda b: b.in_flight)
+            backend = min([b for b in order if b.healthy] or order, key=lambda b: b.in_flight)
             backend.in_flight += 1
         try:
             yield backend
@@ -178,8 +178,8 @@ class PDRouter:
 
     def health(self) -> dict[str, Any]:
         status = {
-            "prefill": {b.url: _ready(b.url) for b in self.prefill.backends},
-            "decode": {b.url: _ready(b.url) for b in self.decode.backends},
+            "prefill": {b.url: b.probe() for b in self.prefill.backends},
+            "decode": {b.url: b.probe() for b in self.decode.backends},
             "stats": self.stats.__dict__,
         }
         status["ok"] = any(status["decode"].values())
