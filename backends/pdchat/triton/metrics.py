@@ -92,9 +92,11 @@ class DecodeMetrics:
     def started(self) -> None:
         self._active.increment(1)
 
-    def ended(self, outcome: str) -> None:
+    def ended(self, outcome: str, was_active: bool = True) -> None:
+        """A request ended; `was_active`: it had been admitted (started), not refused in the queue."""
         self._ended[outcome].increment(1)
-        self._active.increment(-1)
+        if was_active:
+            self._active.increment(-1)
 
     def scheduler(self, waiting: int, kv_bytes: int) -> None:
         self._waiting.set(waiting)

@@ -72,8 +72,11 @@ class TritonPythonModel:
         handle_text = io.input_text(request, tensors.KV_HANDLE)
         handle = None if handle_text is None else json.loads(handle_text)
         assembler = self.model.assembler(ids, params)
+        started = False  # admitted: counted in pdchat_decode_active until it ends
 
         def start():
+            nonlocal started
+            started = True
             self.metrics.started()
             kv_cache = kv if handle is None else self._pull(handle, params.request_id)
             released = None if handle is None or kv_cache is None else (lambda: self.connectors.done(handle))
@@ -85,15 +88,15 @@ class TritonPythonModel:
             if output is not None:
                 sender.send(io.client_response(output), flags=FINAL if output.final else 0)
             if delta.finish_reason:
-                self.metrics.ended("finished")
+                self.metrics.ended("finished", started)
 
         def fail(exc):
             sender.send(io.error_response(exc), flags=FINAL)
-            self.metrics.ended("failed")
+            self.metrics.ended("failed", started)
 
         def on_cancel():
             sender.send(flags=FINAL)
-            self.metrics.ended("cancelled")
+            self.metrics.ended("cancelled", started)
 
         return DecodeJob(
             key=params.request_id,
