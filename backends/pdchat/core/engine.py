@@ -46,11 +46,9 @@ class CausalLM:
 
     @torch.inference_mode()
     def prefill(self, prompt_token_ids: list[int]) -> PrefillResult:
+        """The whole prompt in one pass (prefill's model); decode's local prefill goes by chunks."""
         self.check_prompt(prompt_token_ids)
-        ids = torch.tensor([prompt_token_ids], dtype=torch.long, device=self.device)
-        # logits_to_keep=1: full-prompt logits would be vocab x tokens floats for nothing.
-        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        return PrefillResult(out.logits[0, -1], out.cache)
+        return self.prefill_chunk(prompt_token_ids, None)
 
     @torch.inference_mode()
     def prefill_chunk(self, token_ids: list[int], cache: object | None) -> PrefillResult:
@@ -61,6 +59,7 @@ class CausalLM:
 
             cache = DynamicCache(config=self.model.config)
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        # logits_to_keep=1: full-prompt logits would be vocab x tokens floats for nothing.
         out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         return PrefillResult(out.logits[0, -1], out.cache)
 
