@@ -156,7 +156,8 @@ class DecodeBatch:
 
     def leave(self, rows: list[int]) -> None:
         """Drop these rows (finished, cancelled or failed) and free their KV now."""
-        keep = [row for row in range(len(self._pads)) if row not in set(rows)]
+        leaving = set(rows)
+        keep = [row for row in range(len(self._pads)) if row not in leaving]
         if not keep:
             self._cache, self._pads = None, []
             return

@@ -284,7 +284,8 @@ class DecodeScheduler:
     def _leave(self, rows: list[int]) -> None:
         if rows:
             self._batch.leave(rows)
-            self._running = [e for row, e in enumerate(self._running) if row not in set(rows)]
+            leaving = set(rows)
+            self._running = [e for row, e in enumerate(self._running) if row not in leaving]
 
     def _report(self) -> None:
         if self._on_state is None:
