@@ -17,61 +17,19 @@ import multiprocessing
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
-OUT_DIR = Path("bench-results")
-
-
-def timed(fn: Callable[[], object], repeats: int) -> list[float]:
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - started)
-    return samples
-
-
-def table(headers: list[str], rows: list[list[object]]) -> str:
-    cells = [headers] + [[f"{c:.3g}" if isinstance(c, float) else str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = [" | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def plot(name: str, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list, list]], logx: bool = False) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
-        return
-    OUT_DIR.mkdir(exist_ok=True)
-    figure, axis = plt.subplots(figsize=(7, 4.2))
-    for label, (xs, ys) in series.items():
-        axis.plot(xs, ys, marker="o", label=label)
-    if logx:
-        axis.set_xscale("log")
-    axis.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    axis.grid(alpha=0.3)
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(OUT_DIR / f"{name}.png", dpi=120)
-    print(f"plot: {OUT_DIR / f'{name}.png'}")
+from pdchat.clients.report import OUT_DIR, plot, table, timed
 
 
 def bench_reuse(args: argparse.Namespace) -> None:
     """What decode skips: rendering + tokenizing the conversation, against checking the
     signed handoff (signature, fingerprint, ids), at growing prompt lengths."""
     from pdchat import embedded
-    from pdchat.core.handoff import Gate, Policy, render_fingerprint, sign
-    from pdchat.core.protocol import parse_chat_json
-    from pdchat.core.rendering import ChatRenderer
+    from pdchat.core.request.protocol import parse_chat_json
+    from pdchat.core.request.rendering import ChatRenderer
+    from pdchat.ensemble.gate import Gate, Policy, render_fingerprint, sign
 
     model_dir = embedded.ensure_model(args.model)
     renderer = ChatRenderer(model_dir, model_dir.name)
@@ -108,7 +66,7 @@ def bench_reuse(args: argparse.Namespace) -> None:
 
 
 def _pull_worker(connection, connector_name: str) -> None:
-    from pdchat.core.kv_transfer import make_connector
+    from pdchat.core.kv.connector import make_connector
 
     connector = make_connector(connector_name)
     while True:
@@ -125,7 +83,7 @@ def _pull_worker(connection, connector_name: str) -> None:
 
 def bench_kv(args: argparse.Namespace) -> None:
     """Publish in this process, pull in another, per connector and size."""
-    from pdchat.core.kv_transfer import make_connector
+    from pdchat.core.kv.connector import make_connector
 
     rows, series = [], {}
     for name in args.connectors:

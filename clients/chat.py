@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -41,14 +42,25 @@ class ChatError(RuntimeError):
 
 @dataclass(frozen=True)
 class ChatOutput:
-    """One response of the stream (or the only one, when not streaming)."""
+    """One response of the stream (or the only one, when not streaming).
+
+    The JSON texts stay as the server sent them: a router forwards them without parsing.
+    """
 
     text: str
-    response: dict[str, Any]
+    response_json: str
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
-    kv_transfer_params: dict[str, Any] | None = None  # from a prefill (do_remote_decode) answer
+    kv_transfer_params_json: str = ""  # from a prefill (do_remote_decode) answer
+
+    @cached_property
+    def response(self) -> dict[str, Any]:
+        return json.loads(self.response_json) if self.response_json else {}
+
+    @cached_property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        return json.loads(self.kv_transfer_params_json) if self.kv_transfer_params_json else None
 
 
 @dataclass(frozen=True)
@@ -75,20 +87,21 @@ class ChatResult:
 
 
 def chat_inputs(
-    request: dict[str, Any] | str | None = None,
+    request: dict[str, Any] | str | bytes | None = None,
     text_input: str | None = None,
     *,
     prompt_token_ids: list[int] | np.ndarray | None = None,
-    kv_transfer_params: dict[str, Any] | str | None = None,
+    kv_transfer_params: dict[str, Any] | str | bytes | None = None,
     **scalars: Any,
 ) -> dict[str, np.ndarray]:
-    """The client contract's input tensors, by name: a JSON body (dict, or str sent as
-    is) or text_input + scalars; forwarded ids and kv_transfer_params for `chat`."""
+    """The client contract's input tensors, by name: a JSON body (dict, or str/bytes sent
+    as is) or text_input + scalars; forwarded ids and kv_transfer_params for `chat`."""
     arrays: dict[str, np.ndarray] = {}
     for name, value in ((tensors.REQUEST, request), (tensors.KV_TRANSFER_PARAMS, kv_transfer_params)):
         if value is not None:
-            text = value if isinstance(value, str) else json.dumps(value)
-            arrays[name] = np.array([text.encode()], dtype=np.object_)
+            if isinstance(value, dict):
+                value = json.dumps(value)
+            arrays[name] = np.array([value.encode() if isinstance(value, str) else value], dtype=np.object_)
     if prompt_token_ids is not None:
         arrays[tensors.PROMPT_TOKEN_IDS] = np.asarray(prompt_token_ids, dtype=np.int32)
     if text_input is not None:
@@ -118,11 +131,11 @@ def _to_output(get: Callable[[str], Any]) -> ChatOutput:
     body, handoff = text(tensors.RESPONSE), text(tensors.KV_TRANSFER_PARAMS)
     return ChatOutput(
         text(tensors.TEXT_OUTPUT),
-        json.loads(body) if body else {},
+        body,
         ids(tensors.PROMPT_TOKEN_IDS),
         ids(tensors.OUTPUT_TOKEN_IDS),
         text(tensors.FINISH_REASON),
-        json.loads(handoff) if handoff else None,
+        handoff,
     )
 
 

@@ -18,8 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pdchat.clients.bench import table
 from pdchat.clients.load import Outcome, summary
+from pdchat.clients.report import table
 
 
 def perf_analyzer_env() -> dict[str, str]:

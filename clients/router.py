@@ -6,8 +6,8 @@
 neither renders nor tokenizes. Fallbacks lose no request: prefill unreachable or
 failing -> decode serves the request whole; decode unreachable -> a clear error.
 
-`serve()` puts it behind `POST /v1/chat/completions` (SSE when streaming),
-`GET /v1/models` and `GET /health`, for the `openai` client or curl.
+`pdchat.clients.openai_api` puts it behind `POST /v1/chat/completions` (SSE when
+streaming), `GET /v1/models`, `GET /health` and `GET /metrics`, for the `openai` client or curl.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from pdchat.clients.chat import ChatError, ChatOutput, GrpcChat, chat_inputs
 from pdchat.core.errors import InvalidRequest
-from pdchat.core.protocol import parse_chat_json
+from pdchat.core.request.protocol import chat_request_from_body, utf8_json
 
 log = logging.getLogger("pdchat.router")
 PROBE_TIMEOUT_S = 2.0
@@ -125,22 +124,25 @@ class PDRouter:
         request_id = request_id or f"pdchat-{uuid.uuid4().hex}"
         self.stats.requests += 1
         try:
-            # Refuse what no server would take here: a bad request is not a prefill failure.
-            parse_chat_json(json.dumps(body))
+            # Refuse what no server would take here (a bad request is not a prefill failure),
+            # and serialize once: both legs get these very bytes.
+            text = utf8_json(body)
+            chat_request_from_body(body, check_grammar=False)
         except InvalidRequest as exc:
             raise ChatError(str(exc), "INVALID_ARGUMENT") from exc
         if not self.decode.any_healthy():
             # Prefill work for a request no decode server can finish would only pile up KV.
             self.stats.failed += 1
             raise ChatError(f"no decode server is ready ({', '.join(b.url for b in self.decode.backends)})", "UNAVAILABLE")
-        handoff = self._prefill_leg(body, request_id)
+        prefilled = self._prefill_leg(text, request_id)
         forwarded = {}
-        if handoff is not None:
-            forwarded = {"prompt_token_ids": handoff.prompt_token_ids, "kv_transfer_params": handoff.kv_transfer_params}
+        if prefilled is not None:
+            # The signed handoff goes on as the prefill server serialized it.
+            forwarded = {"prompt_token_ids": prefilled.prompt_token_ids, "kv_transfer_params": prefilled.kv_transfer_params_json}
             self.stats.disaggregated += 1
         with self.decode.pick() as backend, backend.client() as client:
             try:
-                yield from client.stream(chat_inputs(body, **forwarded), request_id=request_id)
+                yield from client.stream(chat_inputs(text, **forwarded), request_id=request_id)
             except ChatError as exc:
                 self.stats.failed += 1
                 if not exc.is_client_error:
@@ -149,13 +151,14 @@ class PDRouter:
                         raise ChatError(f"decode server {backend.url} is unavailable: {exc}", "UNAVAILABLE") from exc
                 raise
 
-    def _prefill_leg(self, body: dict[str, Any], request_id: str) -> ChatOutput | None:
-        """Signed handoff from a prefill server, or None to let decode do it all."""
+    def _prefill_leg(self, body: bytes, request_id: str) -> ChatOutput | None:
+        """Prefill's answer (first token, prompt ids, signed handoff), or None to let decode
+        do it all. A do_remote_decode request gets one answer, streamed or not."""
         started = time.perf_counter()
         used = None
         try:
             with self.prefill.pick() as used, used.client() as client:
-                inputs = chat_inputs({**body, "stream": False}, kv_transfer_params={"do_remote_decode": True})
+                inputs = chat_inputs(body, kv_transfer_params={"do_remote_decode": True})
                 [output] = list(client.stream(inputs, request_id=request_id))
             log.info("request %s: prefill on %s in %.1f ms", request_id, used.url, 1000 * (time.perf_counter() - started))
             return output
@@ -200,99 +203,6 @@ def _ready(url: str) -> bool:
         return False
 
 
-_HTTP_STATUS = {"INVALID_ARGUMENT": 400, "400": 400, "UNAVAILABLE": 503}
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    router: PDRouter
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        if self.path.rstrip("/") == "/v1/models":
-            try:
-                model = self.router.served_model()
-            except ChatError as exc:
-                return self._error(exc)
-            return self._json(200, {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "pdchat"}]})
-        if self.path.rstrip("/") == "/health":
-            status = self.router.health()
-            return self._json(200 if status["ok"] else 503, status)
-        self._json(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
-
-    def do_POST(self) -> None:  # noqa: N802
-        if self.path.rstrip("/") != "/v1/chat/completions":
-            return self._json(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
-        try:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
-        except ValueError as exc:
-            return self._json(400, {"error": {"message": f"invalid JSON body: {exc}", "type": "invalid_request_error"}})
-        request_id = self.headers.get("X-Request-Id") or f"pdchat-{uuid.uuid4().hex}"
-        outputs = self.router.chat(body, request_id)
-        try:
-            if body.get("stream"):
-                self._stream(outputs, request_id)
-            else:
-                [output] = list(outputs)
-                self._json(200, output.response, request_id)
-        except ChatError as exc:
-            self._error(exc)
-        except (BrokenPipeError, ConnectionResetError):
-            log.info("request %s: client went away; decode work cancelled", request_id)
-        finally:
-            outputs.close()  # leaving early cancels the decode stream
-
-    def _stream(self, outputs: Iterator[ChatOutput], request_id: str) -> None:
-        first = next(outputs)  # errors before the first chunk still get an HTTP status
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("X-Request-Id", request_id)
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        try:
-            for output in itertools.chain([first], outputs):
-                self._chunk(f"data: {json.dumps(output.response, ensure_ascii=False)}\n\n")
-        except ChatError as exc:
-            self._chunk(f"data: {json.dumps({'error': {'message': str(exc), 'type': exc.status}})}\n\n")
-        self._chunk("data: [DONE]\n\n")
-        self._chunk("")
-
-    def _chunk(self, text: str) -> None:
-        data = text.encode()
-        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-        self.wfile.flush()
-
-    def _error(self, exc: ChatError) -> None:
-        self._json(_HTTP_STATUS.get(exc.status, 500), {"error": {"message": str(exc), "type": exc.status or "server_error"}})
-
-    def _json(self, status: int, body: dict, request_id: str = "") -> None:
-        data = json.dumps(body, ensure_ascii=False).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        if request_id:
-            self.send_header("X-Request-Id", request_id)
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
-        log.info("%s %s", self.address_string(), format % args)
-
-
-class _RouterHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    # socketserver's default backlog of 5 drops connections when a burst of clients
-    # connects at once (seen as resets after a 1 s SYN retry at 16 concurrent streams).
-    request_queue_size = 1024
-
-
-def make_server(router: PDRouter, host: str = "127.0.0.1", port: int = 8080) -> ThreadingHTTPServer:
-    handler = type("RouterHandler", (_Handler,), {"router": router})
-    return _RouterHTTPServer((host, port), handler)
-
-
 def stream_completion(router_url: str, body: dict[str, Any], timeout: float = 600.0) -> Iterator[dict[str, Any]]:
     """Client side of the router API: the chunks of a streamed chat completion (SSE)."""
     import urllib.request
@@ -303,6 +213,6 @@ def stream_completion(router_url: str, body: dict[str, Any], timeout: float = 60
         for line in reply:
             if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
                 chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise ChatError(chunk["error"]["message"], chunk["error"].get("type", ""))
+                if "error" in chunk:  # its code is the servers' status name (UNAVAILABLE, ...)
+                    raise ChatError(chunk["error"]["message"], chunk["error"].get("code") or chunk["error"].get("type", ""))
                 yield chunk

@@ -1,5 +1,4 @@
-"""The chat pipeline as a chain of stages (renderer -> prefill -> decode).
-
-`model_repository/chat_ensemble` chains the stages across Triton models; this package
-chains the same core stages in one process, as a reference and for tests.
-"""
+"""How a chat request moves between the stages, decided by the client-facing `chat` model:
+the route (render, reuse forwarded ids, or prefill for a remote decode), the gate that
+admits forwarded ids, and the signed handoff from a prefill server to a decode server.
+`model_repository/chat_ensemble` chains the same stages as a plain Triton ensemble."""

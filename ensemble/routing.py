@@ -1,4 +1,4 @@
-"""The `chat` router's decision, made once per request before any rendering.
+"""The `chat` model's route decision (RoutePlanner), made once per request before any rendering.
 
 - forwarded prompt ids present and admitted by the gate -> REUSE: decode directly,
   the renderer does not run;
@@ -14,11 +14,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from pdchat.core.errors import InvalidRequest
-from pdchat.core.handoff import DEFAULT_TTL_S, ForwardedIdsRejected, Gate, Rejection, forwarded_ids, render_fingerprint, sign
-from pdchat.core.protocol import ChatRequest, GenerationParams
+from pdchat.core.kv.base import KVHandle
+from pdchat.core.request.protocol import ChatRequest, GenerationParams
+from pdchat.core.settings import ENV_HANDOFF_KEY
+from pdchat.ensemble.gate import ForwardedIdsRejected, Gate, Rejection, forwarded_ids
+from pdchat.ensemble.handoff import DEFAULT_TTL_S, Handoff, render_fingerprint, sign
 
 
 class Route(str, enum.Enum):
@@ -31,13 +33,13 @@ class Route(str, enum.Enum):
 class RoutePlan:
     route: Route
     chat: ChatRequest
-    # REUSE only: the admitted ids, the params the renderer would have made, the signed KV handle.
+    # REUSE only: the admitted ids, the generation params the renderer would have made, the signed KV handle.
     prompt_token_ids: list[int] | None = None
-    params: GenerationParams | None = None
-    kv_handle: dict[str, Any] | None = None
+    generation: GenerationParams | None = None
+    kv_handle: KVHandle | None = None
 
 
-class ChatRouter:
+class RoutePlanner:
     def __init__(self, gate: Gate, served_name: str, ttl_s: float = DEFAULT_TTL_S):
         self.gate = gate
         self.served_name = served_name
@@ -54,14 +56,14 @@ class ChatRouter:
             raise ForwardedIdsRejected(Rejection.MALFORMED, "signed kv_transfer_params came without prompt_token_ids")
         if params.get("do_remote_decode") is True:
             if self.gate.key is None:
-                raise InvalidRequest("do_remote_decode needs this server to have a handoff key (PDCHAT_HANDOFF_KEY)")
+                raise InvalidRequest(f"do_remote_decode needs this server to have a handoff key ({ENV_HANDOFF_KEY})")
             return RoutePlan(Route.REMOTE_PREFILL, chat)
         return RoutePlan(Route.RENDER, chat)
 
-    def handoff_params(self, chat: ChatRequest, prompt_token_ids: list[int], kv_handle: dict | None = None,
-                       now: float | None = None) -> dict[str, Any]:
-        """Signed kv_transfer_params for the decode leg. The ids travel beside them as the
-        binary prompt_token_ids tensor (a router may also list them inside, vLLM-style)."""
+    def sign_handoff(self, chat: ChatRequest, prompt_token_ids: list[int], kv_handle: KVHandle | None = None,
+                     now: float | None = None) -> Handoff:
+        """The signed handoff for the decode leg. The ids travel beside it as the binary
+        prompt_token_ids tensor (a router may also list them inside, vLLM-style)."""
         assert self.gate.key is not None  # plan() refused REMOTE_PREFILL without a key
         return sign(self.gate.key, prompt_token_ids, render_fingerprint(chat, self.served_name),
                     kv_handle=kv_handle, ttl_s=self.ttl_s, now=now or time.time())

@@ -7,9 +7,9 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model_dir():
-    from pdchat import embedded
+    from pdchat import embedded, registry
 
-    return embedded.ensure_model(embedded.TINY)
+    return embedded.ensure_model(registry.TINY)
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +17,11 @@ def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def pytest_collection_modifyitems(items):
+    """Every test under tests/integration/ starts real servers: `-m "not integration"` runs
+    the fast unit tests alone; `make test` runs both."""
+    for item in items:
+        if "integration" in item.path.parts:
+            item.add_marker(pytest.mark.integration)

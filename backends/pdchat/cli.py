@@ -9,6 +9,9 @@ import threading
 import time
 from pathlib import Path
 
+from pdchat import registry
+from pdchat.core import settings
+
 DEMO_QUESTION = "In two sentences, why is the sky blue?"
 
 
@@ -18,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
 
     serve = commands.add_parser("serve", help="run tritonserver on the model repository until interrupted")
     _server_options(serve)
-    serve.add_argument("--role", default="monolithic", choices=("monolithic", "prefill", "decode"))
+    serve.add_argument("--role", default=registry.MONOLITHIC, choices=registry.ROLES)
 
     chat = commands.add_parser("chat", help="ask one question and print the answer as it streams")
     chat.add_argument("question")
@@ -27,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
     demo = commands.add_parser("demo", help="start a P/D pair and router on SmolLM2, stream one answer, stop")
     demo.add_argument("question", nargs="?", default=DEMO_QUESTION)
-    demo.add_argument("--model", default="smollm2")
+    demo.add_argument("--model", default=registry.DEFAULT_MODEL)
     demo.add_argument("--system", help="system prompt")
     demo.add_argument("--max-tokens", type=int, default=128)
     demo.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -37,14 +40,21 @@ def main(argv: list[str] | None = None) -> int:
     router.add_argument("--decode", action="append", required=True, help="decode server gRPC address (repeatable)")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8080)
+    router.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on all but /health and /metrics "
+                        "(default: $PDCHAT_API_KEY; unset: no key)")
+    router.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
+    router.add_argument("--max-connections", type=int, help="requests over this many connections get 503 (default 256)")
+    router.add_argument("--header-timeout", type=float, help="seconds a client has to send a request's head (default 10)")
+    router.add_argument("--body-timeout", type=float, help="seconds a client has to send a request's body (default 30)")
+    router.add_argument("--keep-alive-timeout", type=float, help="idle kept-alive connections close after this (default 5 s)")
 
     pd = commands.add_parser("pd", help="start a prefill server, a decode server and the router on loopback")
-    pd.add_argument("--model", default="smollm2")
-    pd.add_argument("--connector", choices=("shm", "nixl"), default="shm")
+    pd.add_argument("--model", default=registry.DEFAULT_MODEL)
+    pd.add_argument("--connector", choices=registry.KV_CONNECTORS, default=registry.SHM)
     pd.add_argument("--port", type=int, default=8080, help="router port")
 
     prepare = commands.add_parser("prepare", help="build an embedded model into the cache")
-    prepare.add_argument("name", choices=("tiny", "smollm2"))
+    prepare.add_argument("name", choices=sorted(registry.EMBEDDED_MODELS))
 
     args = parser.parse_args(argv)
     handlers = {"serve": _serve, "chat": _chat, "demo": _demo, "router": _router, "pd": _pd, "prepare": _prepare}
@@ -73,7 +83,7 @@ def _chat_options(parser: argparse.ArgumentParser) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from pdchat.launcher import TritonServer, watch
 
-    env = {"PDCHAT_MODEL": args.model} if args.model else {}
+    env = {settings.ENV_MODEL: args.model} if args.model else {}
     server = TritonServer(
         args.model_repository, role=args.role, env=env,
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
@@ -120,7 +130,7 @@ def _demo(args: argparse.Namespace) -> int:
     from pdchat.clients.router import stream_completion
     from pdchat.launcher import PDStack
 
-    if args.model in embedded.EMBEDDED_MODELS:
+    if args.model in registry.EMBEDDED_MODELS:
         embedded.ensure_model(args.model)  # build before the servers start, with progress shown
     _say("starting a prefill server, a decode server (tritonserver each) and the P/D router")
     started = time.monotonic()
@@ -144,18 +154,19 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _router(args: argparse.Namespace) -> int:
     import logging
+    import os
 
-    from pdchat.clients.router import PDRouter, make_server
+    from pdchat.clients.openai_api import HttpSettings, serve
+    from pdchat.clients.router import PDRouter
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    server = make_server(PDRouter(args.prefill, args.decode), args.host, args.port)
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
-    _say(f"router on http://{args.host}:{args.port} (prefill {args.prefill}, decode {args.decode})")
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    server.server_close()
+    limits = {"max_body_bytes": args.max_body_bytes, "max_connections": args.max_connections,
+              "header_timeout_s": args.header_timeout, "body_timeout_s": args.body_timeout, "keep_alive_s": args.keep_alive_timeout}
+    http = HttpSettings(api_key=args.api_key or os.environ.get(settings.ENV_API_KEY) or None,
+                        **{name: value for name, value in limits.items() if value is not None})
+    _say(f"router on http://{args.host}:{args.port} (prefill {args.prefill}, decode {args.decode}; "
+         f"API key {'required' if http.api_key else 'not required'})")
+    serve(PDRouter(args.prefill, args.decode), args.host, args.port, http)
     return 0
 
 
@@ -163,7 +174,7 @@ def _pd(args: argparse.Namespace) -> int:
     from pdchat import embedded
     from pdchat.launcher import PDStack, watch
 
-    if args.model in embedded.EMBEDDED_MODELS:
+    if args.model in registry.EMBEDDED_MODELS:
         embedded.ensure_model(args.model)
     stop = _stop_on_signals()
     _say("starting a prefill server, a decode server and the router")

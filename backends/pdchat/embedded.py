@@ -22,11 +22,8 @@ from pathlib import Path
 
 from pdchat.core.errors import ModelUnavailable
 from pdchat.core.settings import cache_dir
+from pdchat.registry import EMBEDDED_MODELS, SMOLLM2, TINY
 
-TINY = "tiny"
-SMOLLM2 = "smollm2"
-# Directory names double as the served model names.
-EMBEDDED_MODELS = {TINY: "tiny-llama", SMOLLM2: "SmolLM2-135M-Instruct"}
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_SEED = 0
 # Bump when a build recipe changes, so stale caches are rebuilt.

@@ -22,11 +22,12 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdchat.core import settings
 from pdchat.core.settings import cache_dir
+from pdchat.registry import MONOLITHIC, ROLES, SHM
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
-ROLES = ("monolithic", "prefill", "decode")
 SHM_DIR = Path("/dev/shm")
 
 
@@ -116,7 +117,7 @@ class TritonServer:
     """One tritonserver process serving the model repository in a role."""
 
     model_repository: Path = DEFAULT_MODEL_REPOSITORY
-    role: str = "monolithic"
+    role: str = MONOLITHIC
     env: dict[str, str] = field(default_factory=dict)
     http_port: int = 0
     grpc_port: int = 0
@@ -170,7 +171,7 @@ class TritonServer:
         ]
         if backend_dir is not None:
             args.append(f"--backend-directory={backend_dir}")
-        if self.role != "monolithic":
+        if self.role != MONOLITHIC:
             args.append(f"--model-config-name={self.role}")
         if self.load_models is not None:
             args += ["--model-control-mode=explicit", *(f"--load-model={m}" for m in self.load_models)]
@@ -308,7 +309,7 @@ class PDStack:
     """
 
     model: str = "smollm2"
-    connector: str = "shm"
+    connector: str = SHM
     router_port: int = 0
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None
@@ -327,8 +328,8 @@ class PDStack:
 
         log_dir = Path(self.log_dir or cache_dir() / "logs")
         log_dir.mkdir(parents=True, exist_ok=True)
-        env = {"PDCHAT_MODEL": self.model, "PDCHAT_HANDOFF_KEY": secrets.token_hex(32),
-               "PDCHAT_KV_CONNECTOR": self.connector, **self.env}
+        env = {settings.ENV_MODEL: self.model, settings.ENV_HANDOFF_KEY: secrets.token_hex(32),
+               settings.ENV_KV_CONNECTOR: self.connector, **self.env}
         self.prefill = TritonServer(role="prefill", env=env, log_path=log_dir / "prefill.log")
         self.decode = TritonServer(role="decode", env=env, log_path=log_dir / "decode.log")
         errors: list[BaseException] = []

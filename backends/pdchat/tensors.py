@@ -1,8 +1,13 @@
-"""Every tensor and config-parameter name of the model repository, in one place.
+"""Every tensor name of the model repository, and chat's whole contract, in one place.
 
-The config.pbtxt files spell these names too (Triton reads them there); a unit test
-checks that each config and this module agree.
+`chat` declares its inputs and outputs from CHAT_INPUTS / CHAT_OUTPUTS (auto-complete),
+so its three configs (one per role) hold only what differs. The other config.pbtxt files
+spell the names too (Triton reads them there); a unit test checks they agree with this module.
 """
+
+from __future__ import annotations
+
+from typing import NamedTuple
 
 # Client contract, inputs (chat_ensemble, and chat later).
 REQUEST = "request"
@@ -34,6 +39,10 @@ KV_HANDLE = "kv_handle"  # JSON handle of published KV; decode pulls it
 # decode control input: stop the request whose GenerationParams.request_id this names
 # (Triton 2.51 passes no cancellation from a BLS caller or an ensemble to decode).
 CANCEL_REQUEST_ID = "cancel_request_id"
+# renderer input from chat: the ChatRequest chat parsed already (canonical JSON), not re-parsed.
+CHAT_REQUEST = "chat_request"
+# Seal on stage inputs (ensemble.seal): made by the renderer or chat, checked by each stage.
+STAGE_SEAL = "stage_seal"
 
 # Optional scalar inputs of the text_input convention: name -> numpy dtype name.
 SCALAR_INPUTS = {
@@ -48,15 +57,29 @@ SCALAR_INPUTS = {
 CLIENT_INPUTS = (REQUEST, TEXT_INPUT, *SCALAR_INPUTS)
 CLIENT_OUTPUTS = (TEXT_OUTPUT, RESPONSE, PROMPT_TOKEN_IDS, OUTPUT_TOKEN_IDS, FINISH_REASON)
 
-# Model config parameters (config.pbtxt `parameters`), read by pdchat.core.settings.
-PARAM_MODEL = "model"  # embedded model name or HF model directory
-PARAM_DEVICE = "device"  # "auto" (CUDA when present), "cpu" or "cuda"
-PARAM_FORWARDED_IDS = "forwarded_ids"  # chat: off | signed | trusted
-PARAM_HANDOFF_TTL_S = "handoff_ttl_s"  # chat: seconds a signed handoff stays valid
-PARAM_KV_CONNECTOR = "kv_connector"  # chat (prefill role): shm | nixl
-PARAM_KV_TTL_S = "kv_ttl_s"  # prefill: seconds unpulled KV is held
-PARAM_KV_BUDGET_MB = "kv_budget_mb"  # prefill: most KV held at once
-PARAM_MAX_RUNNING = "max_running"  # decode: sequences batched at once
-PARAM_DECODE_KV_MB = "decode_kv_mb"  # decode: KV its running sequences may reserve
-PARAM_QUEUE_TIMEOUT_S = "queue_timeout_s"  # decode: longest wait for room before UNAVAILABLE
-PARAM_PREFILL_CHUNK = "prefill_chunk"  # decode: prompt tokens per local prefill chunk
+
+class TensorSpec(NamedTuple):
+    name: str
+    data_type: str  # config.pbtxt spelling
+    dims: tuple[int, ...] = (1,)
+    optional: bool = False
+
+
+_SCALAR_TYPES = {"int32": "TYPE_INT32", "bool": "TYPE_BOOL", "float32": "TYPE_FP32", "uint64": "TYPE_UINT64"}
+
+# chat: chat_ensemble's client contract plus forwarded ids and the handoff.
+CHAT_INPUTS = (
+    TensorSpec(REQUEST, "TYPE_STRING", optional=True),
+    TensorSpec(TEXT_INPUT, "TYPE_STRING", optional=True),
+    *(TensorSpec(name, _SCALAR_TYPES[dtype], optional=True) for name, dtype in SCALAR_INPUTS.items()),
+    TensorSpec(PROMPT_TOKEN_IDS, "TYPE_INT32", (-1,), optional=True),
+    TensorSpec(KV_TRANSFER_PARAMS, "TYPE_STRING", optional=True),
+)
+CHAT_OUTPUTS = (
+    TensorSpec(TEXT_OUTPUT, "TYPE_STRING"),
+    TensorSpec(RESPONSE, "TYPE_STRING"),
+    TensorSpec(PROMPT_TOKEN_IDS, "TYPE_INT32", (-1,)),
+    TensorSpec(OUTPUT_TOKEN_IDS, "TYPE_INT32", (-1,)),
+    TensorSpec(FINISH_REASON, "TYPE_STRING"),
+    TensorSpec(KV_TRANSFER_PARAMS, "TYPE_STRING"),
+)

@@ -11,7 +11,7 @@ import pytest
 from pdchat.clients.chat import ChatError, GrpcChat, chat_inputs, collect
 from tests.conversations import CONVERSATIONS
 from tests.integration.conftest import running_server, stop_checked
-from tests.integration.server_stats import metric, wait_for
+from tests.integration.helpers import metric, wait_for
 
 
 def bodies() -> list[dict]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -12,10 +11,10 @@ import torch
 import tritonclient.http as httpclient
 
 from pdchat.clients.chat import ChatError, chat_inputs, collect
-from pdchat.core.protocol import parse_chat_json
-from pdchat.core.rendering import ChatRenderer
+from pdchat.core.request.protocol import parse_chat_json
+from pdchat.core.request.rendering import ChatRenderer
 from tests.conversations import CONVERSATIONS, chat_body
-from tests.integration.server_stats import metric
+from tests.integration.helpers import ask, metric, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +24,6 @@ def reference(tiny_model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     return ChatRenderer(tiny_model_dir, tiny_model_dir.name), model
-
-
-def ask(client, body):
-    return collect(client.stream(chat_inputs(body)))
 
 
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
@@ -58,11 +53,11 @@ def test_streamed_and_whole_answers_agree(chat_client):
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == whole.text
 
 
-def test_text_input_convention_of_genai_perf(grpc_chat, protocol, server):
+def test_text_input_convention_of_genai_perf(chat_client):
     text = "Summarize the plot of Hamlet."
-    streamed = collect(grpc_chat.stream(chat_inputs(text_input=text, max_tokens=8, stream=True, exclude_input_in_output=True)))
+    streamed = ask(chat_client, text_input=text, max_tokens=8, stream=True, exclude_input_in_output=True)
     assert len(streamed.outputs) == 8
-    echoed = collect(grpc_chat.stream(chat_inputs(text_input=text, max_tokens=8)))
+    echoed = ask(chat_client, text_input=text, max_tokens=8)
     # Greedy by default; without exclude_input_in_output the prompt leads the whole answer.
     assert echoed.text == text + streamed.text
     assert echoed.output_token_ids == streamed.output_token_ids
@@ -118,10 +113,8 @@ def test_client_leaving_mid_stream_cancels_decode_work(server):
     firsts = [next(stream) for _ in range(3)]
     stream.close()  # stop_stream(cancel_requests=True)
     assert all(o.output_token_ids for o in firsts)
-    deadline = time.monotonic() + 30  # a bound for the check, not a speed claim: 3000 tokens take minutes
-    while metric(server, "pdchat_decode_active") > 0 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert metric(server, "pdchat_decode_active") == 0
+    # 3000 tokens take minutes: done within the bound means cancelled.
+    assert wait_for(lambda: metric(server, "pdchat_decode_active") == 0, interval=0.1)
     assert metric(server, "pdchat_decode_requests_total", outcome="cancelled") == cancelled + 1
     after = ask(client, chat_body("single_turn", max_tokens=5, temperature=0))
     assert len(after.output_token_ids) == 5
@@ -138,9 +131,11 @@ def test_non_decoupled_stages_answer_http_infer(server):
     assert ids.dtype == np.int32 and len(ids) > 5
     assert json.loads(params[0])["max_tokens"] == 3
 
-    prefill_inputs = [httpclient.InferInput("prompt_token_ids", [len(ids)], "INT32"), httpclient.InferInput("generation_params", [1], "BYTES")]
+    prefill_inputs = [httpclient.InferInput("prompt_token_ids", [len(ids)], "INT32"), httpclient.InferInput("generation_params", [1], "BYTES"),
+                      httpclient.InferInput("stage_seal", [1], "BYTES")]
     prefill_inputs[0].set_data_from_numpy(ids)
     prefill_inputs[1].set_data_from_numpy(params)
+    prefill_inputs[2].set_data_from_numpy(rendered.as_numpy("stage_seal"))  # the renderer's seal opens prefill
     prefilled = client.infer("prefill", prefill_inputs)
     kv = prefilled.as_numpy("kv_cache")
     assert kv.shape == (4, 2, 2, len(ids), 64) and kv.dtype == np.float32
@@ -168,20 +163,16 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize(("fields", "needle"), BAD_REQUESTS, ids=[n for _, n in BAD_REQUESTS])
 def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(chat_client, fields, needle):
     with pytest.raises(ChatError) as info:
-        ask_inputs(chat_client, chat_inputs(**fields))
+        collect(chat_client.stream(chat_inputs(**fields)))
     assert needle in str(info.value)
     assert ask(chat_client, chat_body("single_turn", max_tokens=2)).finish_reason == "length"
-
-
-def ask_inputs(client, inputs):
-    return collect(client.stream(inputs))
 
 
 def test_wrong_tensor_type_is_refused_by_triton(grpc_chat):
     inputs = chat_inputs(text_input="hello")
     inputs["max_tokens"] = np.array([5.0], dtype=np.float32)
     with pytest.raises(ChatError, match="max_tokens"):
-        ask_inputs(grpc_chat, inputs)
+        collect(grpc_chat.stream(inputs))
 
 
 def test_unknown_model_path_fails_its_load_clearly_and_the_rest_keeps_serving(server, grpc_chat):

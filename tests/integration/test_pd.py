@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from pdchat.clients.chat import GrpcChat, chat_inputs, collect
-from pdchat.core.kv_transfer import SHM_PREFIX, ShmConnector
+from pdchat.core.kv.shm import SHM_PREFIX, ShmConnector, kv_directory
 from pdchat.launcher import PDStack
 from tests.conversations import PARITY_CASES, PICK_TOOL
-from tests.integration.server_stats import executions, metric
+from tests.integration.helpers import executions, metric, wait_for
 
 KV_TTL_S = 3.0
 CASES = ["single_turn", "multi_turn", "unicode_emoji", "tool_result", "tool_required", "reasoning_open", "json_schema", "long_prompt"]
@@ -31,22 +34,29 @@ def stack(request, tmp_path_factory, tiny_model_dir):
     # What the killed prefill server left is freed by the next pdchat process's sweep.
     time.sleep(KV_TTL_S + 0.5)
     ShmConnector().sweep()
-    assert list(Path("/dev/shm").glob("pdchat_kv*")) == [], "KV left in shared memory"
+    assert list(kv_directory().glob("*pdchat_kv*")) == [], "KV left in shared memory"
 
 
 def shm_kv() -> list[Path]:
-    return sorted(Path("/dev/shm").glob(f"{SHM_PREFIX}*"))
+    return sorted(kv_directory().glob(f"{SHM_PREFIX}*"))
 
 
 def held_kv(stack) -> float:
     """KV the prefill server still holds, once its sweeper has seen the pulls (checked, not assumed)."""
-    deadline = time.monotonic() + 5  # the sweeper runs every second
-    while time.monotonic() < deadline:
-        held = metric(stack.prefill, "pdchat_kv_held_bytes") + sum(p.stat().st_size for p in shm_kv())
-        if held == 0:
-            return 0
-        time.sleep(0.2)
-    return held
+
+    def held() -> float:
+        return metric(stack.prefill, "pdchat_kv_held_bytes") + sum(p.stat().st_size for p in shm_kv())
+
+    wait_for(lambda: held() == 0, timeout=5)  # the sweeper runs every second
+    return held()
+
+
+def router_health(stack) -> dict:
+    try:
+        reply = urllib.request.urlopen(f"{stack.router_url}/health", timeout=30)
+    except urllib.error.HTTPError as exc:  # 503 while no decode server is ready: same body
+        reply = exc
+    return json.loads(reply.read())
 
 
 def post(stack, body, headers=None):
@@ -142,17 +152,18 @@ def test_bad_request_through_the_router_is_a_400_with_the_reason(stack):
 @pytest.mark.parametrize(("fields", "needle"), [
     ({"max_tokens": 10**12}, "does not fit"),
     ({"model": "no-such-model"}, "is not served here"),
-    ({"chat_template_kwargs": {"chat_template": "{{ raise_exception('refused by template') }}"}}, "refused by template"),
+    ({"continue_final_message": True}, "continue_final_message needs the last message to be from the assistant"),
+    ({"chat_template_kwargs": {"chat_template": "{{ messages }}"}}, "may not set 'chat_template'"),
 ])
 def test_errors_raised_at_render_on_prefill_stay_client_errors(stack, fields, needle):
     """Caught only by the prefill server's renderer: a 400 with its message, not a fallback."""
-    fallbacks = json.loads(urllib.request.urlopen(f"{stack.router_url}/health").read())["stats"]["prefill_fallbacks"]
+    fallbacks = router_health(stack)["stats"]["prefill_fallbacks"]
     with pytest.raises(urllib.error.HTTPError) as info:
         post(stack, {"messages": [{"role": "user", "content": "hi"}], **fields})
     assert info.value.code == 400
     message = json.loads(info.value.read())["error"]["message"]
     assert needle in message and not message.startswith("[")
-    assert json.loads(urllib.request.urlopen(f"{stack.router_url}/health").read())["stats"]["prefill_fallbacks"] == fallbacks
+    assert router_health(stack)["stats"]["prefill_fallbacks"] == fallbacks
 
 
 def test_request_id_reaches_both_servers_logs(stack):
@@ -168,9 +179,8 @@ def test_expired_kv_is_recomputed_from_the_ids_without_rendering(stack):
     body = {"max_tokens": 8, "temperature": 0, **PARITY_CASES["multi_turn"]}
     prefill, decode = GrpcChat(stack.prefill.grpc_url), GrpcChat(stack.decode.grpc_url)
     [handed] = list(prefill.stream(chat_inputs(body, kv_transfer_params={"do_remote_decode": True})))
-    time.sleep(1.5)
-    assert metric(stack.prefill, "pdchat_kv_held_bytes") > 0
-    time.sleep(KV_TTL_S)  # the prefill server's sweeper frees it
+    assert wait_for(lambda: metric(stack.prefill, "pdchat_kv_held_bytes") > 0, timeout=5)
+    assert wait_for(lambda: metric(stack.prefill, "pdchat_kv_held_bytes") == 0, timeout=KV_TTL_S + 5)  # its sweeper freed it
     assert held_kv(stack) == 0
     renders = executions(stack.decode, "renderer")
     recomputed = metric(stack.decode, "pdchat_kv_pulls_total", outcome="recomputed")
@@ -188,10 +198,7 @@ def test_client_leaving_the_router_stream_cancels_decode(stack):
     for _ in range(4):
         reply.readline()
     reply.close()
-    deadline = time.monotonic() + 30  # a bound for the check, not a speed claim
-    while metric(stack.decode, "pdchat_decode_active") > 0 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert metric(stack.decode, "pdchat_decode_active") == 0
+    assert wait_for(lambda: metric(stack.decode, "pdchat_decode_active") == 0)
     assert metric(stack.decode, "pdchat_decode_requests_total", outcome="cancelled") == cancelled + 1
     assert held_kv(stack) == 0
 
@@ -204,16 +211,42 @@ def test_router_restart_keeps_serving(stack, tmp_path):
     assert router_answer(stack, body) == before
 
 
+def test_a_pd_request_is_parsed_once_per_process_and_the_handoff_forwarded_as_sent(stack, monkeypatch):
+    from pdchat.clients.router import PDRouter
+
+    def parsed(server, model, form):
+        return metric(server, "pdchat_requests_parsed_total", model=model, form=form)
+
+    counted = [(stack.prefill, "chat", "request"), (stack.prefill, "renderer", "chat_request"), (stack.prefill, "renderer", "request"),
+               (stack.decode, "chat", "request"), (stack.decode, "renderer", "chat_request")]
+    before = [parsed(*where) for where in counted]
+    router = PDRouter([stack.prefill.grpc_url], [stack.decode.grpc_url])
+    decodes, real_loads = [], json.loads
+    monkeypatch.setattr(json, "loads", lambda *args, **kw: (decodes.append(args[0]), real_loads(*args, **kw))[1])
+    body = {"max_tokens": 4, "temperature": 0, "stream": True, **PARITY_CASES["tool_result"]}
+    outputs = [list(router.chat(body)) for _ in range(2)]
+    monkeypatch.undo()
+    # (A tool call's arguments inside a message are JSON in JSON: validating them parses them.)
+    forwarded = [d for d in decodes if any(key in str(d) for key in ('"messages"', "chat.completion", '"signature"'))]
+    assert forwarded == [], "the router re-parsed JSON it forwards"
+    assert all(o[-1].finish_reason for o in outputs) and router.stats.disaggregated == 2
+    # chat parses the client's JSON; its renderer decodes the canonical form chat hands it; decode's renderer never runs.
+    assert [parsed(*where) for where in counted] == [b + d for b, d in zip(before, [2, 2, 0, 2, 0], strict=True)]
+
+
 def test_prefill_dying_then_dead_falls_back_to_decode_alone_and_decode_dead_is_a_503(stack, monolithic_answers):
     """Last: it kills both servers. Requests run whole on decode, with the same answers."""
     import threading
 
     body = {"max_tokens": 12, "temperature": 0, "return_token_ids": True, **PARITY_CASES["long_prompt"]}
+    requests = router_health(stack)["stats"]["requests"]
+    # Frozen first, so the request is certainly in flight on the prefill server when it dies.
+    os.killpg(stack.prefill.process.pid, signal.SIGSTOP)
     answers = []
     during = threading.Thread(target=lambda: answers.append(router_answer(stack, body)))
     during.start()
-    time.sleep(0.3)  # the prefill leg of a 5k-token prompt is under way
-    stack.prefill.process.kill()
+    assert wait_for(lambda: router_health(stack)["stats"]["requests"] == requests + 1)
+    os.killpg(stack.prefill.process.pid, signal.SIGKILL)
     stack.prefill.process.wait()
     during.join(120)
     assert answers and answers[0]["ids"] == monolithic_answers["long_prompt"].output_token_ids
@@ -221,7 +254,7 @@ def test_prefill_dying_then_dead_falls_back_to_decode_alone_and_decode_dead_is_a
 
     after = router_answer(stack, {**body, **PARITY_CASES["multi_turn"]})
     assert after["ids"] == monolithic_answers["multi_turn"].output_token_ids
-    health = json.loads(urllib.request.urlopen(f"{stack.router_url}/health").read())
+    health = router_health(stack)
     assert health["ok"] and not any(health["prefill"].values())
     assert health["stats"]["prefill_fallbacks"] >= 2
 

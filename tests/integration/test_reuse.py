@@ -11,29 +11,12 @@ import time
 import numpy as np
 import pytest
 
-from pdchat.clients.chat import ChatError, GrpcChat, HttpChat, chat_inputs, collect
+from pdchat.clients.chat import GrpcChat, HttpChat, chat_inputs
 from tests.conversations import PARITY_CASES, chat_body
 from tests.integration.conftest import SHORT_TTL_S
-from tests.integration.server_stats import executions, metric
+from tests.integration.helpers import ask, executions, metric, refusal, summary
 
 CHAT = "chat"
-
-
-def ask(client, body, **forwarded):
-    return collect(client.stream(chat_inputs(body, **forwarded)))
-
-
-def summary(result) -> dict:
-    """What a client sees, whether it came streamed or whole (tool call ids aside)."""
-    content, reasoning, calls = "", "", []
-    for output in result.outputs:
-        choice = output.response["choices"][0]
-        message = choice.get("message") or choice.get("delta") or {}
-        content += message.get("content") or ""
-        reasoning += message.get("reasoning_content") or ""
-        calls += [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls") or []]
-    return {"ids": result.output_token_ids, "text": result.text, "content": content, "reasoning": reasoning,
-            "tool_calls": calls, "finish_reason": result.finish_reason}
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +37,11 @@ def prefill(client, body):
 @pytest.mark.parametrize("case", sorted(PARITY_CASES))
 def test_render_and_reuse_paths_give_identical_answers(clients, case):
     body = {"max_tokens": 16, "temperature": 0, **PARITY_CASES[case]}
-    handed = prefill(clients["grpc"], body)
     seen = {}
     for protocol, client in clients.items():
         for stream in (False, True):
             request = {**body, "stream": stream}
+            handed = prefill(clients["grpc"], body)  # a handoff is single-use
             rendered = ask(client, request)
             reused = ask(client, request, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)
             assert reused.prompt_token_ids == rendered.prompt_token_ids == handed.prompt_token_ids
@@ -86,9 +69,9 @@ def test_ids_inside_kv_transfer_params_vllm_style_are_reused_too(clients):
 
 def test_reuse_skips_the_renderer_and_the_render_path_runs_it(decode_server, clients):
     body = chat_body("system_prompt", max_tokens=4, temperature=0)
-    handed = prefill(clients["grpc"], body)
+    handoffs = [prefill(clients["grpc"], body) for _ in range(3)]
     before = executions(decode_server, "renderer")
-    for _ in range(3):
+    for handed in handoffs:
         ask(clients["grpc"], body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)
     assert executions(decode_server, "renderer") == before
     ask(clients["grpc"], body)
@@ -99,18 +82,14 @@ def tampered(handed, **changes):
     return {**handed.kv_transfer_params, **changes}
 
 
-def refusal(client, body, **forwarded) -> str:
-    with pytest.raises(ChatError) as info:
-        ask(client, body, **forwarded)
-    return str(info.value)
-
-
 ADVERSARIAL = {
     "unsigned": (lambda h: {"prompt_token_ids": h.prompt_token_ids}, "unsigned"),
     "forged_signature": (lambda h: {"prompt_token_ids": h.prompt_token_ids, "kv_transfer_params": tampered(h, signature="ab" * 32)}, "bad_signature"),
     "ids_altered": (lambda h: {"prompt_token_ids": h.prompt_token_ids[:-1] + [42], "kv_transfer_params": h.kv_transfer_params}, "bad_signature"),
     "expiry_extended": (lambda h: {"prompt_token_ids": h.prompt_token_ids, "kv_transfer_params": tampered(h, expires_at=h.kv_transfer_params["expires_at"] + 3600)}, "bad_signature"),
-    "peer_injected": (lambda h: {"prompt_token_ids": h.prompt_token_ids, "kv_transfer_params": tampered(h, kv_handle={"host": "203.0.113.7", "port": 1})}, "bad_signature"),
+    "peer_injected": (lambda h: {"prompt_token_ids": h.prompt_token_ids, "kv_transfer_params": tampered(h, kv_handle={**h.kv_transfer_params["kv_handle"], "connector": "nixl", "location": {"agent": "evil", "metadata": "", "id": "1", "addr": 4096}})}, "bad_signature"),
+    "handle_malformed": (lambda h: {"prompt_token_ids": h.prompt_token_ids, "kv_transfer_params": tampered(h, kv_handle={"host": "203.0.113.7", "port": 1})}, "malformed"),
+    "non_ascii_signature": (lambda h: {"prompt_token_ids": h.prompt_token_ids, "kv_transfer_params": tampered(h, signature="é" * 64)}, "bad_signature"),
     "out_of_vocabulary": (lambda h: {"prompt_token_ids": [1, 2, 10**6]}, "out_of_vocabulary"),
     "negative_ids": (lambda h: {"prompt_token_ids": [1, -5, 3]}, "out_of_vocabulary"),
     "empty_list": (lambda h: {"prompt_token_ids": []}, "empty"),
@@ -132,6 +111,16 @@ def test_bad_forwarded_ids_are_refused_with_their_reason_and_counted(decode_serv
     # The server keeps serving, and the genuine handoff still works.
     reused = ask(clients["grpc"], body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)
     assert reused.finish_reason == "length"
+
+
+def test_a_replayed_handoff_is_refused_and_counted(decode_server, clients):
+    body = chat_body("single_turn", max_tokens=3, temperature=0)
+    handed = prefill(clients["grpc"], body)
+    forwarded = {"prompt_token_ids": handed.prompt_token_ids, "kv_transfer_params": handed.kv_transfer_params}
+    assert ask(clients["grpc"], body, **forwarded).finish_reason == "length"
+    before = metric(decode_server, "pdchat_forwarded_ids_total", outcome="rejected", reason="replayed")
+    assert "(replayed)" in refusal(clients["http"], body, **forwarded)
+    assert metric(decode_server, "pdchat_forwarded_ids_total", outcome="rejected", reason="replayed") == before + 1
 
 
 def test_ids_signed_for_another_conversation_are_refused(clients):

@@ -14,7 +14,7 @@ import time
 from pdchat.clients import load
 from pdchat.launcher import process_group
 from tests.integration.conftest import running_server
-from tests.integration.server_stats import metric, wait_for
+from tests.integration.helpers import metric, wait_for
 
 EXIT_TIMEOUT_S = 3
 

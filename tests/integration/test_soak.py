@@ -6,14 +6,14 @@ fail, and nothing may stay behind: decode work, held KV, shared-memory regions, 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 
 from pdchat.clients import load
 from pdchat.clients.chat import GrpcChat, chat_inputs
+from pdchat.core.kv.shm import kv_directory
 from pdchat.launcher import PDStack
-from tests.integration.server_stats import metric, wait_for
+from tests.integration.helpers import metric, wait_for
 
 CONCURRENCY = 16
 REQUESTS = 300
@@ -78,7 +78,7 @@ def kv_engine(stack) -> str:
         [handed] = client.stream(chat_inputs(body(0), kv_transfer_params={"do_remote_decode": True}))
     finally:
         client.close()
-    return handed.kv_transfer_params["kv_handle"]["name"].split("_")[2]
+    return handed.kv_transfer_params["kv_handle"]["location"]["name"].split("_")[2]
 
 
 def test_pd_pair_soaks_through_the_router(stack):
@@ -88,7 +88,7 @@ def test_pd_pair_soaks_through_the_router(stack):
     # Every KV was pulled, or expired after its TTL: nothing is held.
     assert wait_for(lambda: metric(stack.prefill, "pdchat_kv_held_bytes") == 0, timeout=KV_TTL_S + 5)
     time.sleep(KV_TTL_S + 1.5)  # handed-back files expire one KV TTL after their pull
-    assert wait_for(lambda: not list(Path("/dev/shm").glob(f"pdchat_kv*_{engine}_*")), timeout=5), "KV files left in /dev/shm"
+    assert wait_for(lambda: not list(kv_directory().glob(f"*pdchat_kv*_{engine}_*")), timeout=5), "KV files left in shared memory"
 
 
 @pytest.mark.parametrize("model", ["chat", "chat_ensemble"])

@@ -4,7 +4,7 @@ tokens each would alone (greedy, fp32, CPU)."""
 import pytest
 import torch
 
-from pdchat.core.engine import CausalLM, DecodeBatch
+from pdchat.core.generation.engine import CausalLM, DecodeBatch
 
 STEPS = 16
 

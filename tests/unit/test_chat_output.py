@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pdchat.core.chat_output import OutputParser, ParsedDelta, starts_in_reasoning
+from pdchat.core.output.parsing import OutputParser, ParsedDelta, starts_in_reasoning
 
 
 def parse(text, *, pieces=1, **options):

@@ -5,18 +5,11 @@ import json
 import pytest
 
 from pdchat.core.errors import InvalidRequest, ModelUnavailable
-from pdchat.core.handoff import (
-    ForwardedIdsRejected,
-    Gate,
-    Policy,
-    Rejection,
-    forwarded_ids,
-    load_key,
-    render_fingerprint,
-    sign,
-)
-from pdchat.core.protocol import parse_chat_json
-from pdchat.ensemble.routing import ChatRouter, Route
+from pdchat.core.kv.base import KVHandle
+from pdchat.core.request.protocol import parse_chat_json
+from pdchat.ensemble.gate import ForwardedIdsRejected, Gate, Policy, Rejection, forwarded_ids
+from pdchat.ensemble.handoff import Handoff, load_key, render_fingerprint, sign
+from pdchat.ensemble.routing import Route, RoutePlanner
 
 KEY = b"k" * 32
 IDS = [1, 5, 9, 200]
@@ -31,12 +24,15 @@ def gate(policy=Policy.SIGNED, key=KEY):
     return Gate(policy, key, vocab_size=1000, context_length=100)
 
 
+HANDLE = KVHandle("shm", (2, 2, 1, 4, 8), NOW + 60, 7, {"name": "x"})
+
+
 def signed(request=None, ids=IDS, **kw):
-    return sign(KEY, ids, render_fingerprint(request or chat(), "m"), now=NOW, **kw)
+    return sign(KEY, ids, render_fingerprint(request or chat(), "m"), now=NOW, **kw).to_params()
 
 
-def admit(params, request=None, ids=IDS, policy=Policy.SIGNED, now=NOW + 1):
-    return gate(policy).admit(ids, params, render_fingerprint(request or chat(), "m"), now=now)
+def admit(params, request=None, ids=IDS, policy=Policy.SIGNED, now=NOW + 1, on=None):
+    return (on or gate(policy)).admit(ids, params, render_fingerprint(request or chat(), "m"), now=now)
 
 
 def reason(call):
@@ -46,8 +42,22 @@ def reason(call):
 
 
 def test_signed_ids_for_this_request_are_admitted_with_their_kv_handle():
-    handle = {"engine": "shm", "name": "x"}
-    assert admit(signed(kv_handle=handle)) == handle
+    assert admit(signed(kv_handle=HANDLE)) == HANDLE
+
+
+def test_the_handoff_crosses_the_wire_as_one_serialization():
+    handoff = sign(KEY, IDS, "f" * 64, kv_handle=HANDLE, now=NOW)
+    assert Handoff.from_params(json.loads(handoff.to_json())) == handoff
+    assert KVHandle.from_json(HANDLE.to_json()) == HANDLE
+
+
+def test_a_handoff_is_admitted_once_then_refused_as_replayed_until_it_expires():
+    once = gate()
+    params = signed(kv_handle=HANDLE)
+    assert admit(params, on=once) == HANDLE
+    assert reason(lambda: admit(params, on=once, now=NOW + 2)) is Rejection.REPLAYED
+    assert reason(lambda: admit(params, on=once, now=NOW + 61)) is Rejection.EXPIRED
+    assert admit(signed(), on=once) is None  # another handoff is unaffected
 
 
 def test_sampling_fields_are_outside_the_fingerprint_render_inputs_inside():
@@ -66,7 +76,11 @@ def test_sampling_fields_are_outside_the_fingerprint_render_inputs_inside():
         (lambda: admit({}), Rejection.UNSIGNED),
         (lambda: admit({**signed(), "signature": "0" * 64}), Rejection.BAD_SIGNATURE),
         (lambda: admit(signed(), ids=[1, 5, 9, 201]), Rejection.BAD_SIGNATURE),
-        (lambda: admit({**signed(), "kv_handle": {"host": "10.0.0.9"}}), Rejection.BAD_SIGNATURE),
+        (lambda: admit({**signed(kv_handle=HANDLE), "kv_handle": {**HANDLE.to_dict(), "location": {"name": "y"}}}), Rejection.BAD_SIGNATURE),
+        (lambda: admit({**signed(), "kv_handle": {"host": "10.0.0.9"}}), Rejection.MALFORMED),
+        (lambda: admit({**signed(), "signature": "é" * 64}), Rejection.BAD_SIGNATURE),
+        (lambda: admit({**signed(), "signature": "\ud800" * 64}), Rejection.BAD_SIGNATURE),
+        (lambda: admit({**signed(), "signature": 12}), Rejection.MALFORMED),
         (lambda: admit({**signed(), "expires_at": NOW + 10_000}), Rejection.BAD_SIGNATURE),
         (lambda: admit(signed(), now=NOW + 61), Rejection.EXPIRED),
         (lambda: admit(signed(), request=chat("a different conversation")), Rejection.FINGERPRINT_MISMATCH),
@@ -110,13 +124,13 @@ def test_ids_come_from_the_tensor_or_the_vllm_list_not_both():
     assert reason(lambda: forwarded_ids([1], '{"prompt_token_ids": [1]}')) is Rejection.MALFORMED
 
 
-def test_router_routes_once_before_rendering():
-    router = ChatRouter(gate(), "m")
-    assert router.plan(chat(), None, None).route is Route.RENDER
-    assert router.plan(chat(), None, '{"do_remote_decode": true}').route is Route.REMOTE_PREFILL
-    handoff = router.handoff_params(chat(max_tokens=5), IDS)
-    plan = router.plan(chat(max_tokens=5), IDS, json.dumps(handoff))
-    assert (plan.route, plan.prompt_token_ids, plan.params.max_tokens) == (Route.REUSE, IDS, 5)
-    assert reason(lambda: router.plan(chat(), None, json.dumps(handoff))) is Rejection.MALFORMED
+def test_the_route_is_planned_once_before_rendering():
+    planner = RoutePlanner(gate(), "m")
+    assert planner.plan(chat(), None, None).route is Route.RENDER
+    assert planner.plan(chat(), None, '{"do_remote_decode": true}').route is Route.REMOTE_PREFILL
+    handoff = planner.sign_handoff(chat(max_tokens=5), IDS, kv_handle=HANDLE)
+    assert reason(lambda: planner.plan(chat(), None, handoff.to_json())) is Rejection.MALFORMED
+    plan = planner.plan(chat(max_tokens=5), IDS, handoff.to_json())
+    assert (plan.route, plan.prompt_token_ids, plan.generation.max_tokens, plan.kv_handle) == (Route.REUSE, IDS, 5, HANDLE)
     with pytest.raises(InvalidRequest, match="handoff key"):
-        ChatRouter(gate(Policy.OFF, key=None), "m").plan(chat(), None, '{"do_remote_decode": true}')
+        RoutePlanner(gate(Policy.OFF, key=None), "m").plan(chat(), None, '{"do_remote_decode": true}')

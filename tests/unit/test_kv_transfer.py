@@ -1,40 +1,79 @@
-"""KV connectors: publish on one side, pull on the other, nothing held afterwards."""
+"""KV connectors: publish on one side, pull on the other (once), nothing held afterwards."""
 
+import dataclasses
 import os
+import stat
+import threading
 import time
 
 import numpy as np
 import pytest
 
-from pdchat.core.kv_transfer import Connectors, KVBudgetExceeded, KVUnavailable, ShmConnector
+from pdchat.core.kv import shm as shm_module
+from pdchat.core.kv.base import KVBudgetExceeded, KVHandle, KVUnavailable
+from pdchat.core.kv.connector import Connectors
+from pdchat.core.kv.shm import KVDirectoryRefused, ShmConnector, kv_directory
 
 
 def kv(tokens=16, seed=0):
     return np.random.default_rng(seed).standard_normal((4, 2, 2, tokens, 64)).astype(np.float32)
 
 
+def named(name):
+    """A handle naming `name`, as a forged or stale one would."""
+    return KVHandle("shm", (1,), time.time() + 60, 0, {"name": name})
+
+
+def mode(path):
+    return stat.S_IMODE(path.lstat().st_mode)
+
+
 @pytest.fixture
-def shm(tmp_path):
-    connector = ShmConnector(tmp_path, budget_bytes=1 << 20, ttl_s=60)
+def directory(tmp_path):
+    return tmp_path / "kv"  # made by the connector
+
+
+@pytest.fixture
+def shm(directory):
+    connector = ShmConnector(directory, budget_bytes=1 << 20, ttl_s=60)
     yield connector
     connector.close()
 
 
-def test_shm_round_trip_is_exact_and_done_hands_the_pages_back_for_reuse(shm):
+@pytest.fixture
+def decode(directory, shm):
+    connector = ShmConnector(directory)
+    yield connector
+    connector.close()
+
+
+def test_the_default_directory_is_this_users_own_and_private(tmp_path, monkeypatch):
+    monkeypatch.setattr(shm_module, "SHM_ROOT", tmp_path)
+    connector = ShmConnector()
+    assert connector.directory == kv_directory() == tmp_path / f"pdchat-{os.getuid()}"
+    connector.publish(kv(), 1)
+    [published] = connector.held()
+    assert mode(connector.directory) == 0o700 and mode(published) == 0o600
+    connector.close()
+
+
+def test_shm_cycle_is_exact_single_use_reuses_the_pages_and_leaves_nothing(shm, decode):
     data = kv()
-    handle = shm.publish(data, {"first_token_id": 7})
-    assert handle["first_token_id"] == 7 and shm.held_bytes() == data.nbytes
-    decode = ShmConnector(shm.directory)
+    handle = shm.publish(data, 7)
+    assert handle.first_token_id == 7 and handle.connector == "shm" and shm.held_bytes() == data.nbytes
     pulled = decode.pull(handle)
     assert np.array_equal(pulled, data)
+    with pytest.raises(KVUnavailable, match="already pulled or gone"):
+        decode.pull(handle)
+    assert shm.held_bytes() == data.nbytes, "a claimed KV counts until decode is done with it"
     decode.done(handle)
     assert shm.held_bytes() == 0
-    with pytest.raises(KVUnavailable, match="is gone"):
-        decode.pull(handle)
-    [free] = list(shm.directory.glob("pdchat_kvfree_*"))
+    [free] = shm.directory.glob("pdchat_kvfree_*")
+    assert mode(free) == 0o600
     smaller = kv(8, seed=1)
-    second = shm.publish(smaller)
+    second = shm.publish(smaller, 8)
     assert not free.exists(), "the handed-back file carries the next KV"
+    assert [mode(p) for p in shm.held()] == [0o600]
     assert np.array_equal(decode.pull(second), smaller)
     # (`pulled` may now show the new KV: done() promises nothing reads it any more.)
     decode.done(second)
@@ -42,41 +81,124 @@ def test_shm_round_trip_is_exact_and_done_hands_the_pages_back_for_reuse(shm):
     assert list(shm.directory.iterdir()) == []
 
 
-def test_shm_budget_is_freed_by_decode_being_done(shm):
-    first = shm.publish(kv(100))  # 400 KiB of a 1 MiB budget
-    shm.publish(kv(100))
+def test_racing_pulls_of_one_handle_have_exactly_one_winner(shm, decode, directory):
+    handle = shm.publish(kv(), 1)
+    pullers = [decode, ShmConnector(directory)]
+    start = threading.Barrier(8)
+    outcomes = []
+
+    def pull(connector):
+        start.wait()
+        try:
+            outcomes.append(connector.pull(handle))
+        except KVUnavailable:
+            outcomes.append(None)
+
+    threads = [threading.Thread(target=pull, args=(pullers[i % 2],)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    winners = [kv_ for kv_ in outcomes if kv_ is not None]
+    assert len(outcomes) == 8 and len(winners) == 1 and np.array_equal(winners[0], kv())
+
+
+def test_done_hands_back_only_what_this_connector_claimed(shm, decode, directory):
+    handle = shm.publish(kv(), 1)
+    decode.pull(handle)
+    ShmConnector(directory).done(handle)  # not its claim: the puller may still map the pages
+    assert shm.held_bytes() == kv().nbytes and list(directory.glob("pdchat_kvfree_*")) == []
+    decode.done(handle)
+    assert shm.held_bytes() == 0
+
+
+@pytest.mark.parametrize("unsafe", ["world_writable", "group_readable", "symlink", "file", "foreign_owner"])
+def test_a_directory_others_could_use_is_refused(tmp_path, monkeypatch, unsafe):
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    path = tmp_path / "kv"
+    if unsafe == "world_writable":
+        path.mkdir()
+        path.chmod(0o777)
+    elif unsafe == "group_readable":
+        path.mkdir()
+        path.chmod(0o750)
+    elif unsafe == "symlink":
+        path.symlink_to(private)
+    elif unsafe == "file":
+        path.write_bytes(b"")
+    else:
+        path.mkdir(mode=0o700)
+        real_uid = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: real_uid + 1)
+    with pytest.raises(KVDirectoryRefused, match=f"refusing KV directory {path}"):
+        ShmConnector(path)
+    assert list(private.iterdir()) == [], "nothing written through the link"
+
+
+def test_a_directory_made_unsafe_later_is_refused_at_once(shm, decode):
+    handle = shm.publish(kv(), 1)
+    shm.directory.chmod(0o755)
+    with pytest.raises(KVUnavailable, match="lets group or others in"):
+        decode.pull(handle)
+    with pytest.raises(KVDirectoryRefused):
+        shm.publish(kv(), 2)
+    shm.directory.chmod(0o700)
+    assert np.array_equal(decode.pull(handle), kv())
+
+
+def test_shm_budget_is_freed_by_decode_being_done(shm, decode):
+    first = shm.publish(kv(100), 1)  # 400 KiB of a 1 MiB budget
+    shm.publish(kv(100), 2)
     with pytest.raises(KVBudgetExceeded, match="budget of 1 MiB"):
-        shm.publish(kv(100))
-    ShmConnector(shm.directory).pull(first)
-    ShmConnector(shm.directory).done(first)
-    shm.publish(kv(100))
+        shm.publish(kv(100), 3)
+    decode.pull(first)
+    with pytest.raises(KVBudgetExceeded):
+        shm.publish(kv(100), 3)
+    decode.done(first)
+    shm.publish(kv(100), 3)
 
 
-def test_shm_sweep_frees_expired_kv_of_any_engine(tmp_path):
-    crashed = ShmConnector(tmp_path, ttl_s=0.01, engine_id="dead")
-    crashed.publish(kv())
-    survivor = ShmConnector(tmp_path, ttl_s=60, engine_id="live")
-    kept = survivor.publish(kv())
+def test_shm_sweep_frees_expired_kv_of_any_engine(directory):
+    crashed = ShmConnector(directory, ttl_s=0.01, engine_id="dead")
+    crashed.publish(kv(), 1)
+    survivor = ShmConnector(directory, ttl_s=60, engine_id="a1fe")
+    kept = survivor.publish(kv(), 2)
     time.sleep(0.05)
     assert survivor.sweep() == 1
-    assert [p.name for p in tmp_path.iterdir()] == [kept["name"]]
+    assert [p.name for p in directory.iterdir()] == [kept.location["name"]]
 
 
-def test_shm_refuses_names_outside_its_pattern(shm):
-    for name in ("../etc/passwd", "pdchat_kv_x", ""):
-        with pytest.raises(KVUnavailable, match="not a shm KV name"):
-            shm.pull({"name": name, "shape": [1]})
+def test_kv_claimed_but_never_handed_back_is_swept_once_expired(directory):
+    prefill = ShmConnector(directory, ttl_s=0.05)
+    handle = prefill.publish(kv(), 1)
+    pulled = ShmConnector(directory).pull(handle)  # then decode crashes: no done()
+    [claimed] = directory.glob("pdchat_kvpulled_*")
+    assert prefill.held() == [claimed]
+    assert prefill.sweep() == 0
+    time.sleep(0.1)
+    assert prefill.sweep() == 1 and list(directory.iterdir()) == []
+    assert np.array_equal(pulled, kv()), "a mapping outlives its file"
+
+
+@pytest.mark.parametrize("name", [
+    "../etc/passwd", "pdchat_kv_x", "", "pdchat_kv_ab_1_cd/../x",
+    "pdchat_kvfree_ab_1_cd", "pdchat_kvpulled_ab_1_cd_ef", ".pdchat_kv_ab_1_cd",  # only a published KV pulls
+])
+def test_shm_refuses_names_that_are_not_a_published_kv(shm, name):
+    with pytest.raises(KVUnavailable, match="not a shm KV name"):
+        shm.pull(named(name))
 
 
 def test_nixl_round_trip_notifies_the_holder_which_frees():
-    nixl = pytest.importorskip("nixl_cu12")
-    assert nixl
-    from pdchat.core.nixl_connector import NixlConnector
+    pytest.importorskip("nixl_cu12")
+    from pdchat.core.kv.nixl import NixlConnector
 
     prefill, decode = NixlConnector(ttl_s=60), NixlConnector()
     try:
         data = kv(64)
-        handle = prefill.publish(data, {"first_token_id": 3})
+        handle = prefill.publish(data, 3)
+        assert handle.first_token_id == 3 and set(handle.location) == {"agent", "metadata", "id", "addr"}
         assert prefill.held_bytes() == data.nbytes
         assert np.array_equal(decode.pull(handle), data)
         deadline = time.monotonic() + 5
@@ -84,7 +206,7 @@ def test_nixl_round_trip_notifies_the_holder_which_frees():
             prefill.sweep()
             time.sleep(0.01)
         assert prefill.held_bytes() == 0
-        expired = dict(prefill.publish(data), expires_at=time.time() - 1)
+        expired = dataclasses.replace(prefill.publish(data, 4), expires_at=time.time() - 1)
         with pytest.raises(KVUnavailable, match="expired"):
             decode.pull(expired)
     finally:
@@ -93,7 +215,7 @@ def test_nixl_round_trip_notifies_the_holder_which_frees():
     assert prefill.held_bytes() == 0
 
 
-def test_foreign_entries_named_like_kv_neither_stop_the_sweeper_nor_fail_a_publish(shm, caplog):
+def test_foreign_entries_neither_stop_the_sweeper_nor_fail_a_publish(shm, decode, caplog):
     directory = shm.directory
     (directory / "pdchat_kv_000000000000_1_00").mkdir()  # expired by its name, but a directory
     (directory / "pdchat_kvfree_000000000000_1_00").mkdir()
@@ -103,17 +225,17 @@ def test_foreign_entries_named_like_kv_neither_stop_the_sweeper_nor_fail_a_publi
     expired = directory / f"pdchat_kv_{shm.engine_id}_1_ab"
     expired.write_bytes(b"old")
     assert shm.sweep() == 1 and not expired.exists()
-    handle = shm.publish(kv(), {"first_token_id": 1})
+    handle = shm.publish(kv(), 1)
     assert shm.held_bytes() == kv().nbytes
-    assert np.array_equal(ShmConnector(directory).pull(handle), kv())
+    assert np.array_equal(decode.pull(handle), kv())
     for planted in ("pdchat_kv_000000000000_2_00", "pdchat_kv_000000000000_3_00", "pdchat_kv_000000000000_1_00"):
         with pytest.raises(KVUnavailable):
-            ShmConnector(directory).pull({"name": planted, "shape": [1]})
+            ShmConnector(directory).pull(named(planted))
     shm.sweep()
-    assert sum("pdchat_kv_000000000000_1_00" in r.getMessage() for r in caplog.records) == 1, "logged once, not per sweep"
+    assert sum("pdchat_kvfree_000000000000_1_00" in r.getMessage() for r in caplog.records) == 1, "logged once, not per sweep"
 
 
-def test_the_background_sweeper_survives_a_failing_sweep(tmp_path):
+def test_the_background_sweeper_survives_a_failing_sweep(directory):
     seen = []
 
     def on_sweep(held):
@@ -121,7 +243,7 @@ def test_the_background_sweeper_survives_a_failing_sweep(tmp_path):
         if len(seen) == 1:
             raise RuntimeError("metrics endpoint hiccup")
 
-    connectors = Connectors(on_sweep=on_sweep, directory=tmp_path)
+    connectors = Connectors(on_sweep=on_sweep, directory=directory)
     connectors.SWEEP_INTERVAL_S = 0.05
     connectors.get("shm")
     deadline = time.monotonic() + 10

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from pdchat.core.protocol import parse_chat_json
-from pdchat.ensemble.pipeline import LocalPipeline
+from pdchat.core.request.protocol import parse_chat_json
+from tests.pipeline import LocalPipeline
 
 
 @pytest.fixture(scope="module")

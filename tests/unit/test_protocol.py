@@ -3,7 +3,7 @@ import json
 import pytest
 
 from pdchat.core.errors import InvalidRequest
-from pdchat.core.protocol import GenerationParams, parse_chat_json, resolve_max_tokens, text_input_request
+from pdchat.core.request.protocol import GenerationParams, parse_chat_json, resolve_max_tokens, text_input_request
 
 
 def body(**fields):

@@ -7,6 +7,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from pdchat import tensors
+from pdchat.core import settings
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 
@@ -25,36 +26,54 @@ CLIENT_INPUTS = [tensors.REQUEST, tensors.TEXT_INPUT, *tensors.SCALAR_INPUTS]
 CLIENT_OUTPUTS = [tensors.TEXT_OUTPUT, tensors.RESPONSE, tensors.PROMPT_TOKEN_IDS, tensors.OUTPUT_TOKEN_IDS, tensors.FINISH_REASON]
 
 
-@pytest.mark.parametrize("model", ["renderer", "prefill", "decode", "chat_ensemble"])
+@pytest.mark.parametrize("model", ["renderer", "prefill", "decode", "chat_ensemble", "chat"])
 def test_config_names_itself_after_its_directory(model):
     assert load(model).name == model
 
 
-def test_chat_has_the_ensemble_contract_plus_forwarded_ids():
-    chat = load("chat")
-    assert names(chat.input) == CLIENT_INPUTS + [tensors.PROMPT_TOKEN_IDS, tensors.KV_TRANSFER_PARAMS]
-    assert names(chat.output) == CLIENT_OUTPUTS + [tensors.KV_TRANSFER_PARAMS]
-    decode_role = model_config_pb2.ModelConfig()
-    text_format.Parse((REPOSITORY / "chat/configs/decode.pbtxt").read_text(), decode_role)
-    assert names(decode_role.input) == names(chat.input) and names(decode_role.output) == names(chat.output)
-    assert decode_role.parameters[tensors.PARAM_FORWARDED_IDS].string_value == "signed"
+def specs(entries):
+    """Config entries in tensors.TensorSpec form (data type, dims, optional)."""
+    return [tensors.TensorSpec(e.name, model_config_pb2.DataType.Name(e.data_type), tuple(e.dims), getattr(e, "optional", False))
+            for e in entries]
+
+
+@pytest.mark.parametrize("role", ["config.pbtxt", "configs/prefill.pbtxt", "configs/decode.pbtxt"])
+def test_chat_configs_leave_the_contract_to_tensors_py(role):
+    config = model_config_pb2.ModelConfig()
+    text_format.Parse((REPOSITORY / "chat" / role).read_text(), config)
+    assert config.name == "chat" and not config.input and not config.output  # declared by auto_complete_config
+    policy = {"config.pbtxt": "", "configs/prefill.pbtxt": "off", "configs/decode.pbtxt": "signed"}[role]
+    assert config.parameters[settings.PARAM_FORWARDED_IDS].string_value == policy
+
+
+def test_chat_is_the_ensemble_contract_plus_forwarded_ids():
+    ensemble = load("chat_ensemble")
+    forwarded = [tensors.PROMPT_TOKEN_IDS, tensors.KV_TRANSFER_PARAMS]
+    assert list(tensors.CHAT_INPUTS) == specs(ensemble.input) + [s for s in tensors.CHAT_INPUTS if s.name in forwarded]
+    assert list(tensors.CHAT_OUTPUTS) == specs(ensemble.output) + [s for s in tensors.CHAT_OUTPUTS if s.name == tensors.KV_TRANSFER_PARAMS]
 
 
 def test_client_contract_is_the_same_on_renderer_and_ensemble():
-    assert names(load("renderer").input) == CLIENT_INPUTS == names(load("chat_ensemble").input)
+    from_chat = [tensors.CHAT_REQUEST, tensors.STAGE_SEAL]
+    assert names(load("renderer").input) == CLIENT_INPUTS + from_chat
+    assert names(load("chat_ensemble").input) == CLIENT_INPUTS
     assert names(load("decode").output) == CLIENT_OUTPUTS == names(load("chat_ensemble").output)
     for entry in load("chat_ensemble").input:
         assert entry.optional and list(entry.dims) == [1]
 
 
-def test_stage_tensors():
-    assert names(load("renderer").output) == [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS]
-    assert names(load("prefill").input) == [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.KV_DESTINATION]
+def test_stage_tensors_and_seals():
+    assert names(load("renderer").output) == [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.STAGE_SEAL]
+    assert names(load("prefill").input) == [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.KV_DESTINATION,
+                                            tensors.STAGE_SEAL]
     assert names(load("prefill").output) == [tensors.FIRST_TOKEN_ID, tensors.KV_CACHE, tensors.KV_HANDLE]
     assert names(load("decode").input) == [
         tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.KV_CACHE, tensors.FIRST_TOKEN_ID,
-        tensors.KV_HANDLE, tensors.CANCEL_REQUEST_ID]
+        tensors.KV_HANDLE, tensors.CANCEL_REQUEST_ID, tensors.STAGE_SEAL]
     assert load("decode").model_transaction_policy.decoupled
+    for stage in ("prefill", "decode"):  # no way in without a seal
+        [seal] = [e for e in load(stage).input if e.name == tensors.STAGE_SEAL]
+        assert not seal.optional
 
 
 def test_ensemble_wires_every_stage_input_from_an_earlier_output():
@@ -69,4 +88,4 @@ def test_ensemble_wires_every_stage_input_from_an_earlier_output():
     assert set(CLIENT_OUTPUTS) <= produced
     decode_step = load("chat_ensemble").ensemble_scheduling.step[-1]
     # Within one server the KV travels as a tensor, with prefill's first token.
-    assert {tensors.KV_CACHE, tensors.FIRST_TOKEN_ID} <= set(decode_step.input_map)
+    assert {tensors.KV_CACHE, tensors.FIRST_TOKEN_ID, tensors.STAGE_SEAL} <= set(decode_step.input_map)

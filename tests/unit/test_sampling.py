@@ -1,6 +1,6 @@
 import torch
 
-from pdchat.core.sampling import choose_token
+from pdchat.core.generation.sampling import choose_token
 
 LOGITS = torch.tensor([0.1, 2.0, 1.9, -1.0, 0.5])
 

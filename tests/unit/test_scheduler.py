@@ -2,8 +2,8 @@
 
 import threading
 
-from pdchat.core.responses import Delta
-from pdchat.core.scheduler import DecodeJob, DecodeScheduler, Limits
+from pdchat.core.generation.scheduler import DecodeJob, DecodeScheduler, Limits
+from pdchat.core.output.responses import Delta
 
 
 class CountingGeneration:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from pdchat.core.detokenizer import IncrementalDetokenizer
-from pdchat.core.stopping import StopStringMatcher
+from pdchat.core.output.detokenizer import IncrementalDetokenizer
+from pdchat.core.output.stopping import StopStringMatcher
 
 SAMPLES = [
     "Hello, world! Plain ASCII text.",

@@ -1,1 +1,10 @@
-"""Plain, typed core of pdchat: no Triton imports here, so it runs in unit tests."""
+"""Plain typed Python behind the Triton models; nothing here imports Triton.
+
+  request/     what clients send: parsing and validation, chat templates, output grammars
+  generation/  the model: forward passes, sampling, one request's generation, the batch scheduler
+  output/      what clients get: incremental detokenization, stop strings, reasoning and
+               tool-call parsing, OpenAI-shaped responses
+  kv/          KV caches between servers: the typed handle, connectors (shm, nixl)
+  settings     config parameters and environment variables, with their defaults
+  errors       the error classes every stage maps to Triton error codes
+"""

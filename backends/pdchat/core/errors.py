@@ -14,6 +14,8 @@ INVALID_ARG = "INVALID_ARG"
 UNAVAILABLE = "UNAVAILABLE"
 INTERNAL = "INTERNAL"
 _TAG = re.compile(rf"^\[({INVALID_ARG}|{UNAVAILABLE}|{INTERNAL})\] ")
+# Triton puts its own words before a step's error inside an ensemble.
+_ENSEMBLE_TAG = re.compile(rf"^in ensemble '[^']*', \[({INVALID_ARG}|{UNAVAILABLE}|{INTERNAL})\] ")
 
 
 class InvalidRequest(ValueError):
@@ -48,6 +50,7 @@ def tagged_message(exc: Exception) -> str:
 
 
 def split_error_class(message: str) -> tuple[str, str]:
-    """(class or "", message without its tag) of a message `tagged_message` made."""
-    match = _TAG.match(message)
+    """(class or "", message without its tag) of a message `tagged_message` made, also
+    when Triton relays it from an ensemble step."""
+    match = _TAG.match(message) or _ENSEMBLE_TAG.match(message)
     return (match[1], message[match.end():]) if match else ("", message)

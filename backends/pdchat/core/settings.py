@@ -1,7 +1,9 @@
-"""Where the model comes from: config parameter, then environment, then the default.
+"""Every setting of a pdchat model: its config.pbtxt parameter, its environment variable,
+its default, in that order of precedence.
 
-Every model of the repository resolves the same way, so renderer, prefill and decode
-agree on one model without repeating it in three config.pbtxt files.
+The names live here only: the launcher, the CLI and the tests import them. Every model
+resolves the same way, so renderer, prefill and decode agree on one model without
+repeating it in several config.pbtxt files.
 """
 
 from __future__ import annotations
@@ -10,10 +12,30 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdchat import tensors
+from pdchat import registry
 from pdchat.core.errors import ModelUnavailable
 
+# Model config parameters (config.pbtxt `parameters`).
+PARAM_MODEL = "model"  # embedded model name or HF model directory
+PARAM_DEVICE = "device"  # "auto" (CUDA when present), "cpu" or "cuda"
+PARAM_FORWARDED_IDS = "forwarded_ids"  # chat: off | signed | trusted
+PARAM_HANDOFF_TTL_S = "handoff_ttl_s"  # chat: seconds a signed handoff stays valid
+PARAM_KV_CONNECTOR = "kv_connector"  # chat (prefill role): shm | nixl
+PARAM_KV_TTL_S = "kv_ttl_s"  # prefill: seconds unpulled KV is held
+PARAM_KV_BUDGET_MB = "kv_budget_mb"  # prefill: most KV held at once
+PARAM_MAX_RUNNING = "max_running"  # decode: sequences batched at once
+PARAM_DECODE_KV_MB = "decode_kv_mb"  # decode: KV its running sequences may reserve
+PARAM_QUEUE_TIMEOUT_S = "queue_timeout_s"  # decode: longest wait for room before UNAVAILABLE
+PARAM_PREFILL_CHUNK = "prefill_chunk"  # decode: prompt tokens per local prefill chunk
+PARAM_MAX_REQUEST_BYTES = "max_request_bytes"  # chat, renderer: largest request body taken
+
+# Environment variables, used where a config leaves the parameter out.
 ENV_MODEL = "PDCHAT_MODEL"
+ENV_HANDOFF_KEY = "PDCHAT_HANDOFF_KEY"  # the deployment's shared secret (at least 16 bytes)
+ENV_HANDOFF_KEY_FILE = "PDCHAT_HANDOFF_KEY_FILE"  # or a file holding it
+# Seals stage inputs (renderer/prefill/decode accept only what this server's renderer or gate made).
+ENV_STAGE_KEY = "PDCHAT_STAGE_KEY"
+ENV_API_KEY = "PDCHAT_API_KEY"  # the router's bearer token (pdchat router --api-key)
 ENV_DEVICE = "PDCHAT_DEVICE"
 ENV_CACHE_DIR = "PDCHAT_CACHE_DIR"
 ENV_FORWARDED_IDS = "PDCHAT_FORWARDED_IDS"
@@ -25,7 +47,8 @@ ENV_MAX_RUNNING = "PDCHAT_MAX_RUNNING"
 ENV_DECODE_KV_MB = "PDCHAT_DECODE_KV_MB"
 ENV_QUEUE_TIMEOUT_S = "PDCHAT_QUEUE_TIMEOUT_S"
 ENV_PREFILL_CHUNK = "PDCHAT_PREFILL_CHUNK"
-DEFAULT_MODEL = "smollm2"
+ENV_MAX_REQUEST_BYTES = "PDCHAT_MAX_REQUEST_BYTES"
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # the router's default body limit too
 
 
 def cache_dir() -> Path:
@@ -39,64 +62,36 @@ def setting(parameters: dict[str, str], key: str, env_name: str, default: str, e
     return parameters.get(key) or env.get(env_name) or default
 
 
-@dataclass(frozen=True)
-class ModelSettings:
-    """The resolved model: a Hugging Face causal-LM directory and where to run it."""
-
-    path: Path
-    device: str
-
-    @property
-    def served_name(self) -> str:
-        """Name clients use in the request's `model` field: the directory's name."""
-        return self.path.name
-
-
-def resolve_model(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> ModelSettings:
-    """Resolve the model spec (embedded name or directory) into a usable directory.
-
-    Order: the config parameter `model`, then PDCHAT_MODEL, then the demo model.
-    Embedded names are built into the cache on first use.
-    """
-    from pdchat import embedded  # local import: building pulls in torch
-
-    spec = setting(parameters, tensors.PARAM_MODEL, ENV_MODEL, DEFAULT_MODEL, environ)
-    device = setting(parameters, tensors.PARAM_DEVICE, ENV_DEVICE, "auto", environ)
-    if spec in embedded.EMBEDDED_MODELS:
-        return ModelSettings(embedded.ensure_model(spec), device)
-    path = Path(spec).expanduser()
-    if not (path / "config.json").is_file():
-        known = ", ".join(sorted(embedded.EMBEDDED_MODELS))
-        raise ModelUnavailable(
-            f"model path '{spec}' is not a Hugging Face model directory (no config.json there); "
-            f"give a directory or one of the embedded models: {known}"
-        )
-    return ModelSettings(path, device)
-
-
 def forwarded_ids_policy(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> str:
     """The chat model's gate policy: parameter `forwarded_ids`, then PDCHAT_FORWARDED_IDS, then off."""
-    return setting(parameters, tensors.PARAM_FORWARDED_IDS, ENV_FORWARDED_IDS, "off", environ)
+    return setting(parameters, PARAM_FORWARDED_IDS, ENV_FORWARDED_IDS, "off", environ)
 
 
 def handoff_ttl_s(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> float:
     """How long signed handoffs stay valid: `handoff_ttl_s`, then PDCHAT_HANDOFF_TTL_S, then 60 s."""
-    return _positive(setting(parameters, tensors.PARAM_HANDOFF_TTL_S, ENV_HANDOFF_TTL_S, "60", environ), "handoff TTL")
+    return _positive(setting(parameters, PARAM_HANDOFF_TTL_S, ENV_HANDOFF_TTL_S, "60", environ), "handoff TTL")
 
 
 def kv_connector(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> str:
     """The connector prefill publishes KV through: `kv_connector`, then PDCHAT_KV_CONNECTOR, then shm."""
-    name = setting(parameters, tensors.PARAM_KV_CONNECTOR, ENV_KV_CONNECTOR, "shm", environ)
-    if name not in ("shm", "nixl"):
-        raise ModelUnavailable(f"kv_connector must be shm or nixl, got {name!r}")
+    name = setting(parameters, PARAM_KV_CONNECTOR, ENV_KV_CONNECTOR, registry.SHM, environ)
+    if name not in registry.KV_CONNECTORS:
+        raise ModelUnavailable(f"kv_connector must be one of {', '.join(registry.KV_CONNECTORS)}, got {name!r}")
     return name
 
 
 def kv_options(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> dict[str, float | int]:
     """How long prefill holds unpulled KV (PDCHAT_KV_TTL_S, 60 s) and how much (PDCHAT_KV_BUDGET_MB, 2048)."""
-    ttl = _positive(setting(parameters, tensors.PARAM_KV_TTL_S, ENV_KV_TTL_S, "60", environ), "KV TTL")
-    budget = _positive(setting(parameters, tensors.PARAM_KV_BUDGET_MB, ENV_KV_BUDGET_MB, "2048", environ), "KV budget")
+    ttl = _positive(setting(parameters, PARAM_KV_TTL_S, ENV_KV_TTL_S, "60", environ), "KV TTL")
+    budget = _positive(setting(parameters, PARAM_KV_BUDGET_MB, ENV_KV_BUDGET_MB, "2048", environ), "KV budget")
     return {"ttl_s": ttl, "budget_bytes": int(budget * (1 << 20))}
+
+
+def max_request_bytes(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> int:
+    """Largest `request` (or `text_input`) chat and the renderer take: max_request_bytes,
+    then PDCHAT_MAX_REQUEST_BYTES, then 4 MiB."""
+    value = setting(parameters, PARAM_MAX_REQUEST_BYTES, ENV_MAX_REQUEST_BYTES, str(DEFAULT_MAX_REQUEST_BYTES), environ)
+    return int(_positive(value, "max_request_bytes"))
 
 
 @dataclass(frozen=True)
@@ -115,10 +110,10 @@ def batching_options(parameters: dict[str, str], environ: os._Environ | dict | N
         return _positive(setting(parameters, key, env_name, default, environ), what)
 
     return BatchingOptions(
-        max_running=int(number(tensors.PARAM_MAX_RUNNING, ENV_MAX_RUNNING, "32", "max_running")),
-        kv_budget_bytes=int(number(tensors.PARAM_DECODE_KV_MB, ENV_DECODE_KV_MB, "1024", "decode_kv_mb") * (1 << 20)),
-        queue_timeout_s=number(tensors.PARAM_QUEUE_TIMEOUT_S, ENV_QUEUE_TIMEOUT_S, "30", "queue_timeout_s"),
-        prefill_chunk=int(number(tensors.PARAM_PREFILL_CHUNK, ENV_PREFILL_CHUNK, "512", "prefill_chunk")),
+        max_running=int(number(PARAM_MAX_RUNNING, ENV_MAX_RUNNING, "32", "max_running")),
+        kv_budget_bytes=int(number(PARAM_DECODE_KV_MB, ENV_DECODE_KV_MB, "1024", "decode_kv_mb") * (1 << 20)),
+        queue_timeout_s=number(PARAM_QUEUE_TIMEOUT_S, ENV_QUEUE_TIMEOUT_S, "30", "queue_timeout_s"),
+        prefill_chunk=int(number(PARAM_PREFILL_CHUNK, ENV_PREFILL_CHUNK, "512", "prefill_chunk")),
     )
 
 
@@ -130,3 +125,29 @@ def _positive(value: str, what: str) -> float:
     if number <= 0:
         raise ModelUnavailable(f"{what} must be positive, got {number}")
     return number
+
+
+# The renderer's guard on chat templates (model_repository/renderer).
+PARAM_ALLOW_REQUEST_TEMPLATES = "allow_request_templates"  # renderer: may a request bring a chat_template
+PARAM_RENDER_TIMEOUT_S = "render_timeout_s"  # renderer: longest one chat template render may run
+ENV_ALLOW_REQUEST_TEMPLATES = "PDCHAT_ALLOW_REQUEST_TEMPLATES"
+ENV_RENDER_TIMEOUT_S = "PDCHAT_RENDER_TIMEOUT_S"
+DEFAULT_RENDER_TIMEOUT_S = 2.0
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def allow_request_templates(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> bool:
+    """Whether chat_template_kwargs may carry a `chat_template`: `allow_request_templates`, then
+    PDCHAT_ALLOW_REQUEST_TEMPLATES, then false. The template is the server's, as in vLLM
+    without --trust-request-chat-template: a request's own template bypasses it."""
+    value = setting(parameters, PARAM_ALLOW_REQUEST_TEMPLATES, ENV_ALLOW_REQUEST_TEMPLATES, "false", environ)
+    flag = value.strip().lower()
+    if flag not in _TRUE + _FALSE:
+        raise ModelUnavailable(f"allow_request_templates must be one of {', '.join(_TRUE + _FALSE)}, got {value!r}")
+    return flag in _TRUE
+
+
+def render_timeout_s(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> float:
+    """The bound on one chat template render: `render_timeout_s`, then PDCHAT_RENDER_TIMEOUT_S, then 2 s."""
+    value = setting(parameters, PARAM_RENDER_TIMEOUT_S, ENV_RENDER_TIMEOUT_S, str(DEFAULT_RENDER_TIMEOUT_S), environ)
+    return _positive(value, "render timeout")

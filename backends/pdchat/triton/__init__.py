@@ -1,1 +1,2 @@
-"""Glue shared by the model_repository/*/model.py adapters (imports the python backend's utils)."""
+"""The glue the model_repository/*/model.py adapters share: tensors <-> core types
+(io), metrics that are safe from any thread, and the chat model's event loop."""

@@ -7,15 +7,29 @@ Only the model.py adapters import this module: it needs the python backend's
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
+from pdchat.core import settings
 from pdchat.core.errors import INVALID_ARG, UNAVAILABLE, InvalidRequest, error_class, tagged_message
-from pdchat.core.protocol import ChatRequest, GenerationParams, parse_chat_json, text_input_request
-from pdchat.core.responses import ClientOutput
+from pdchat.core.kv.base import KVHandle
+from pdchat.core.output.responses import ClientOutput
+from pdchat.core.request.protocol import ChatRequest, GenerationParams, parse_chat_json, text_input_request
+from pdchat.ensemble.seal import StageSeal
+
+
+def declare_contract(config, inputs: tuple[tensors.TensorSpec, ...], outputs: tuple[tensors.TensorSpec, ...]):
+    """auto_complete_config: a model's inputs and outputs from tensors.py, so the configs
+    that serve it in several roles need not repeat them."""
+    for spec in inputs:
+        config.add_input({"name": spec.name, "data_type": spec.data_type, "dims": list(spec.dims), "optional": spec.optional})
+    for spec in outputs:
+        config.add_output({"name": spec.name, "data_type": spec.data_type, "dims": list(spec.dims)})
+    return config
 
 
 def model_parameters(args: dict) -> dict[str, str]:
@@ -29,13 +43,15 @@ def input_array(request, name: str) -> np.ndarray | None:
     return None if tensor is None else tensor.as_numpy()
 
 
-def input_text(request, name: str) -> str | None:
+def input_text(request, name: str, max_bytes: int | None = None) -> str | None:
     array = input_array(request, name)
     if array is None:
         return None
     if array.size != 1:
         raise InvalidRequest(f"'{name}' must hold exactly one string, got {array.size}")
     value = array.reshape(-1)[0]
+    if max_bytes is not None and len(value) > max_bytes:
+        raise InvalidRequest(f"'{name}' has {len(value)} bytes; this server takes at most {max_bytes} ({settings.PARAM_MAX_REQUEST_BYTES})")
     try:
         return value.decode("utf-8") if isinstance(value, bytes) else str(value)
     except UnicodeDecodeError as exc:
@@ -56,10 +72,11 @@ def input_token_ids(request, name: str) -> list[int] | None:
     return None if array is None else array.reshape(-1).astype(np.int64).tolist()
 
 
-def chat_request(request) -> ChatRequest:
-    """The client contract's inputs -> one ChatRequest (JSON body or text_input)."""
-    body = input_text(request, tensors.REQUEST)
-    text = input_text(request, tensors.TEXT_INPUT)
+def chat_request(request, max_bytes: int) -> tuple[ChatRequest, str]:
+    """The client contract's inputs -> one ChatRequest, and the form it came in
+    (tensors.REQUEST: OpenAI JSON, or tensors.TEXT_INPUT)."""
+    body = input_text(request, tensors.REQUEST, max_bytes)
+    text = input_text(request, tensors.TEXT_INPUT, max_bytes)
     scalars = {name: input_scalar(request, name) for name in tensors.SCALAR_INPUTS}
     given = sorted(name for name, value in scalars.items() if value is not None)
     if body is not None and text is not None:
@@ -67,17 +84,40 @@ def chat_request(request) -> ChatRequest:
     if body is not None:
         if given:
             raise InvalidRequest(f"with 'request', put {', '.join(given)} inside the JSON body instead of separate inputs")
-        return parse_chat_json(body)
+        return parse_chat_json(body), tensors.REQUEST
     if text is None:
         raise InvalidRequest("one of 'request' (OpenAI chat JSON) or 'text_input' is required")
-    return text_input_request(text, **{k: v for k, v in scalars.items() if v is not None})
+    return text_input_request(text, **{k: v for k, v in scalars.items() if v is not None}), tensors.TEXT_INPUT
 
 
-def generation_params(request) -> GenerationParams:
-    text = input_text(request, tensors.GENERATION_PARAMS)
-    if text is None:
+@dataclass(frozen=True)
+class StageInput:
+    """What prefill and decode work on, once its seal is checked."""
+
+    prompt_token_ids: list[int]
+    params: GenerationParams
+    kv_handle: KVHandle | None
+
+
+def stage_input(request, seal: StageSeal, context_length: int) -> StageInput:
+    """prefill/decode inputs, refused unless this server's renderer or chat sealed them
+    (ids, generation params and KV handle as one), and unless the params fit the model."""
+    ids = required_token_ids(request)
+    params_text = input_text(request, tensors.GENERATION_PARAMS)
+    if params_text is None:
         raise InvalidRequest(f"'{tensors.GENERATION_PARAMS}' is required")
-    return GenerationParams.from_json(text)
+    handle_text = input_text(request, tensors.KV_HANDLE) or ""
+    seal.check_prompt(ids, params_text, handle_text, input_text(request, tensors.STAGE_SEAL))
+    params = GenerationParams.from_json(params_text)
+    params.check(len(ids), context_length)
+    return StageInput(ids, params, KVHandle.from_json(handle_text) if handle_text else None)
+
+
+def stage_inputs(ids: list[int], params_text: str, seal: str, kv_handle: str = "") -> list[pb_utils.Tensor]:
+    """The sealed inputs of a BLS call to prefill or decode."""
+    inputs = [int32_tensor(tensors.PROMPT_TOKEN_IDS, ids), string_tensor(tensors.GENERATION_PARAMS, params_text),
+              string_tensor(tensors.STAGE_SEAL, seal)]
+    return inputs + ([string_tensor(tensors.KV_HANDLE, kv_handle)] if kv_handle else [])
 
 
 def required_token_ids(request, name: str = tensors.PROMPT_TOKEN_IDS) -> list[int]:

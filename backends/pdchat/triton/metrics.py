@@ -66,6 +66,28 @@ class HandoffMetrics:
             return self._by_outcome[key]
 
 
+class ParseMetrics:
+    """Requests parsed, by the form they came in (request_json, text_input, or the canonical
+    ChatRequest chat hands its renderer): a P/D request is parsed once per process."""
+
+    def __init__(self, model_name: str):
+        self._labels = {"model": model_name}
+        self._family = _counter("pdchat_requests_parsed_total", "Chat requests parsed, by model and form")
+        self._by_form: dict[str, _Metric] = {}
+        self._lock = threading.Lock()
+
+    def parsed(self, form: str) -> None:
+        with self._lock:
+            if form not in self._by_form:
+                self._by_form[form] = _Metric(self._family, {**self._labels, "form": form})
+            metric = self._by_form[form]
+        metric.increment(1)
+
+    def close(self) -> None:
+        self._by_form.clear()
+        del self._family
+
+
 class DecodeMetrics:
     """How decode requests end (finished, cancelled, failed) and how many are running."""
 

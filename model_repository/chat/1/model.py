@@ -1,9 +1,11 @@
-"""chat (BLS, decoupled): the client-facing router.
+"""chat (BLS, decoupled): the client-facing model, in front of the stage models.
 
-Decides once per request, before any rendering (pdchat.ensemble.routing): forwarded
+Parses the request once, then decides, before any rendering (pdchat.ensemble.routing): forwarded
 ids admitted by the gate go straight to decode, skipping the renderer; other requests
 run renderer -> prefill -> decode; `do_remote_decode` requests stop after prefill and
-answer with signed kv_transfer_params.
+answer with signed kv_transfer_params. What it hands the stages is sealed
+(pdchat.ensemble.seal): the renderer gets the parsed request, decode the admitted ids.
+Its inputs and outputs come from tensors.py (auto-complete), one contract for every role.
 
 Each request is a coroutine on the model's one event loop (pdchat.triton.event_loop):
 every call that talks to the server process (response sends, cancellation checks,
@@ -13,23 +15,26 @@ BLS calls at once corrupted the stub's heap at concurrency 16: keep it one.) Man
 the python backend at once is what crashed the server under load.
 """
 
-import json
 import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
-from pdchat.core.handoff import ForwardedIdsRejected, Gate, load_key, parse_policy
-from pdchat.core.protocol import GenerationParams
-from pdchat.core.render_cost import RenderRate
-from pdchat.core.rendering import ChatRenderer
-from pdchat.core.responses import remote_prefill_output
-from pdchat.core.settings import forwarded_ids_policy, handoff_ttl_s, kv_connector, resolve_model
-from pdchat.ensemble.routing import ChatRouter, Route
+from pdchat.core.kv.base import KVHandle
+from pdchat.core.output.responses import remote_prefill_output
+from pdchat.core.request.protocol import GenerationParams
+from pdchat.core.request.render_cost import RenderRate
+from pdchat.core.request.rendering import ChatRenderer
+from pdchat.core.settings import forwarded_ids_policy, handoff_ttl_s, kv_connector, max_request_bytes
+from pdchat.ensemble.gate import ForwardedIdsRejected, Gate, parse_policy
+from pdchat.ensemble.handoff import load_key
+from pdchat.ensemble.routing import Route, RoutePlanner
+from pdchat.ensemble.seal import StageSeal
+from pdchat.models import resolve_model
 from pdchat.triton import io
 from pdchat.triton.event_loop import ModelEventLoop
-from pdchat.triton.metrics import HandoffMetrics
+from pdchat.triton.metrics import HandoffMetrics, ParseMetrics
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 RENDERER, PREFILL, DECODE = "renderer", "prefill", "decode"
@@ -41,6 +46,12 @@ CANCEL_POLL_S = 0.05
 
 
 class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        config.set_max_batch_size(0)
+        config.set_model_transaction_policy({"decoupled": True})
+        return io.declare_contract(config, tensors.CHAT_INPUTS, tensors.CHAT_OUTPUTS)
+
     def initialize(self, args):
         parameters = io.model_parameters(args)
         settings = resolve_model(parameters)
@@ -52,11 +63,14 @@ class TritonPythonModel:
             vocab_size=len(self.renderer.tokenizer),
             context_length=self.renderer.context_length,
         )
-        self.router = ChatRouter(gate, settings.served_name, handoff_ttl_s(parameters))
+        self.planner = RoutePlanner(gate, settings.served_name, handoff_ttl_s(parameters))
         self.kv_connector = kv_connector(parameters)
+        self.max_request_bytes = max_request_bytes(parameters)
+        self.seal = StageSeal.for_this_server()
         self.render_rate = RenderRate.calibrate(lambda messages: self.renderer.tokenizer.apply_chat_template(
             messages, tokenize=True, add_generation_prompt=True, return_dict=False))
         self.metrics = HandoffMetrics(args["model_name"])
+        self.parses = ParseMetrics(args["model_name"])
         self.loop = ModelEventLoop("pdchat-chat", MAX_CONCURRENT_REQUESTS)
 
     def execute(self, requests):
@@ -67,6 +81,7 @@ class TritonPythonModel:
     def finalize(self):
         self.loop.close()
         self.metrics.close()
+        self.parses.close()
 
     async def _serve(self, request, sender):
         try:
@@ -80,8 +95,9 @@ class TritonPythonModel:
             sender.send(io.error_response(exc), flags=FINAL)
 
     async def _route(self, request, sender):
-        chat = io.chat_request(request)
-        plan = self.router.plan(
+        chat, form = io.chat_request(request, self.max_request_bytes)
+        self.parses.parsed(form)
+        plan = self.planner.plan(
             chat,
             io.input_token_ids(request, tensors.PROMPT_TOKEN_IDS),
             io.input_text(request, tensors.KV_TRANSFER_PARAMS),
@@ -89,48 +105,52 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(f"chat request {request.request_id() or '-'}: route {plan.route.value}")
         if plan.route is Route.REUSE:
             self.metrics.accepted(self.render_rate.estimate(len(plan.prompt_token_ids)))
-            handle = plan.kv_handle
-            kv = [] if handle is None else [io.string_tensor(tensors.KV_HANDLE, json.dumps(handle)),
-                                            io.int32_tensor(tensors.FIRST_TOKEN_ID, [handle["first_token_id"]])]
-            await self._stream_decode(request, sender, plan.prompt_token_ids, plan.params, kv)
+            params = plan.generation.to_json()
+            handle = "" if plan.kv_handle is None else plan.kv_handle.to_json()
+            seal = self.seal.seal_prompt(plan.prompt_token_ids, params, handle)
+            await self._stream_decode(request, sender, plan.generation, io.stage_inputs(plan.prompt_token_ids, params, seal, handle))
             return
-        ids, params = await self.loop.call_blocking(STAGES, self._render, request)
+        self.renderer.check_size(chat)  # before the text crosses to the renderer
+        canonical = chat.to_json()
+        ids, params_text, seal = await self.loop.call_blocking(STAGES, self._render, request, canonical)
+        params = GenerationParams.from_json(params_text)
         if plan.route is Route.REMOTE_PREFILL:
-            first, handle = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params, self.kv_connector)
-            handoff = self.router.handoff_params(chat, ids, kv_handle=handle)
+            first, handle = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params_text, seal, self.kv_connector)
+            handoff = self.planner.sign_handoff(chat, ids, kv_handle=handle)
             output = remote_prefill_output(params, ids, first, self.renderer.tokenizer.decode([first], skip_special_tokens=True))
             sender.send(pb_utils.InferenceResponse(output_tensors=io.client_tensors(output) + [
-                io.string_tensor(tensors.KV_TRANSFER_PARAMS, json.dumps(handoff))]), flags=FINAL)
+                io.string_tensor(tensors.KV_TRANSFER_PARAMS, handoff.to_json())]), flags=FINAL)
             return
-        first, kv_cache = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params)
-        await self._stream_decode(request, sender, ids, params, [kv_cache, io.int32_tensor(tensors.FIRST_TOKEN_ID, [first])])
+        first, kv_cache = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params_text, seal)
+        inputs = io.stage_inputs(ids, params_text, seal) + [kv_cache, io.int32_tensor(tensors.FIRST_TOKEN_ID, [first])]
+        await self._stream_decode(request, sender, params, inputs)
 
-    def _render(self, request):
-        inputs = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in tensors.CLIENT_INPUTS) if t is not None]
+    def _render(self, request, canonical):
+        """The renderer's (ids, generation params JSON, seal) for the request chat parsed."""
+        inputs = [io.string_tensor(tensors.CHAT_REQUEST, canonical), io.string_tensor(tensors.STAGE_SEAL, self.seal.seal_request(canonical))]
         started = time.perf_counter()
-        response = _exec(request, RENDERER, inputs, [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS])
+        response = _exec(request, RENDERER, inputs, [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.STAGE_SEAL])
         ids = pb_utils.get_output_tensor_by_name(response, tensors.PROMPT_TOKEN_IDS).as_numpy()
         self.render_rate.observe(time.perf_counter() - started, len(ids))
-        params = pb_utils.get_output_tensor_by_name(response, tensors.GENERATION_PARAMS).as_numpy()[0]
-        return ids.astype(np.int32).tolist(), GenerationParams.from_json(params.decode())
+        params, seal = (pb_utils.get_output_tensor_by_name(response, name).as_numpy()[0].decode()
+                        for name in (tensors.GENERATION_PARAMS, tensors.STAGE_SEAL))
+        return ids.astype(np.int32).tolist(), params, seal
 
-    def _prefill(self, request, ids, params, destination=None):
+    def _prefill(self, request, ids, params, seal, destination=None):
         """(first token, KV tensor), or with a destination connector (first token, KV handle)."""
-        inputs = [io.int32_tensor(tensors.PROMPT_TOKEN_IDS, ids), io.string_tensor(tensors.GENERATION_PARAMS, params.to_json())]
+        inputs = io.stage_inputs(ids, params, seal)
         if destination is None:
             response = _exec(request, PREFILL, inputs, [tensors.FIRST_TOKEN_ID, tensors.KV_CACHE])
             kv = pb_utils.get_output_tensor_by_name(response, tensors.KV_CACHE)
         else:
             inputs.append(io.string_tensor(tensors.KV_DESTINATION, destination))
             response = _exec(request, PREFILL, inputs, [tensors.FIRST_TOKEN_ID, tensors.KV_HANDLE])
-            kv = json.loads(pb_utils.get_output_tensor_by_name(response, tensors.KV_HANDLE).as_numpy()[0])
+            kv = KVHandle.from_json(pb_utils.get_output_tensor_by_name(response, tensors.KV_HANDLE).as_numpy()[0].decode())
         first = int(pb_utils.get_output_tensor_by_name(response, tensors.FIRST_TOKEN_ID).as_numpy()[0])
         return first, kv
 
-    async def _stream_decode(self, request, sender, ids, params, kv_inputs):
-        """Forward decode's stream; `kv_inputs`: prefill's first token with its KV tensor or handle."""
-        inputs = [io.int32_tensor(tensors.PROMPT_TOKEN_IDS, ids), io.string_tensor(tensors.GENERATION_PARAMS, params.to_json())]
-        inputs += kv_inputs
+    async def _stream_decode(self, request, sender, params, inputs):
+        """Forward decode's stream; `inputs`: the sealed stage inputs, with prefill's KV if any."""
         responses = pb_utils.InferenceRequest(
             model_name=DECODE, inputs=inputs, requested_output_names=list(tensors.CLIENT_OUTPUTS), request_id=request.request_id()
         ).exec(decoupled=True)
@@ -158,9 +178,8 @@ class TritonPythonModel:
 
     async def _cancel_decode(self, request_id):
         """A decoupled control request that answers with a bare final response."""
-        responses = pb_utils.InferenceRequest(
-            model_name=DECODE, inputs=[io.string_tensor(tensors.CANCEL_REQUEST_ID, request_id)], requested_output_names=[]
-        ).exec(decoupled=True)
+        inputs = [io.string_tensor(tensors.CANCEL_REQUEST_ID, request_id), io.string_tensor(tensors.STAGE_SEAL, self.seal.seal_cancel(request_id))]
+        responses = pb_utils.InferenceRequest(model_name=DECODE, inputs=inputs, requested_output_names=[]).exec(decoupled=True)
         async for _ in self.loop.iterate(responses):
             pass
 

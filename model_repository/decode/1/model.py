@@ -1,26 +1,27 @@
-"""decode (decoupled): prompt ids + prefill's KV and first token -> streamed answer.
+"""decode (decoupled): sealed prompt ids + prefill's KV and first token -> streamed answer.
 
 Without KV it prefills locally, in chunks between decode steps; a KV handle it cannot
 pull (expired, prefill gone) is recomputed from the ids, never re-rendered. All running
 requests advance in one forward pass per step (continuous batching, core.scheduler);
 execute() only validates and queues, and every response, errors included, is sent from
 the scheduler thread (one thread calling into the python backend; see the chat model).
-A request carrying only `cancel_request_id` stops the named request instead.
+A request carrying only `cancel_request_id` (sealed by chat) stops the named request instead.
 """
 
 import functools
-import json
 import logging
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
-from pdchat.core.engine import DecodeBatch
-from pdchat.core.generation import TextModel
-from pdchat.core.kv_transfer import Connectors, KVUnavailable
-from pdchat.core.scheduler import DecodeJob, DecodeScheduler, Limits
-from pdchat.core.settings import batching_options, kv_options, resolve_model
+from pdchat.core.generation.engine import DecodeBatch
+from pdchat.core.generation.generation import TextModel
+from pdchat.core.generation.scheduler import DecodeJob, DecodeScheduler, Limits
+from pdchat.core.kv.connector import Connectors, KVUnavailable
+from pdchat.core.settings import batching_options, kv_options
+from pdchat.ensemble.seal import StageSeal
+from pdchat.models import resolve_model
 from pdchat.triton import io
 from pdchat.triton.metrics import DecodeMetrics
 
@@ -33,6 +34,7 @@ class TritonPythonModel:
         parameters = io.model_parameters(args)
         settings = resolve_model(parameters)
         self.model = TextModel(settings.path, settings.device)
+        self.seal = StageSeal.for_this_server()
         self.connectors = Connectors(**kv_options(parameters))
         self.metrics = DecodeMetrics(args["model_name"])
         self.options = batching_options(parameters)
@@ -44,12 +46,13 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
-            cancel = io.input_text(request, tensors.CANCEL_REQUEST_ID)
-            if cancel is not None:
-                self.scheduler.cancel(cancel)
-                self.scheduler.post(functools.partial(sender.send, flags=FINAL))
-                continue
             try:
+                cancel = io.input_text(request, tensors.CANCEL_REQUEST_ID)
+                if cancel is not None:
+                    self.seal.check_cancel(cancel, io.input_text(request, tensors.STAGE_SEAL))
+                    self.scheduler.cancel(cancel)
+                    self.scheduler.post(functools.partial(sender.send, flags=FINAL))
+                    continue
                 job = self._job(request, sender)
             except Exception as exc:  # noqa: BLE001
                 self.scheduler.post(functools.partial(sender.send, io.error_response(exc), flags=FINAL))
@@ -63,14 +66,12 @@ class TritonPythonModel:
         self.metrics.close()
 
     def _job(self, request, sender) -> DecodeJob:
-        ids = io.required_token_ids(request)
-        params = io.generation_params(request)
+        stage = io.stage_input(request, self.seal, self.model.engine.context_length)
+        ids, params, handle = stage.prompt_token_ids, stage.params, stage.kv_handle
         kv = io.input_array(request, tensors.KV_CACHE)
-        first = io.input_scalar(request, tensors.FIRST_TOKEN_ID)
+        first = handle.first_token_id if handle is not None else io.input_scalar(request, tensors.FIRST_TOKEN_ID)
         # Own the KV: the request's input buffers are not ours once execute() returns.
         kv = None if kv is None else np.array(kv, dtype=np.float32, copy=True)
-        handle_text = io.input_text(request, tensors.KV_HANDLE)
-        handle = None if handle_text is None else json.loads(handle_text)
         assembler = self.model.assembler(ids, params)
         started = False  # admitted: counted in pdchat_decode_active until it ends
 

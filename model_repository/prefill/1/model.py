@@ -1,18 +1,18 @@
-"""prefill: prompt token ids -> first output token + the prompt's KV cache.
+"""prefill: sealed prompt token ids -> first output token + the prompt's KV cache.
 
 The KV goes back as a tensor (one server), or, when the request names a
 `kv_destination` connector, is published there for a decode server and only its
 handle goes back.
 """
 
-import json
-
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
-from pdchat.core.generation import TextModel
-from pdchat.core.kv_transfer import Connectors
-from pdchat.core.settings import kv_options, resolve_model
+from pdchat.core.generation.generation import TextModel
+from pdchat.core.kv.connector import Connectors
+from pdchat.core.settings import kv_options
+from pdchat.ensemble.seal import StageSeal
+from pdchat.models import resolve_model
 from pdchat.triton import io
 from pdchat.triton.metrics import KVHeldMetrics
 
@@ -22,6 +22,7 @@ class TritonPythonModel:
         parameters = io.model_parameters(args)
         settings = resolve_model(parameters)
         self.model = TextModel(settings.path, settings.device)
+        self.seal = StageSeal.for_this_server()
         self.metrics = KVHeldMetrics(args["model_name"])
         self.connectors = Connectors(on_sweep=self.metrics.update, **kv_options(parameters))
 
@@ -34,13 +35,13 @@ class TritonPythonModel:
 
     def _prefill(self, request):
         try:
-            ids = io.required_token_ids(request)
+            stage = io.stage_input(request, self.seal, self.model.engine.context_length)
             destination = io.input_text(request, tensors.KV_DESTINATION)
-            token, kv = self.model.prefill(ids, io.generation_params(request))
+            token, kv = self.model.prefill(stage.prompt_token_ids, stage.params)
             first = io.int32_tensor(tensors.FIRST_TOKEN_ID, [token])
             if destination is None:
                 return pb_utils.InferenceResponse(output_tensors=[first, pb_utils.Tensor(tensors.KV_CACHE, kv)])
-            handle = self.connectors.get(destination).publish(kv, {"first_token_id": token})
+            handle = self.connectors.get(destination).publish(kv, token)
         except Exception as exc:  # noqa: BLE001 - KVBudgetExceeded becomes UNAVAILABLE
             return io.error_response(exc)
-        return pb_utils.InferenceResponse(output_tensors=[first, io.string_tensor(tensors.KV_HANDLE, json.dumps(handle))])
+        return pb_utils.InferenceResponse(output_tensors=[first, io.string_tensor(tensors.KV_HANDLE, handle.to_json())])

@@ -1,29 +1,63 @@
-"""renderer: chat request -> prompt token ids (chat template + tokenizer)."""
+"""renderer: chat request -> prompt token ids (chat template + tokenizer), sealed.
+
+Takes the client contract (chat_ensemble's first step, or a client calling it directly)
+or, from `chat`, the ChatRequest chat parsed already (`chat_request`, sealed by chat),
+so a request is parsed once per process. Its ids and generation params leave sealed:
+prefill and decode take no others.
+"""
 
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
-from pdchat.core.rendering import ChatRenderer
-from pdchat.core.settings import resolve_model
+from pdchat.core.request.protocol import ChatRequest
+from pdchat.core.request.rendering import ChatRenderer
+from pdchat.core.settings import allow_request_templates, max_request_bytes, render_timeout_s
+from pdchat.ensemble.seal import StageSeal
+from pdchat.models import resolve_model
 from pdchat.triton import io
+from pdchat.triton.metrics import ParseMetrics
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        settings = resolve_model(io.model_parameters(args))
-        self.renderer = ChatRenderer(settings.path, settings.served_name)
+        parameters = io.model_parameters(args)
+        settings = resolve_model(parameters)
+        self.renderer = ChatRenderer(
+            settings.path,
+            settings.served_name,
+            allow_request_templates=allow_request_templates(parameters),
+            render_timeout_s=render_timeout_s(parameters),
+        )
+        self.max_request_bytes = max_request_bytes(parameters)
+        self.seal = StageSeal.for_this_server()
+        self.parses = ParseMetrics(args["model_name"])
 
     def execute(self, requests):
         return [self._render(request) for request in requests]
 
+    def finalize(self):
+        self.parses.close()
+
     def _render(self, request):
         try:
-            rendered = self.renderer.render(io.chat_request(request))
+            rendered = self.renderer.render(self._chat_request(request))
+            params = rendered.params.to_json()
         except Exception as exc:  # noqa: BLE001 - every failure goes back to its client
             return io.error_response(exc)
         return pb_utils.InferenceResponse(
             output_tensors=[
                 io.int32_tensor(tensors.PROMPT_TOKEN_IDS, rendered.prompt_token_ids),
-                io.string_tensor(tensors.GENERATION_PARAMS, rendered.params.to_json()),
+                io.string_tensor(tensors.GENERATION_PARAMS, params),
+                io.string_tensor(tensors.STAGE_SEAL, self.seal.seal_prompt(rendered.prompt_token_ids, params)),
             ]
         )
+
+    def _chat_request(self, request) -> ChatRequest:
+        canonical = io.input_text(request, tensors.CHAT_REQUEST)
+        if canonical is None:
+            chat, form = io.chat_request(request, self.max_request_bytes)
+        else:
+            self.seal.check_request(canonical, io.input_text(request, tensors.STAGE_SEAL))
+            chat, form = ChatRequest.from_json(canonical), tensors.CHAT_REQUEST
+        self.parses.parsed(form)
+        return chat

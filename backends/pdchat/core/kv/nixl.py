@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from pdchat.core.kv_transfer import DEFAULT_BUDGET_BYTES, DEFAULT_KV_TTL_S, KVBudgetExceeded, KVUnavailable
+from pdchat.core.kv.base import DEFAULT_BUDGET_BYTES, DEFAULT_KV_TTL_S, KVBudgetExceeded, KVHandle, KVUnavailable
+from pdchat.registry import NIXL
 
 PULL_TIMEOUT_S = 30.0
 # UCX's own progress thread busy-spins a core; polling notifications drives the
@@ -26,7 +27,7 @@ PROGRESS_INTERVAL_S = 0.002
 
 
 class NixlConnector:
-    name = "nixl"
+    name = NIXL
 
     def __init__(self, *, budget_bytes: int = DEFAULT_BUDGET_BYTES, ttl_s: float = DEFAULT_KV_TTL_S, engine_id: str | None = None):
         try:
@@ -44,7 +45,7 @@ class NixlConnector:
         self._progress = threading.Thread(target=self._progress_loop, name="pdchat-nixl-progress", daemon=True)
         self._progress.start()
 
-    def publish(self, kv: np.ndarray, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    def publish(self, kv: np.ndarray, first_token_id: int) -> KVHandle:
         self.sweep()
         kv = np.ascontiguousarray(kv, dtype=np.float32)
         with self._lock:
@@ -59,27 +60,22 @@ class NixlConnector:
             kv_id = uuid.uuid4().hex
             expires_at = time.time() + self.ttl_s
             self._held[kv_id] = (kv, registration, expires_at)
-        return {
-            "connector": self.name, "agent": self.agent_name, "metadata": base64.b64encode(metadata).decode(), "id": kv_id,
-            "addr": kv.ctypes.data, "nbytes": kv.nbytes, "shape": list(kv.shape), "expires_at": round(expires_at, 3),
-            **(extra or {}),
-        }
+        location = {"agent": self.agent_name, "metadata": base64.b64encode(metadata).decode(), "id": kv_id, "addr": kv.ctypes.data}
+        return KVHandle(self.name, tuple(kv.shape), round(expires_at, 3), first_token_id, location)
 
-    def pull(self, handle: dict[str, Any]) -> np.ndarray:
+    def pull(self, handle: KVHandle) -> np.ndarray:
+        location = handle.location
         try:
-            shape = tuple(int(n) for n in handle["shape"])
-            nbytes, addr, expires_at = int(handle["nbytes"]), int(handle["addr"]), float(handle["expires_at"])
-            peer, kv_id = str(handle["agent"]), str(handle["id"])
+            addr, peer, kv_id, metadata = int(location["addr"]), str(location["agent"]), str(location["id"]), location["metadata"]
         except (KeyError, TypeError, ValueError) as exc:
-            raise KVUnavailable(f"malformed nixl KV handle: {exc}") from exc
-        if time.time() > expires_at:
+            raise KVUnavailable(f"malformed nixl KV handle: {exc!r}") from exc
+        if time.time() > handle.expires_at:
             raise KVUnavailable(f"KV {kv_id} expired before it was pulled")
-        if int(np.prod(shape)) * 4 != nbytes:
-            raise KVUnavailable(f"KV {kv_id}: {nbytes} bytes do not fit shape {list(shape)}")
-        kv = np.empty(shape, dtype=np.float32)
+        kv = np.empty(handle.shape, dtype=np.float32)
+        nbytes = kv.nbytes
         with self._lock:
             try:
-                self._agent.add_remote_agent(base64.b64decode(handle["metadata"]))
+                self._agent.add_remote_agent(base64.b64decode(metadata))
             except Exception as exc:  # noqa: BLE001
                 raise KVUnavailable(f"cannot load NIXL metadata of {peer}: {exc}") from exc
             registration = self._agent.register_memory([(kv.ctypes.data, nbytes, 0, "")], "DRAM")
@@ -102,7 +98,7 @@ class NixlConnector:
             raise KVUnavailable(f"NIXL READ of KV {kv_id} from {peer} ended in state {state}")
         return kv
 
-    def done(self, handle: dict[str, Any]) -> None:
+    def done(self, handle: KVHandle) -> None:
         """Nothing to hand back: the READ notified prefill, which freed its copy."""
 
     def sweep(self) -> int:

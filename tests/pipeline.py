@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pdchat.core.generation import TextModel
-from pdchat.core.protocol import ChatRequest
-from pdchat.core.rendering import ChatRenderer
-from pdchat.core.responses import ClientOutput
+from pdchat.core.generation.generation import TextModel
+from pdchat.core.output.responses import ClientOutput
+from pdchat.core.request.protocol import ChatRequest
+from pdchat.core.request.rendering import ChatRenderer
 
 
 class LocalPipeline:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdchat.core.errors import Unavailable
-from pdchat.core.responses import Delta
+from pdchat.core.output.responses import Delta
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ import re
 import secrets
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from pdchat.core.constraints import check_spec, response_format_spec, tool_choice_spec
 from pdchat.core.errors import InvalidRequest
+from pdchat.core.request.grammar import check_spec, response_format_spec, tool_choice_spec
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Generous but finite: the default when a request names no max_tokens.
@@ -26,22 +26,31 @@ DEFAULT_MAX_TOKENS = 256
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-@dataclass(frozen=True)
-class GenerationParams:
-    """Everything prefill and decode need beyond the prompt ids; travels as JSON."""
+@dataclass(frozen=True, kw_only=True)
+class SamplingOptions:
+    """What a client asks of generation that passes unchanged from request to params."""
 
-    max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
-    seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     stream: bool = False
     return_token_ids: bool = False
     # Prepended to the non-streamed text_output (text_input with exclude_input_in_output false).
     echo_text: str = ""
-    # Grammar the output must follow (core.constraints spec), and whether to parse tool calls.
+    # Grammar the output must follow (core.request.grammar spec).
     constraint: dict[str, Any] | None = None
+
+    def sampling_options(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(SamplingOptions)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationParams(SamplingOptions):
+    """Everything prefill and decode need beyond the prompt ids; travels as JSON."""
+
+    max_tokens: int
+    seed: int = 0
     parse_tool_calls: bool = False
     request_id: str = ""
     model: str = ""
@@ -53,15 +62,25 @@ class GenerationParams:
     @classmethod
     def from_json(cls, text: str) -> GenerationParams:
         try:
-            fields = json.loads(text)
-            fields["stop"] = tuple(fields.get("stop", ()))
-            return cls(**fields)
+            values = json.loads(text)
+            values["stop"] = tuple(values.get("stop", ()))
+            return cls(**values)
         except (ValueError, TypeError) as exc:
             raise InvalidRequest(f"generation_params is not valid GenerationParams JSON: {exc}") from exc
 
+    def check(self, prompt_tokens: int, context_length: int) -> None:
+        """What a stage model verifies before any work, whoever sent the params."""
+        _number("temperature", self.temperature, 0.0, 0.0, 2.0)
+        _number("top_p", self.top_p, 0.0, 1e-6, 1.0)
+        _positive_int("max_tokens", self.max_tokens)
+        _seed(self.seed)
+        if prompt_tokens + self.max_tokens > context_length:
+            raise InvalidRequest(f"{prompt_tokens} prompt tokens + max_tokens={self.max_tokens} exceed this model's context of "
+                                 f"{context_length} tokens")
 
-@dataclass(frozen=True)
-class ChatRequest:
+
+@dataclass(frozen=True, kw_only=True)
+class ChatRequest(SamplingOptions):
     """A validated chat request: the render inputs plus the sampling wishes."""
 
     messages: list[dict[str, Any]]
@@ -72,37 +91,35 @@ class ChatRequest:
     continue_final_message: bool = False
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
     seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    stream: bool = False
-    return_token_ids: bool = False
-    echo_text: str = ""
-    constraint: dict[str, Any] | None = None
 
     @property
     def parse_tool_calls(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
+    def to_json(self) -> str:
+        """The canonical form `chat` hands the renderer: parsed and validated once."""
+        return json.dumps(asdict(self), ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> ChatRequest:
+        """Back from to_json(), without validating again (the caller checks its seal)."""
+        try:
+            values = json.loads(text)
+            values["stop"] = tuple(values.get("stop", ()))
+            return cls(**values)
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequest(f"chat_request is not valid ChatRequest JSON: {exc}") from exc
+
     def generation_params(self, prompt_tokens: int, context_length: int, served_model: str) -> GenerationParams:
         """Freeze the sampling side once the prompt's length is known (it bounds max_tokens)."""
         if self.model not in (None, "", served_model):
             raise InvalidRequest(f"model '{self.model}' is not served here; this server serves '{served_model}'")
-        max_tokens = resolve_max_tokens(self.max_tokens, prompt_tokens, context_length)
         return GenerationParams(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
+            **self.sampling_options(),
+            max_tokens=resolve_max_tokens(self.max_tokens, prompt_tokens, context_length),
             # A random seed chosen once here keeps prefill and decode on one sample path.
             seed=self.seed if self.seed is not None else secrets.randbits(63),
-            stop=self.stop,
-            ignore_eos=self.ignore_eos,
-            stream=self.stream,
-            return_token_ids=self.return_token_ids,
-            echo_text=self.echo_text,
-            constraint=self.constraint,
             parse_tool_calls=self.parse_tool_calls,
             request_id=f"chatcmpl-{uuid.uuid4().hex}",
             model=served_model,
@@ -119,11 +136,23 @@ def parse_chat_json(body: str | bytes) -> ChatRequest:
     if not isinstance(data, dict):
         raise InvalidRequest(f"'request' must be a JSON object, got {type(data).__name__}")
     if _SURROGATE_ESCAPE.search(body if isinstance(body, str) else body.decode("utf-8", "replace")):
-        try:
-            json.dumps(data, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidRequest(f"'request' holds a lone UTF-16 surrogate ({exc.object[exc.start:exc.end]!r}), "
-                                 "which is not text; send valid Unicode") from None
+        utf8_json(data)
+    return chat_request_from_body(data)
+
+
+def utf8_json(data: dict[str, Any]) -> bytes:
+    """The body as UTF-8 JSON; refuses a lone UTF-16 surrogate, which no stage can encode."""
+    try:
+        return json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"'request' holds a lone UTF-16 surrogate ({exc.object[exc.start:exc.end]!r}), "
+                             "which is not text; send valid Unicode") from None
+
+
+def chat_request_from_body(data: dict[str, Any], *, check_grammar: bool = True) -> ChatRequest:
+    """Validate an already parsed OpenAI chat-completions body (the router parsed it once).
+    `check_grammar=False` leaves schemas to the servers: xgrammar imports torch, which the
+    router does without."""
     n = data.get("n", 1)
     if n != 1:
         raise InvalidRequest(f"'n' must be 1 (one choice per request), got {n!r}")
@@ -134,7 +163,7 @@ def parse_chat_json(body: str | bytes) -> ChatRequest:
         messages=_messages(data.get("messages")),
         tools=tools,
         tool_choice=tool_choice,
-        constraint=_constraint(tool_choice, tools, data.get("response_format")),
+        constraint=_constraint(tool_choice, tools, data.get("response_format"), check_grammar),
         chat_template_kwargs=_typed(data, "chat_template_kwargs", dict, {}),
         add_generation_prompt=_typed(data, "add_generation_prompt", bool, True),
         continue_final_message=_typed(data, "continue_final_message", bool, False),
@@ -193,14 +222,14 @@ def resolve_max_tokens(requested: int | None, prompt_tokens: int, context_length
     return requested
 
 
-def _constraint(tool_choice: Any, tools: list | None, response_format: Any) -> dict[str, Any] | None:
+def _constraint(tool_choice: Any, tools: list | None, response_format: Any, check_grammar: bool) -> dict[str, Any] | None:
     """The one grammar the output must follow: a forced tool call or a JSON format."""
     forced_call = tool_choice_spec(tool_choice, tools)
     json_format = response_format_spec(response_format)
     if forced_call and json_format:
         raise InvalidRequest("response_format cannot be combined with tool_choice 'required' or a named function")
     spec = forced_call or json_format
-    if spec is not None:
+    if spec is not None and check_grammar:
         check_spec(spec)  # refuse an unusable schema now, before any work
     return spec
 

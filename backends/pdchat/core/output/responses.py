@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 
-from pdchat.core.chat_output import OutputParser, ParsedDelta
-from pdchat.core.protocol import GenerationParams
+from pdchat.core.output.parsing import OutputParser, ParsedDelta
+from pdchat.core.request.protocol import GenerationParams
 
 FINISH_TOOL_CALLS = "tool_calls"
 

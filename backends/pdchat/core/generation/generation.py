@@ -12,14 +12,14 @@ from pathlib import Path
 
 import numpy as np
 
-from pdchat.core.chat_output import THINK_OPEN, OutputParser, starts_in_reasoning
-from pdchat.core.constraints import Constraint, ConstraintCompiler
-from pdchat.core.detokenizer import IncrementalDetokenizer
-from pdchat.core.engine import CausalLM
-from pdchat.core.protocol import GenerationParams
-from pdchat.core.responses import Delta, ResponseAssembler
-from pdchat.core.sampling import choose_token
-from pdchat.core.stopping import StopStringMatcher
+from pdchat.core.generation.constraints import Constraint, ConstraintCompiler
+from pdchat.core.generation.engine import CausalLM
+from pdchat.core.generation.sampling import choose_token
+from pdchat.core.output.detokenizer import IncrementalDetokenizer
+from pdchat.core.output.parsing import THINK_OPEN, OutputParser, starts_in_reasoning
+from pdchat.core.output.responses import Delta, ResponseAssembler
+from pdchat.core.output.stopping import StopStringMatcher
+from pdchat.core.request.protocol import GenerationParams
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"

@@ -1,0 +1,108 @@
+"""What every KV connector shares: the handle it hands out, its errors, its interface."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from pdchat.core.errors import Unavailable
+
+DEFAULT_BUDGET_BYTES = 2 << 30
+DEFAULT_KV_TTL_S = 60.0
+
+log = logging.getLogger("pdchat.kv")
+
+
+class KVUnavailable(RuntimeError):
+    """The KV named by a handle cannot be had (expired, pulled already, peer gone)."""
+
+
+class KVBudgetExceeded(Unavailable):
+    """Holding this KV would pass the server's KV budget."""
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """Where prefill published one prompt's KV, and the token it sampled after it.
+
+    Travels prefill -> chat -> (signed, router) -> decode's chat -> decode as `to_json()`.
+    `location` is the connector's own address of the KV (shm: a file name; nixl: agent,
+    metadata, buffer id and address); nothing outside the connector reads it.
+    """
+
+    connector: str
+    shape: tuple[int, ...]
+    expires_at: float
+    first_token_id: int
+    location: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * 4  # FP32 KV
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"connector": self.connector, "shape": list(self.shape), "expires_at": self.expires_at,
+                "first_token_id": self.first_token_id, "location": self.location}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, value: Any) -> KVHandle:
+        """Raises KVUnavailable naming what is wrong (a handle is data from another process)."""
+        try:
+            if not isinstance(value["location"], dict):
+                raise TypeError("location must be an object")
+            shape = tuple(int(n) for n in value["shape"])
+            if not shape or min(shape) < 0:
+                raise ValueError(f"bad shape {value['shape']!r}")
+            return cls(str(value["connector"]), shape, float(value["expires_at"]), int(value["first_token_id"]), value["location"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise KVUnavailable(f"malformed KV handle: {exc!r}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> KVHandle:
+        try:
+            return cls.from_dict(json.loads(text))
+        except ValueError as exc:
+            raise KVUnavailable(f"malformed KV handle: {exc}") from None
+
+
+class KVConnector(Protocol):
+    name: str
+
+    def publish(self, kv: np.ndarray, first_token_id: int) -> KVHandle:
+        """Hold `kv` for a decode server; return its handle."""
+
+    def pull(self, handle: KVHandle) -> np.ndarray:
+        """Fetch the KV a handle names."""
+
+    def done(self, handle: KVHandle) -> None:
+        """The pulled KV is no longer read: the prefill side may free or reuse it."""
+
+    def sweep(self) -> int:
+        """Free expired KV; return how many were freed."""
+
+    def held_bytes(self) -> int:
+        """Bytes this connector currently holds for pulls."""
+
+    def close(self) -> None:
+        """Free everything this connector holds."""
+
+
+class OncePerKey:
+    """Logs a warning the first time a key is seen: a foreign entry in /dev/shm is worth
+    one line, not one per sweep."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def warn(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._seen:
+            self._seen.add(key)
+            log.warning(message, *args)
+

@@ -1,0 +1,300 @@
+"""KV over shared memory, for prefill and decode servers on one host.
+
+KV lives in a directory only this user may enter (default `/dev/shm/pdchat-<uid>`, mode
+0700, files 0600): other local users can neither list nor read it. Each KV is one file
+whose name carries its expiry, so any pdchat process of this user sweeps what a crashed
+peer left behind. A pull first claims the file by renaming it (atomic: of racing pulls
+exactly one wins, so a handle is good for one pull), then maps it (no copy). Once decode's
+cache no longer uses the mapping (after its first step) it hands the file back, renamed as
+free, and prefill writes the next KV into those pages: faulting fresh tmpfs pages in costs
+more than the copy itself.
+
+A KV file is `<prefix><engine>_<expires_ms>_<id>`, the engine being the prefill that
+published it (whose budget it counts against), the prefix its state:
+
+- `.pdchat_kv_`: being written (published whole or not at all);
+- `pdchat_kv_`: published, waiting for its one pull;
+- `pdchat_kvpulled_`: claimed by a pull, name ending `_<puller engine>`; mapped by decode;
+- `pdchat_kvfree_`: handed back; prefill reuses its pages.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import stat
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from pdchat.core.kv.base import DEFAULT_BUDGET_BYTES, DEFAULT_KV_TTL_S, KVBudgetExceeded, KVHandle, KVUnavailable, OncePerKey
+from pdchat.registry import SHM
+
+SHM_ROOT = Path("/dev/shm")
+SHM_PREFIX = "pdchat_kv_"
+STAGING_PREFIX = f".{SHM_PREFIX}"
+PULLED_PREFIX = "pdchat_kvpulled_"
+FREE_PREFIX = "pdchat_kvfree_"
+_KV_NAME = re.compile(
+    rf"(?P<prefix>{re.escape(STAGING_PREFIX)}|{SHM_PREFIX}|{PULLED_PREFIX}|{FREE_PREFIX})"
+    r"(?P<engine>[0-9a-f]+)_(?P<expires_ms>\d+)_(?P<id>[0-9a-f]+)(?:_(?P<puller>[0-9a-f]+))?"
+)
+_ENGINE_ID = re.compile(r"[0-9a-f]+")
+_PRIVATE_MODE = 0o700
+_FILE_MODE = 0o600
+# Never through a link, and never blocking on a FIFO someone planted under a KV name.
+_FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK
+
+_skipped = OncePerKey()
+
+
+class KVDirectoryRefused(PermissionError):
+    """The KV directory is not private to this user: others could read KV there, or plant it."""
+
+
+def kv_directory() -> Path:
+    """Where ShmConnector keeps KV unless told otherwise: this user's own directory in /dev/shm."""
+    return SHM_ROOT / f"pdchat-{os.getuid()}"
+
+
+@dataclass(frozen=True)
+class _KVName:
+    """A KV file's name, parsed: what the sweeper, the budget and a pull need to know
+    without opening the file."""
+
+    prefix: str
+    engine: str
+    expires_ms: int
+    kv_id: str
+    puller: str = ""
+
+    def __str__(self) -> str:
+        tail = f"_{self.puller}" if self.puller else ""
+        return f"{self.prefix}{self.engine}_{self.expires_ms}_{self.kv_id}{tail}"
+
+    @classmethod
+    def parse(cls, name: str) -> _KVName | None:
+        """None unless `name` is a KV file's; only a claimed file names its puller."""
+        match = _KV_NAME.fullmatch(name)
+        if match is None or bool(match["puller"]) != (match["prefix"] == PULLED_PREFIX):
+            return None
+        return cls(match["prefix"], match["engine"], int(match["expires_ms"]), match["id"], match["puller"] or "")
+
+
+def _why_not_private(info: os.stat_result) -> str | None:
+    """What makes a directory unfit to hold KV, or None if only this user can use it."""
+    if not stat.S_ISDIR(info.st_mode):
+        return "not a directory"
+    if info.st_uid != os.getuid():
+        return f"owned by uid {info.st_uid}, not by this user (uid {os.getuid()})"
+    if info.st_mode & 0o077:
+        return f"mode {stat.S_IMODE(info.st_mode):04o} lets group or others in (want {_PRIVATE_MODE:04o})"
+    return None
+
+
+def _open_private(directory: Path) -> int:
+    """An fd of `directory`, created 0700 if missing, checked private: files are then
+    reached relative to it (dir_fd), so the checked directory is the one used even if the
+    path is swapped meanwhile. A link there is refused, never followed."""
+    with suppress(FileExistsError):
+        os.mkdir(directory, _PRIVATE_MODE)
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:  # ELOOP: a symlink; ENOTDIR: something else
+        raise KVDirectoryRefused(f"refusing KV directory {directory}: not a directory, or a link ({exc.strerror})") from None
+    problem = _why_not_private(os.fstat(fd))
+    if problem is not None:
+        os.close(fd)
+        raise KVDirectoryRefused(f"refusing KV directory {directory}: {problem}; remove it or choose a private one")
+    return fd
+
+
+@contextmanager
+def _private_directory(directory: Path) -> Iterator[int]:
+    """`_open_private` for one operation: checked again each time, never a stale fd."""
+    fd = _open_private(directory)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _kv_files(dir_fd: int, directory: Path) -> list[tuple[_KVName, int]]:
+    """The KV files in the directory, with their sizes. Anything else there (a directory,
+    a link, a FIFO someone planted, a foreign name) is skipped, logged once, never fatal."""
+    files = []
+    with os.scandir(dir_fd) as entries:
+        for entry in entries:
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:  # removed meanwhile
+                continue
+            name = _KVName.parse(entry.name)
+            if name is None or not stat.S_ISREG(info.st_mode):
+                path = directory / entry.name
+                _skipped.warn(str(path), "skipping %s: not a pdchat KV file (not a regular file, or a foreign name)", path)
+                continue
+            files.append((name, info.st_size))
+    return files
+
+
+def _map(dir_fd: int, name: str, shape: tuple[int, ...], nbytes: int) -> np.ndarray:
+    """Copy-on-write map of a claimed KV file: writable for torch, yet nothing is copied
+    unless written."""
+    try:
+        fd = os.open(name, os.O_RDONLY | _FILE_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        raise KVUnavailable(f"KV {name} cannot be opened: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise KVUnavailable(f"KV {name} is not a regular file")
+        if info.st_size < nbytes:  # a reused file may be larger than this KV
+            raise KVUnavailable(f"KV {name} has {info.st_size} bytes, its handle says {list(shape)}")
+        mapping = mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mapping, dtype=np.float32).reshape(shape)
+
+
+class ShmConnector:
+    name = SHM
+
+    def __init__(self, directory: Path | None = None, *, budget_bytes: int = DEFAULT_BUDGET_BYTES,
+                 ttl_s: float = DEFAULT_KV_TTL_S, engine_id: str | None = None):
+        """Refuses (KVDirectoryRefused) a directory others could use, before any KV is put there."""
+        self.directory = kv_directory() if directory is None else Path(directory)
+        self.budget_bytes = budget_bytes
+        self.ttl_s = ttl_s
+        self.engine_id = engine_id or uuid.uuid4().hex[:12]
+        if not _ENGINE_ID.fullmatch(self.engine_id):
+            raise ValueError(f"engine_id must be lowercase hex (it is part of KV file names), not {self.engine_id!r}")
+        os.close(_open_private(self.directory))
+
+    def publish(self, kv: np.ndarray, first_token_id: int) -> KVHandle:
+        kv = np.ascontiguousarray(kv, dtype=np.float32)
+        expires_at = time.time() + self.ttl_s
+        published = _KVName(SHM_PREFIX, self.engine_id, int(expires_at * 1000), uuid.uuid4().hex)
+        staging = str(replace(published, prefix=STAGING_PREFIX))
+        with _private_directory(self.directory) as dir_fd:
+            _, files = self._sweep(dir_fd, time.time())
+            held = sum(size for _, size in self._held(files))
+            if held + kv.nbytes > self.budget_bytes:
+                raise KVBudgetExceeded(
+                    f"holding {kv.nbytes >> 20} MiB more KV would pass this server's budget of "
+                    f"{self.budget_bytes >> 20} MiB (PDCHAT_KV_BUDGET_MB); retry when pulls have freed some"
+                )
+            free = sorted((size, str(name)) for name, size in files
+                          if name.prefix == FREE_PREFIX and name.engine == self.engine_id and size >= kv.nbytes)
+            fd = self._open_staging(dir_fd, staging, [name for _, name in free])
+            try:
+                with open(fd, "r+b") as out:  # no truncation: a reused file keeps its resident pages
+                    out.write(memoryview(kv).cast("B"))
+                os.rename(staging, str(published), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)  # whole or absent
+            except BaseException:
+                with suppress(FileNotFoundError):
+                    os.unlink(staging, dir_fd=dir_fd)
+                raise
+        return KVHandle(self.name, tuple(kv.shape), round(expires_at, 3), first_token_id, {"name": str(published)})
+
+    def pull(self, handle: KVHandle) -> np.ndarray:
+        """Claim the KV, then map it (no copy). A handle pulls once: a second pull, or the
+        loser of a race, gets KVUnavailable. Call done() once nothing reads it any more."""
+        published = self._published(handle)
+        claimed = str(replace(published, prefix=PULLED_PREFIX, puller=self.engine_id))
+        try:
+            dir_fd = _open_private(self.directory)
+        except OSError as exc:
+            raise KVUnavailable(str(exc)) from None
+        try:
+            try:
+                os.rename(str(published), claimed, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except FileNotFoundError:
+                raise KVUnavailable(f"KV {published} already pulled or gone (expired, or its prefill server restarted)") from None
+            except OSError as exc:
+                raise KVUnavailable(f"KV {published} cannot be claimed: {exc.strerror}") from None
+            return _map(dir_fd, claimed, handle.shape, handle.nbytes)
+        finally:
+            os.close(dir_fd)
+
+    def done(self, handle: KVHandle) -> None:
+        """Decode no longer reads the KV it pulled: hand its pages back to prefill for reuse
+        (for a KV TTL; then any sweeper frees them, also if prefill has died). Only the
+        connector that claimed it can: nobody recycles pages a puller still maps."""
+        claimed = replace(self._published(handle), prefix=PULLED_PREFIX, puller=self.engine_id)
+        free = replace(claimed, prefix=FREE_PREFIX, expires_ms=int((time.time() + self.ttl_s) * 1000), puller="")
+        with _private_directory(self.directory) as dir_fd, suppress(FileNotFoundError):  # swept meanwhile, or not pulled here
+            os.rename(str(claimed), str(free), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+    def sweep(self, now: float | None = None) -> int:
+        """Free expired KV of any engine in the directory (a crashed peer's too, and KV a
+        crashed decode claimed but never handed back); return how many files."""
+        with _private_directory(self.directory) as dir_fd:
+            freed, _ = self._sweep(dir_fd, time.time() if now is None else now)
+        return freed
+
+    def held(self) -> list[Path]:
+        """This engine's KV files waiting for a pull or claimed by one: what its budget counts."""
+        with _private_directory(self.directory) as dir_fd:
+            files = _kv_files(dir_fd, self.directory)
+        return sorted(self.directory / str(name) for name, _ in self._held(files))
+
+    def held_bytes(self) -> int:
+        with _private_directory(self.directory) as dir_fd:
+            files = _kv_files(dir_fd, self.directory)
+        return sum(size for _, size in self._held(files))
+
+    def close(self) -> None:
+        """Remove this engine's files in every state (a decode still mapping one keeps its pages)."""
+        with _private_directory(self.directory) as dir_fd:
+            for name, _ in _kv_files(dir_fd, self.directory):
+                if name.engine == self.engine_id:
+                    with suppress(FileNotFoundError):
+                        os.unlink(str(name), dir_fd=dir_fd)
+
+    def _held(self, files: list[tuple[_KVName, int]]) -> list[tuple[_KVName, int]]:
+        return [(name, size) for name, size in files if name.engine == self.engine_id and name.prefix in (SHM_PREFIX, PULLED_PREFIX)]
+
+    def _sweep(self, dir_fd: int, now: float) -> tuple[int, list[tuple[_KVName, int]]]:
+        """Remove expired KV files; return how many, and the files left. A file it cannot
+        remove is skipped (logged once), so nobody's stray file stops it."""
+        freed, kept = 0, []
+        for name, size in _kv_files(dir_fd, self.directory):
+            if name.expires_ms >= now * 1000:
+                kept.append((name, size))
+                continue
+            try:
+                os.unlink(str(name), dir_fd=dir_fd)
+                freed += 1
+            except FileNotFoundError:  # pulled or swept by another process meanwhile
+                pass
+            except OSError as exc:
+                path = self.directory / str(name)
+                _skipped.warn(str(path), "cannot remove expired KV %s: %s", path, exc)
+        return freed, kept
+
+    def _open_staging(self, dir_fd: int, staging: str, free: list[str]) -> int:
+        """A 0600 file at `staging` to write the KV into: the first handed-back file of
+        `free` still there (its pages are resident), else a new one."""
+        for name in free:
+            try:
+                os.rename(name, staging, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except FileNotFoundError:  # swept meanwhile
+                continue
+            fd = os.open(staging, os.O_RDWR | _FILE_FLAGS, dir_fd=dir_fd)
+            os.fchmod(fd, _FILE_MODE)  # whoever handed it back, it stays private
+            return fd
+        return os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, _FILE_MODE, dir_fd=dir_fd)
+
+    def _published(self, handle: KVHandle) -> _KVName:
+        """The published KV a handle names; never a claimed or free file, nor a path."""
+        name = _KVName.parse(str(handle.location.get("name", "")))
+        if name is None or name.prefix != SHM_PREFIX:
+            raise KVUnavailable(f"not a shm KV name: {handle.location.get('name')!r}")
+        return name

@@ -1,0 +1,222 @@
+"""The renderer's core: a validated chat request -> prompt token ids + generation params.
+
+This is the work disaggregated decode avoids repeating: chat template rendering and
+tokenization of the whole conversation.
+
+The chat template belongs to the server. `chat_template_kwargs` may add small template
+variables (`enable_thinking`), not replace the template or steer `apply_chat_template`,
+unless the operator allows request templates. transformers renders every template,
+the model's or a request's, in its sandboxed Jinja environment
+(`ImmutableSandboxedEnvironment`, transformers.utils.chat_template_utils); on top of that
+each render here is bounded in time and in output size, so one request cannot hold the
+renderer or flood the tokenizer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+
+from pdchat.core.errors import InvalidRequest, ModelUnavailable
+from pdchat.core.request.protocol import ChatRequest, GenerationParams
+from pdchat.core.settings import DEFAULT_RENDER_TIMEOUT_S
+
+REQUEST_TEMPLATE = "chat_template"
+# chat_template_kwargs: template variables, so a few JSON scalars or short lists of them.
+MAX_TEMPLATE_KWARGS = 32
+MAX_KWARG_BYTES = 4096
+MAX_KWARG_ITEMS = 64
+# A request's own template, where allowed, may be as long as real models' templates are.
+MAX_REQUEST_TEMPLATE_BYTES = 64 * 1024
+_SCALARS = (str, int, float, bool, type(None))
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    prompt_token_ids: list[int]
+    params: GenerationParams
+
+
+class ChatRenderer:
+    """Chat template + tokenizer of one model directory."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        served_name: str,
+        *,
+        allow_request_templates: bool = False,
+        render_timeout_s: float = DEFAULT_RENDER_TIMEOUT_S,
+    ):
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if not self.tokenizer.chat_template:
+            raise ModelUnavailable(f"the tokenizer in {model_dir} has no chat template")
+        self.context_length = int(AutoConfig.from_pretrained(model_dir).max_position_embeddings)
+        self.served_name = served_name
+        # Templates that never mention tools would drop them silently; refuse instead.
+        self.supports_tools = "tools" in self.tokenizer.chat_template
+        self.allow_request_templates = allow_request_templates
+        self.render_timeout_s = render_timeout_s
+        self.reserved_kwargs = reserved_template_kwargs(self.tokenizer)
+        # No token spells more characters than the vocabulary's longest entry (bytes, for
+        # byte-level BPE), so a longer text cannot fit the context: refuse it untokenized.
+        self.max_prompt_chars = self.context_length * max(map(len, self.tokenizer.get_vocab()))
+
+    def check_size(self, request: ChatRequest) -> None:
+        """Refuse, before any template or tokenizer work, messages that cannot fit the context
+        (the template renders every message's content)."""
+        chars = sum(len(m["content"]) for m in request.messages)
+        if chars > self.max_prompt_chars:
+            raise InvalidRequest(f"the messages hold {chars} characters; no prompt over {self.max_prompt_chars} "
+                                 f"fits this model's context of {self.context_length} tokens")
+
+    def render(self, request: ChatRequest) -> RenderedPrompt:
+        self.check_size(request)
+        if request.tools and not self.supports_tools:
+            raise InvalidRequest(f"the chat template of '{self.served_name}' does not support tools")
+        ids = self.token_ids(request)
+        return RenderedPrompt(ids, request.generation_params(len(ids), self.context_length, self.served_name))
+
+    def token_ids(self, request: ChatRequest) -> list[int]:
+        """Apply the chat template and tokenize, as prefill and the reference both need."""
+        if request.continue_final_message and request.messages[-1]["role"] != "assistant":
+            raise InvalidRequest("continue_final_message needs the last message to be from the assistant")
+        text = self._render_text(request, self.template_kwargs(request.chat_template_kwargs))
+        if len(text) > self.max_prompt_chars:
+            raise InvalidRequest(
+                f"the chat template rendered {len(text)} characters; no prompt over {self.max_prompt_chars} "
+                f"fits this model's context of {self.context_length} tokens"
+            )
+        # What apply_chat_template(tokenize=True) does with the text it renders.
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise InvalidRequest("the conversation rendered to an empty prompt")
+        return [int(i) for i in ids]
+
+    def template_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The request's chat_template_kwargs, once each is a variable the template may be given."""
+        if len(kwargs) > MAX_TEMPLATE_KWARGS:
+            raise InvalidRequest(f"chat_template_kwargs has {len(kwargs)} keys; at most {MAX_TEMPLATE_KWARGS} are accepted")
+        for key, value in kwargs.items():
+            self._check_key(key)
+            _check_value(key, value)
+        return kwargs
+
+    def _check_key(self, key: str) -> None:
+        if key == REQUEST_TEMPLATE and not self.allow_request_templates:
+            raise InvalidRequest(
+                f"chat_template_kwargs may not set '{key}': this server renders with the model's own chat template"
+            )
+        if key != REQUEST_TEMPLATE and key in self.reserved_kwargs:
+            raise InvalidRequest(
+                f"chat_template_kwargs may not set '{key}': the renderer sets it, it is not a template variable"
+            )
+
+    def _render_text(self, request: ChatRequest, kwargs: dict[str, Any]) -> str:
+        try:
+            with _time_bound(self.render_timeout_s):
+                return self.tokenizer.apply_chat_template(
+                    request.messages,
+                    tools=request.tools,
+                    add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
+                    continue_final_message=request.continue_final_message,
+                    tokenize=False,
+                    **kwargs,
+                )
+        except _RenderTimedOut:
+            raise InvalidRequest(
+                f"the chat template took longer than {self.render_timeout_s:g} s to render this request; "
+                "the server bounds each render (render_timeout_s)"
+            ) from None
+        except TemplateError as exc:
+            raise InvalidRequest(f"the chat template rejected the conversation: {exc}") from exc
+        except TypeError as exc:
+            raise InvalidRequest(f"chat_template_kwargs do not fit the template call: {exc}") from exc
+
+
+def reserved_template_kwargs(tokenizer: Any) -> frozenset[str]:
+    """Names chat_template_kwargs may not use: the arguments of apply_chat_template and of
+    render_jinja_template (they steer the call or clash with it), `messages` (the conversation
+    itself) and the special tokens the tokenizer hands the template (bos_token, ...).
+
+    Read from the signatures, so an argument a newer transformers adds is reserved too.
+    """
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    named = {
+        parameter.name
+        for function in (type(tokenizer).apply_chat_template, render_jinja_template)
+        for parameter in inspect.signature(function).parameters.values()
+        if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+    }
+    return frozenset(named | {"messages"} | set(tokenizer.special_tokens_map))
+
+
+def _check_value(key: str, value: Any) -> None:
+    """A JSON scalar or a short list of them: what a template variable needs, nothing that
+    makes a template loop long or render much (a nested object, a huge string)."""
+    if key == REQUEST_TEMPLATE and not isinstance(value, (str, type(None))):
+        raise InvalidRequest(f"chat_template_kwargs['{key}'] must be a string, got {type(value).__name__}")
+    items = value if isinstance(value, list) else [value]
+    if len(items) > MAX_KWARG_ITEMS:
+        raise InvalidRequest(f"chat_template_kwargs['{key}'] has {len(items)} items; at most {MAX_KWARG_ITEMS} are accepted")
+    max_bytes = MAX_REQUEST_TEMPLATE_BYTES if key == REQUEST_TEMPLATE else MAX_KWARG_BYTES
+    for item in items:
+        if not isinstance(item, _SCALARS):
+            raise InvalidRequest(
+                f"chat_template_kwargs['{key}'] must be a string, number, boolean, null or a list of at most "
+                f"{MAX_KWARG_ITEMS} of those, got {type(item).__name__}"
+            )
+        if isinstance(item, str) and len(item.encode("utf-8", "surrogatepass")) > max_bytes:
+            raise InvalidRequest(f"chat_template_kwargs['{key}'] is longer than {max_bytes} bytes")
+
+
+class _RenderTimedOut(BaseException):
+    """Raised by SIGALRM inside a render. Not an Exception, so that no `except Exception`
+    in Jinja or transformers between the handler and the renderer can swallow it."""
+
+
+def _expire(signum: int, frame: Any) -> None:
+    raise _RenderTimedOut
+
+
+@contextmanager
+def _time_bound(seconds: float) -> Iterator[None]:
+    """Raise _RenderTimedOut in the block once `seconds` pass (SIGALRM), then restore the
+    previous SIGALRM handler and timer.
+
+    Python runs signal handlers on the main thread only, between bytecodes: this interrupts
+    Jinja's compiled Python (loops included, with or without calls) but not one long C call,
+    which it interrupts right after. The python backend stub calls execute() on its main
+    thread; elsewhere (another thread, or a SIGALRM handler installed outside Python, which
+    could not be restored) the block runs without a bound.
+    """
+    previous_handler = signal.getsignal(signal.SIGALRM)
+    if threading.current_thread() is not threading.main_thread() or previous_handler is None:
+        yield
+        return
+    signal.signal(signal.SIGALRM, _expire)
+    started = time.monotonic()
+    previous_delay, previous_interval = 0.0, 0.0
+    try:
+        previous_delay, previous_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+        yield
+    finally:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        finally:
+            signal.signal(signal.SIGALRM, previous_handler)
+            if previous_delay:
+                remaining = previous_delay - (time.monotonic() - started)
+                signal.setitimer(signal.ITIMER_REAL, max(remaining, 1e-6), previous_interval)

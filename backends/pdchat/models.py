@@ -1,0 +1,44 @@
+"""Which model a server runs: an embedded model's name or a Hugging Face directory."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdchat import embedded, registry
+from pdchat.core import settings
+from pdchat.core.errors import ModelUnavailable
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The resolved model: a Hugging Face causal-LM directory and where to run it."""
+
+    path: Path
+    device: str
+
+    @property
+    def served_name(self) -> str:
+        """Name clients use in the request's `model` field: the directory's name."""
+        return self.path.name
+
+
+def resolve_model(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> ModelSettings:
+    """Resolve the model spec (embedded name or directory) into a usable directory.
+
+    Order: the config parameter `model`, then PDCHAT_MODEL, then the demo model.
+    Embedded names are built into the cache on first use.
+    """
+    spec = settings.setting(parameters, settings.PARAM_MODEL, settings.ENV_MODEL, registry.DEFAULT_MODEL, environ)
+    device = settings.setting(parameters, settings.PARAM_DEVICE, settings.ENV_DEVICE, "auto", environ)
+    if spec in registry.EMBEDDED_MODELS:
+        return ModelSettings(embedded.ensure_model(spec), device)
+    path = Path(spec).expanduser()
+    if not (path / "config.json").is_file():
+        known = ", ".join(sorted(registry.EMBEDDED_MODELS))
+        raise ModelUnavailable(
+            f"model path '{spec}' is not a Hugging Face model directory (no config.json there); "
+            f"give a directory or one of the embedded models: {known}"
+        )
+    return ModelSettings(path, device)

@@ -1,0 +1,495 @@
+"""The router's OpenAI-compatible HTTP front: FastAPI on uvicorn's pure-Python h11 protocol.
+
+Routes: `POST /v1/chat/completions` (SSE when `stream`), `GET /v1/models`, `GET /health`,
+`GET /metrics` (Prometheus). The front is where untrusted bytes arrive, so it bounds
+everything a client controls before the router sees it: the request head's size and the
+time to send it, the body's size, time and JSON nesting, the X-Request-Id forwarded to
+both servers' logs, idle keep-alive connections and the number of connections. Errors
+use OpenAI's shape, `{"error": {"message", "type", "code"}}`.
+
+`PDRouter.chat` is a blocking generator: each step runs in a worker thread, and a client
+that leaves mid-stream gets the generator closed, which cancels the decode request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import signal
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import h11
+import numpy as np
+import uvicorn
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from starlette.datastructures import State
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from pdchat.clients.chat import ChatError, ChatOutput
+
+if TYPE_CHECKING:
+    from pdchat.clients.router import PDRouter
+
+log = logging.getLogger("pdchat.router.http")
+
+CHAT_PATH = "/v1/chat/completions"
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers carry no API key
+OUTCOMES = ("ok", "client_error", "server_error", "cancelled")
+REQUEST_ID_HEADER = "X-Request-Id"
+REQUEST_ID_RULE = "[A-Za-z0-9._:-]{1,128}"
+_REQUEST_ID = re.compile(REQUEST_ID_RULE.encode())
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """Limits of the HTTP front. The defaults fit chat requests (a few KB of JSON, nested
+    under 10 levels) with a wide margin; each bound exists because a client could
+    otherwise hold memory, a thread or a connection slot for as long as it likes."""
+
+    api_key: str | None = None  # like vLLM's --api-key: 'Authorization: Bearer KEY' on all but OPEN_PATHS
+    max_body_bytes: int = 4 * 1024 * 1024  # 413 above; checked against Content-Length, then while reading
+    max_json_depth: int = 64  # 400 above; json.loads recurses per level, so it is checked before parsing
+    max_header_bytes: int = 16 * 1024  # the request head (h11's buffer), and the headers once parsed; 400 above
+    header_timeout_s: float = 10.0  # the whole head, from connecting or from the previous response
+    body_timeout_s: float = 30.0  # the whole body, from the end of the head
+    keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this
+    max_connections: int = 256  # uvicorn answers 503 over it; also the number of worker threads
+    shutdown_timeout_s: float = 5.0  # on SIGTERM, streams still running then are cancelled
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error shape. `close`: the request body may be unread, so the
+    connection cannot carry another request."""
+
+    def __init__(self, status: int, message: str, code: str, close: bool = False):
+        super().__init__(message)
+        self.status, self.message, self.code, self.close = status, message, code, close
+
+    @property
+    def type(self) -> str:
+        if self.status == 401:
+            return "authentication_error"
+        if self.status == 503:
+            return "service_unavailable"
+        return "invalid_request_error" if self.status < 500 else "server_error"
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+
+
+class JsonTooDeep(ValueError):
+    pass
+
+
+def json_depth(data: bytes) -> int:
+    """The deepest nesting of arrays and objects in `data`, found without recursion, in
+    linear time: strings are cut out (an unterminated one runs to the end), then the
+    highest running sum of +1 per opening and -1 per closing bracket (numpy: a 4 MiB
+    body of brackets takes ~25 ms, a Python loop ten times that, holding the GIL)."""
+    steps = _BRACKET_STEP[np.frombuffer(_JSON_STRING.sub(b"", data), np.uint8)]
+    return int(steps.cumsum().max(initial=0))
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)  # '"?': never backtracks
+_BRACKET_STEP = np.array([1 if b in b"[{" else -1 if b in b"]}" else 0 for b in range(256)], np.int32)
+
+
+def parse_json_body(data: bytes, max_depth: int) -> dict[str, Any]:
+    """The request body as a JSON object; ValueError (JsonTooDeep for nesting) otherwise."""
+    if json_depth(data) > max_depth:
+        raise JsonTooDeep(f"the JSON body nests deeper than the allowed depth of {max_depth}")
+    body = json.loads(data)
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    return body
+
+
+def request_id_of(raw: bytes | None) -> str:
+    """The client's X-Request-Id, which goes to both servers and into logs, so only if it
+    is short and plain; a generated one when the client sent none."""
+    if raw is None:
+        return f"pdchat-{uuid.uuid4().hex}"
+    if not _REQUEST_ID.fullmatch(raw):
+        raise ValueError(f"the {REQUEST_ID_HEADER} header must match {REQUEST_ID_RULE} (got {len(raw)} bytes that do not)")
+    return raw.decode("ascii")
+
+
+def chat_api_error(exc: ChatError) -> ApiError:
+    """A router error as an HTTP answer; `code` keeps the servers' status name."""
+    status = 400 if exc.is_client_error else 503 if exc.status == "UNAVAILABLE" else 500
+    return ApiError(status, str(exc), exc.status or "INTERNAL")
+
+
+def outcome_of(status: int) -> str:
+    return "ok" if status < 400 else "client_error" if status < 500 else "server_error"
+
+
+class _Metrics:
+    """The front's Prometheus metrics, in a registry of its own (one per app)."""
+
+    def __init__(self, router: PDRouter):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("pdchat_router_requests", "Chat completion requests, by how they ended", ["outcome"],
+                                registry=self.registry)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        self.errors = Counter("pdchat_router_errors", "Error answers (streamed ones too), by HTTP status and error code",
+                              ["status", "code"], registry=self.registry)
+        self.in_flight = Gauge("pdchat_router_requests_in_flight", "Chat completion requests being served",
+                               registry=self.registry)
+        self.ttft = Histogram("pdchat_router_ttft_seconds", "Streamed requests: from the request to its first chunk",
+                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=self.registry)
+        self.inter_token = Histogram("pdchat_router_inter_token_seconds", "Streamed requests: between consecutive chunks",
+                                     buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+                                     registry=self.registry)
+        self.registry.register(_RouterStatsCollector(router))
+
+    def page(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _RouterStatsCollector:
+    """Reads the router's own counters at scrape time, so the router needs no Prometheus."""
+
+    def __init__(self, router: PDRouter):
+        self.router = router
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily("pdchat_router_prefill_fallbacks", "Requests decode served whole because prefill failed",
+                                  value=self.router.stats.prefill_fallbacks)
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose generator is closed however the response ends: a client
+    that leaves while a chunk is being sent must cancel the decode request too."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+def _event(data: dict[str, Any] | str) -> bytes:
+    """One SSE event; a server's response JSON goes out as the text it came in."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return b"data: " + text.encode() + b"\n\n"
+
+
+def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
+    """JSON as the router always wrote it: non-ASCII kept, NaN allowed (Starlette's refuses)."""
+    return Response(json.dumps(body, ensure_ascii=False).encode(), status, headers, media_type="application/json")
+
+
+class _Front:
+    """The routes and error handlers, around one router."""
+
+    def __init__(self, router: PDRouter, settings: HttpSettings):
+        self.router, self.settings = router, settings
+        self.metrics = _Metrics(router)
+        self._limiter: anyio.CapacityLimiter | None = None
+
+    async def _in_thread(self, func: Callable[..., T], *args: Any) -> T:
+        """`func(*args)` in a worker thread: one per connection at most, not anyio's default 40."""
+        if self._limiter is None:  # made inside the event loop, which older anyio needs
+            self._limiter = anyio.CapacityLimiter(self.settings.max_connections)
+        return await anyio.to_thread.run_sync(func, *args, limiter=self._limiter)
+
+    async def _close(self, outputs: Iterator[ChatOutput]) -> None:
+        """Close the router's generator (cancelling its decode request), even when cancelled."""
+        with anyio.CancelScope(shield=True):
+            await self._in_thread(outputs.close)
+
+    def error_response(self, error: ApiError, headers: dict[str, str] | None = None) -> Response:
+        self.metrics.errors.labels(str(error.status), error.code).inc()
+        return _json(error.status, error.body(), {**(headers or {}), **({"Connection": "close"} if error.close else {})})
+
+    async def chat_completions(self, request: Request) -> Response:
+        started = time.perf_counter()
+        body = await self._json_body(request)
+        outputs = self.router.chat(body, request.state.request_id)
+        try:
+            if not body.get("stream"):
+                return Response(await self._whole(outputs), 200, media_type="application/json")
+            first = await self._in_thread(next, outputs, None)
+        except ChatError as exc:
+            raise chat_api_error(exc) from exc  # the generator is done: it raised
+        except BaseException:
+            await self._close(outputs)
+            raise
+        if first is None:
+            raise ApiError(500, "the decode server ended the stream without a response", "INTERNAL")
+        self.metrics.ttft.observe(time.perf_counter() - started)
+        return _EventStream(self._events(outputs, first, request.state), headers={"Cache-Control": "no-cache"})
+
+    async def _whole(self, outputs: Iterator[ChatOutput]) -> str:
+        answers = await self._in_thread(list, outputs)
+        if len(answers) != 1:
+            raise ApiError(500, f"the decode server sent {len(answers)} responses for a whole answer", "INTERNAL")
+        return answers[0].response_json
+
+    async def _events(self, outputs: Iterator[ChatOutput], first: ChatOutput, state: State) -> AsyncIterator[bytes]:
+        """Chunks, then `[DONE]`; an error after the first chunk is a chunk of its own."""
+        try:
+            output: ChatOutput | None = first
+            last = time.perf_counter()
+            try:
+                while output is not None:
+                    yield _event(output.response_json)
+                    output = await self._in_thread(next, outputs, None)
+                    now = time.perf_counter()
+                    if output is not None:
+                        self.metrics.inter_token.observe(now - last)
+                    last = now
+                state.outcome = "ok"
+            except ChatError as exc:
+                error = chat_api_error(exc)
+                state.outcome = outcome_of(error.status)
+                self.metrics.errors.labels(str(error.status), error.code).inc()
+                yield _event(error.body())
+            yield b"data: [DONE]\n\n"
+        except Exception:
+            state.outcome = "server_error"  # a bug, not a client leaving
+            raise
+        finally:
+            if getattr(state, "outcome", None) is None:
+                state.outcome = "cancelled"
+                log.info("request %s: client went away; decode work cancelled", state.request_id)
+            await self._close(outputs)
+
+    async def _json_body(self, request: Request) -> dict[str, Any]:
+        data = await self._read_body(request)
+        try:
+            return await self._in_thread(parse_json_body, data, self.settings.max_json_depth)
+        except JsonTooDeep as exc:
+            raise ApiError(400, str(exc), "json_too_deep") from exc
+        except ValueError as exc:
+            raise ApiError(400, f"invalid JSON body: {exc}", "invalid_json") from exc
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused as soon as it is known to exceed the limit: by its declared
+        length before reading, else by what has arrived (chunked bodies declare none)."""
+        limit = self.settings.max_body_bytes
+        too_large = ApiError(413, f"the request body exceeds {limit} bytes", "body_too_large", close=True)
+        declared = request.headers.get("content-length")
+        if declared is not None and int(declared) > limit:  # h11 let only digits through
+            raise too_large
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect as exc:
+            request.state.outcome = "cancelled"
+            raise ApiError(400, "the client left before sending the whole body", "client_disconnected", close=True) from exc
+        return b"".join(chunks)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            model = await self._in_thread(self.router.served_model)
+        except ChatError as exc:
+            raise chat_api_error(exc) from exc
+        return _json(200, {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "pdchat"}]})
+
+    async def health(self, request: Request) -> Response:
+        status = await self._in_thread(self.router.health)
+        return _json(200 if status["ok"] else 503, status)
+
+    async def metrics_page(self, request: Request) -> Response:
+        return Response(self.metrics.page(), media_type=CONTENT_TYPE_LATEST)
+
+    async def on_api_error(self, request: Request, exc: ApiError) -> Response:
+        return self.error_response(exc)
+
+    async def on_http_exception(self, request: Request, exc: HTTPException) -> Response:
+        """Starlette's 404 and 405, in OpenAI's shape."""
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
+        return self.error_response(ApiError(exc.status_code, message, code), dict(exc.headers or {}))
+
+    async def on_unexpected(self, request: Request, exc: Exception) -> Response:
+        """A bug: a 500 in OpenAI's shape (Starlette still logs the traceback)."""
+        return self.error_response(ApiError(500, "internal error in the router", "INTERNAL"))
+
+
+class _Guard:
+    """The outermost layer, so that every answer passes it: the request-id rule and the
+    API key, X-Request-Id on every answer, and the accounting of chat requests (outcome,
+    requests in flight) however they end."""
+
+    def __init__(self, app: ASGIApp, front: _Front):
+        self.app, self.front = app, front
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        counted = scope["path"] == CHAT_PATH and scope["method"] == "POST"
+        metrics = self.front.metrics
+        state = scope.setdefault("state", {})
+        statuses: list[int] = []
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", state["request_id"].encode())]
+            await send(message)
+
+        if counted:
+            metrics.in_flight.inc()
+        try:
+            refusal = self._refusal(scope, state)
+            if refusal is not None:
+                await self.front.error_response(refusal)(scope, receive, send_with_id)
+            else:
+                await self.app(scope, receive, send_with_id)
+        finally:
+            if counted:
+                metrics.in_flight.dec()
+                metrics.requests.labels(state.get("outcome") or (outcome_of(statuses[0]) if statuses else "cancelled")).inc()
+
+    def _refusal(self, scope: Scope, state: dict[str, Any]) -> ApiError | None:
+        """Why the request is refused before any route sees it, or None; sets its id."""
+        headers = dict(reversed(scope["headers"]))  # the first of repeated headers wins
+        limit = self.front.settings.max_header_bytes
+        if sum(len(name) + len(value) for name, value in scope["headers"]) > limit:
+            # h11 bounds a head that arrives in pieces; one that arrives whole is checked here.
+            state["request_id"] = request_id_of(None)
+            return ApiError(400, f"the request headers exceed {limit} bytes", "headers_too_large", close=True)
+        try:
+            state["request_id"] = request_id_of(headers.get(b"x-request-id"))
+        except ValueError as exc:
+            state["request_id"] = request_id_of(None)
+            log.warning("request %s: refused: %s", state["request_id"], exc)
+            return ApiError(400, str(exc), "invalid_request_id", close=True)
+        if b"transfer-encoding" in headers and b"content-length" in headers:
+            # h11 reads the body as chunked; a proxy in front might not have (RFC 9112 6.1).
+            return ApiError(400, "a request must not carry both Transfer-Encoding and Content-Length", "ambiguous_framing",
+                            close=True)
+        key = self.front.settings.api_key
+        if key and scope["path"] not in OPEN_PATHS:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + key.encode()):
+                return ApiError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')", "invalid_api_key",
+                                close=True)
+        return None
+
+
+def create_app(router: PDRouter, settings: HttpSettings | None = None) -> ASGIApp:
+    """The ASGI app of the front (for uvicorn or any ASGI server; `serve` adds the timeouts)."""
+    front = _Front(router, settings or HttpSettings())
+    app = FastAPI(title="pdchat router", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_api_route(CHAT_PATH, front.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", front.models, methods=["GET"])
+    app.add_api_route("/health", front.health, methods=["GET"])
+    app.add_api_route("/metrics", front.metrics_page, methods=["GET"])
+    app.add_exception_handler(ApiError, front.on_api_error)
+    app.add_exception_handler(HTTPException, front.on_http_exception)
+    app.add_exception_handler(Exception, front.on_unexpected)
+    return _Guard(app, front)
+
+
+class DeadlineH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with deadlines for receiving a request. uvicorn times out
+    only idle kept-alive connections: a client dribbling its head or body (slowloris)
+    would hold its connection, and a place under the connection cap, forever.
+
+    One timer per connection, for the part being received: the head (h11 state IDLE),
+    armed on connecting and after each response, or the body (SEND_BODY), armed when
+    the head is complete. Bytes arriving do not extend it; the next part replaces it."""
+
+    def __init__(self, *args: Any, header_timeout_s: float, body_timeout_s: float, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._timeouts = {h11.IDLE: header_timeout_s, h11.SEND_BODY: body_timeout_s}
+        self._receiving: object = None  # h11's state (a class) whose deadline is armed
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)
+        self._watch()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _watch(self) -> None:
+        state = self.conn.their_state
+        receiving = state if state in self._timeouts and not self.transport.is_closing() else None
+        if receiving is self._receiving:
+            return
+        self._disarm()
+        self._receiving = receiving
+        if receiving is not None:
+            self._deadline = self.loop.call_later(self._timeouts[receiving], self._expire)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
+            part = "head" if self._receiving is h11.IDLE else "body"
+            log.info("%s: closed; the request %s did not arrive within %.0f s", _peer(self.client), part,
+                     self._timeouts[self._receiving])
+            self.transport.close()
+
+
+def _peer(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "client"
+
+
+def make_server(router: PDRouter, host: str = "127.0.0.1", port: int = 8080, settings: HttpSettings | None = None) -> uvicorn.Server:
+    """A uvicorn server for the front (h11 with deadlines, asyncio loop); `.run()` blocks."""
+    settings = settings or HttpSettings()
+
+    def protocol(**kwargs: Any) -> DeadlineH11Protocol:
+        return DeadlineH11Protocol(header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s, **kwargs)
+
+    config = uvicorn.Config(
+        create_app(router, settings), host=host, port=port, loop="asyncio", http=protocol, ws="none", lifespan="off",
+        log_config=None, proxy_headers=False, server_header=False, timeout_keep_alive=settings.keep_alive_s,
+        limit_concurrency=settings.max_connections, h11_max_incomplete_event_size=settings.max_header_bytes,
+        timeout_graceful_shutdown=settings.shutdown_timeout_s,
+    )
+    return uvicorn.Server(config)
+
+
+def serve(router: PDRouter, host: str = "127.0.0.1", port: int = 8080, settings: HttpSettings | None = None) -> None:
+    """Serve until SIGTERM or SIGINT, then stop gracefully and return (in the main thread)."""
+    server = make_server(router, host, port, settings)
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn re-raises the signal after its graceful stop, to the handler it found:
+        # this one, so the process returns normally instead of dying of it.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: setattr(server, "should_exit", True))
+    server.run()

@@ -1,0 +1,123 @@
+"""The signed handoff a prefill server gives a decode server, through the router.
+
+`Handoff` is what a prefill server's `chat` signs for one request: the fingerprint of
+the request's render inputs, an expiry and the handle of the published KV (with the first
+token). Together with the prompt ids (beside it, as a binary tensor, or listed inside it
+vLLM-style) it is the `kv_transfer_params` the router forwards untouched. The HMAC-SHA256
+signature covers the ids too, so decode's gate knows both came from a prefill server of
+this deployment, for this very conversation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pdchat.core.errors import ModelUnavailable
+from pdchat.core.kv.base import KVHandle, KVUnavailable
+from pdchat.core.request.protocol import ChatRequest
+from pdchat.core.settings import ENV_HANDOFF_KEY, ENV_HANDOFF_KEY_FILE
+
+MIN_KEY_BYTES = 16
+DEFAULT_TTL_S = 60.0
+SIGNATURE_VERSION = 2
+
+
+def load_key(environ: dict[str, str] | os._Environ | None = None) -> bytes | None:
+    """The deployment's shared key: $PDCHAT_HANDOFF_KEY, else the file $PDCHAT_HANDOFF_KEY_FILE."""
+    env = os.environ if environ is None else environ
+    if env.get(ENV_HANDOFF_KEY):
+        key = env[ENV_HANDOFF_KEY].encode()
+    elif env.get(ENV_HANDOFF_KEY_FILE):
+        path = Path(env[ENV_HANDOFF_KEY_FILE])
+        try:
+            key = path.read_bytes().strip()
+        except OSError as exc:
+            raise ModelUnavailable(f"cannot read the handoff key file {path}: {exc}") from exc
+    else:
+        return None
+    if len(key) < MIN_KEY_BYTES:
+        raise ModelUnavailable(f"the handoff key must have at least {MIN_KEY_BYTES} bytes")
+    return key
+
+
+def render_fingerprint(request: ChatRequest, served_model: str) -> str:
+    """Canonical hash of everything the rendered prompt depends on. Sampling and streaming
+    fields are outside it: the router may change them between the legs."""
+    inputs = {
+        "model": served_model,
+        "messages": request.messages,
+        "tools": request.tools,
+        "tool_choice": request.tool_choice,
+        "chat_template_kwargs": request.chat_template_kwargs,
+        "add_generation_prompt": request.add_generation_prompt,
+        "continue_final_message": request.continue_final_message,
+    }
+    return hashlib.sha256(canonical_json(inputs)).hexdigest()
+
+
+def ids_digest(ids: list[int]) -> str:
+    return hashlib.sha256(np.asarray(ids, dtype="<i4").tobytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """kv_transfer_params of one prefilled request, vLLM-shaped (`do_remote_prefill`) plus ours."""
+
+    fingerprint: str
+    expires_at: float
+    kv_handle: KVHandle | None = None
+    signature: str = ""
+
+    def signed_bytes(self, prompt_token_ids: list[int]) -> bytes:
+        handle = None if self.kv_handle is None else self.kv_handle.to_dict()
+        return canonical_json({"v": SIGNATURE_VERSION, "ids_sha256": ids_digest(prompt_token_ids), "fingerprint": self.fingerprint,
+                               "expires_at": self.expires_at, "kv_handle": handle})
+
+    def to_params(self) -> dict[str, Any]:
+        return {"do_remote_prefill": True, "fingerprint": self.fingerprint, "expires_at": self.expires_at,
+                "kv_handle": None if self.kv_handle is None else self.kv_handle.to_dict(), "signature": self.signature}
+
+    def to_json(self) -> str:
+        """The one serialization, made by the prefill server's `chat`, forwarded as is."""
+        return json.dumps(self.to_params(), separators=(",", ":"))
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> Handoff:
+        """Raises ValueError naming what is missing or mistyped."""
+        try:
+            signature = params["signature"]
+            if not isinstance(signature, str):
+                raise TypeError("signature must be a string")
+            handle = params.get("kv_handle")
+            return cls(str(params["fingerprint"]), float(params["expires_at"]),
+                       None if handle is None else KVHandle.from_dict(handle), signature)
+        except (KeyError, TypeError, ValueError, KVUnavailable) as exc:
+            raise ValueError(f"signed kv_transfer_params need fingerprint, expires_at, signature and a valid kv_handle ({exc})") from None
+
+
+def sign(key: bytes, prompt_token_ids: list[int], fingerprint: str, *, kv_handle: KVHandle | None = None,
+         ttl_s: float = DEFAULT_TTL_S, now: float | None = None) -> Handoff:
+    handoff = Handoff(fingerprint, round((now or time.time()) + ttl_s, 3), kv_handle)
+    return Handoff(handoff.fingerprint, handoff.expires_at, kv_handle, mac(key, handoff.signed_bytes(prompt_token_ids)))
+
+
+def mac(key: bytes, payload: bytes) -> str:
+    return hmac.new(key, payload, hashlib.sha256).hexdigest()
+
+
+def same_mac(given: str, expected: str) -> bool:
+    """Constant-time comparison as bytes: any string, ASCII or not, is just a wrong one."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode())
+
+
+def canonical_json(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()

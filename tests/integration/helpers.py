@@ -1,0 +1,65 @@
+"""What the integration tests share: asking a server, and reading what it reports about
+itself (metrics, Triton's statistics)."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import pytest
+import tritonclient.grpc as grpcclient
+
+from pdchat.clients.chat import ChatError, ChatResult, chat_inputs, collect
+
+
+def ask(client, body=None, **inputs) -> ChatResult:
+    """The whole answer to one request (a JSON body, plus forwarded ids or other inputs)."""
+    return collect(client.stream(chat_inputs(body, **inputs)))
+
+
+def refusal(client, body=None, **inputs) -> str:
+    """The server's message refusing a request."""
+    with pytest.raises(ChatError) as info:
+        ask(client, body, **inputs)
+    return str(info.value)
+
+
+def summary(result: ChatResult) -> dict:
+    """What a client sees, whether it came streamed or whole (tool call ids aside)."""
+    content, reasoning, calls = "", "", []
+    for output in result.outputs:
+        choice = output.response["choices"][0]
+        message = choice.get("message") or choice.get("delta") or {}
+        content += message.get("content") or ""
+        reasoning += message.get("reasoning_content") or ""
+        calls += [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls") or []]
+    return {"ids": result.output_token_ids, "text": result.text, "content": content, "reasoning": reasoning,
+            "tool_calls": calls, "finish_reason": result.finish_reason}
+
+
+def metric(server, name: str, **labels: str) -> float:
+    """Sum of metric `name` over the series whose labels include `labels`."""
+    text = urllib.request.urlopen(server.metrics_url).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
+
+
+def executions(server, model: str) -> int:
+    """How many times Triton executed `model` (its statistics API)."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        stats = client.get_inference_statistics(model, as_json=True)
+    finally:
+        client.close()
+    return int(stats["model_stats"][0].get("execution_count", 0))
+
+
+def wait_for(condition, timeout: float = 30.0, interval: float = 0.2) -> bool:
+    """Poll until `condition()` is true or `timeout` passes (a bound for a check, not a speed claim)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True

@@ -1,0 +1,117 @@
+"""Only the client-facing models answer clients: stage models refuse unsealed input.
+
+A direct call to `decode` or `prefill` is what a hostile client would try to walk
+around the gate: ids that never met the chat template, unchecked generation params,
+someone else's KV handle. Each is refused with INVALID_ARG naming why, and the server
+keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from pdchat import tensors
+from pdchat.clients.chat import ChatError, GrpcChat, chat_inputs, collect
+from tests.conversations import chat_body
+
+UNSEALED = "stage models take only input sealed by this server's renderer or chat model"
+
+
+def infer(server, model, **named):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    inputs = []
+    for name, value in named.items():
+        array = np.asarray(value, dtype=np.int32) if name == tensors.PROMPT_TOKEN_IDS else np.array([value.encode()], dtype=np.object_)
+        entry = grpcclient.InferInput(name, list(array.shape), "INT32" if array.dtype == np.int32 else "BYTES")
+        entry.set_data_from_numpy(array)
+        inputs.append(entry)
+    try:
+        if model == "decode":  # decoupled: one stream, first response or error
+            results = []
+            client.start_stream(callback=lambda result, error: results.append(error or result))
+            client.async_stream_infer(model, inputs)
+            client.stop_stream()
+            if isinstance(results[0], Exception):
+                raise results[0]
+            return results[0]
+        return client.infer(model, inputs)
+    finally:
+        client.close()
+
+
+def refusal(server, model, **named) -> str:
+    with pytest.raises(InferenceServerException) as info:
+        infer(server, model, **named)
+    # Stream errors carry no gRPC status in tritonclient; pdchat's messages carry the class.
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT" or info.value.message().startswith("[INVALID_ARG]"), info.value
+    return info.value.message()
+
+
+@pytest.fixture(scope="module")
+def rendered(server):
+    """What the renderer hands prefill for one request: ids, params and its seal."""
+    result = infer(server, "renderer", request=json.dumps(chat_body("single_turn", max_tokens=4, temperature=0)))
+    return {name: result.as_numpy(name) for name in (tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.STAGE_SEAL)}
+
+
+def text(array) -> str:
+    return array[0].decode()
+
+
+def test_sealed_input_from_the_renderer_opens_prefill(server, rendered):
+    result = infer(server, "prefill", prompt_token_ids=rendered["prompt_token_ids"],
+                   generation_params=text(rendered["generation_params"]), stage_seal=text(rendered["stage_seal"]))
+    assert result.as_numpy("first_token_id").shape == (1,)
+
+
+@pytest.mark.parametrize("model", ["prefill", "decode"])
+def test_ids_without_the_template_are_refused(server, rendered, model):
+    params = text(rendered["generation_params"])
+    assert UNSEALED in refusal(server, model, prompt_token_ids=[1, 2, 3], generation_params=params, stage_seal="0" * 64)
+    # The renderer's seal does not stretch to other ids, or to altered params.
+    seal = text(rendered["stage_seal"])
+    assert UNSEALED in refusal(server, model, prompt_token_ids=[1, 2, 3], generation_params=params, stage_seal=seal)
+    hotter = json.dumps({**json.loads(params), "temperature": -5.0})
+    assert UNSEALED in refusal(server, model, prompt_token_ids=rendered["prompt_token_ids"], generation_params=hotter, stage_seal=seal)
+    longer = json.dumps({**json.loads(params), "max_tokens": 16_300})
+    assert UNSEALED in refusal(server, model, prompt_token_ids=rendered["prompt_token_ids"], generation_params=longer, stage_seal=seal)
+
+
+def test_a_kv_handle_needs_the_gate_s_seal(server, rendered):
+    handle = json.dumps({"connector": "shm", "shape": [4, 2, 2, 8, 64], "expires_at": 9e9, "first_token_id": 1,
+                         "location": {"name": "pdchat_kv_0123456789ab_99999999999999_00"}})
+    message = refusal(server, "decode", prompt_token_ids=rendered["prompt_token_ids"], generation_params=text(rendered["generation_params"]),
+                      stage_seal=text(rendered["stage_seal"]), kv_handle=handle)
+    assert UNSEALED in message
+
+
+def test_a_cancellation_needs_chat_s_seal(server):
+    assert "an unsealed cancellation" in refusal(server, "decode", cancel_request_id="chatcmpl-0", stage_seal="x")
+
+
+def test_the_server_keeps_serving_after_the_refusals(server):
+    client = GrpcChat(server.grpc_url)
+    try:
+        assert len(collect(client.stream(chat_inputs(chat_body("single_turn", max_tokens=3, temperature=0)))).output_token_ids) == 3
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("model", ["chat", "chat_ensemble"])
+def test_an_oversized_body_is_refused_before_it_is_parsed(server, model):
+    from pdchat.core.settings import DEFAULT_MAX_REQUEST_BYTES
+
+    body = json.dumps({"messages": [{"role": "user", "content": "x" * DEFAULT_MAX_REQUEST_BYTES}]})
+    client = GrpcChat(server.grpc_url, model)
+    try:
+        with pytest.raises(ChatError) as info:
+            collect(client.stream(chat_inputs(body)))
+    finally:
+        client.close()
+    assert info.value.status == "INVALID_ARGUMENT"
+    assert f"this server takes at most {DEFAULT_MAX_REQUEST_BYTES} (max_request_bytes)" in str(info.value)
