@@ -127,7 +127,8 @@ class PDRouter:
             # Refuse what no server would take here (a bad request is not a prefill failure),
             # and serialize once: both legs get these very bytes.
             text = utf8_json(body)
-            chat_request_from_body(body, check_grammar=False)
+            if chat_request_from_body(body, check_grammar=False).kv_transfer_params is not None:
+                raise InvalidRequest("kv_transfer_params is the router's to set: send the conversation only")
         except InvalidRequest as exc:
             raise ChatError(str(exc), "INVALID_ARGUMENT") from exc
         if not self.decode.any_healthy():

@@ -121,17 +121,20 @@ class Gate:
             raise ForwardedIdsRejected(Rejection.OUT_OF_VOCABULARY, f"ids must lie in [0, {self.vocab_size}); got {low}..{high}")
 
 
-def forwarded_ids(binary: list[int] | None, kv_transfer_params: str | None) -> tuple[list[int] | None, dict[str, Any]]:
+def forwarded_ids(binary: list[int] | None, kv_transfer_params: str | dict[str, Any] | None) -> tuple[list[int] | None, dict[str, Any]]:
     """Ids from the binary tensor or kv_transfer_params["prompt_token_ids"] (vLLM wire form),
-    and the params with that key consumed."""
+    and the params with that key consumed. The params come as the tensor's JSON text or, from
+    the request body, already parsed."""
     params: dict[str, Any] = {}
-    if kv_transfer_params is not None:
+    if isinstance(kv_transfer_params, str):
         try:
-            params = json.loads(kv_transfer_params)
+            kv_transfer_params = json.loads(kv_transfer_params)
         except ValueError as exc:
             raise ForwardedIdsRejected(Rejection.MALFORMED, f"kv_transfer_params is not valid JSON: {exc}") from exc
-        if not isinstance(params, dict):
+    if kv_transfer_params is not None:
+        if not isinstance(kv_transfer_params, dict):
             raise ForwardedIdsRejected(Rejection.MALFORMED, "kv_transfer_params must be a JSON object")
+        params = dict(kv_transfer_params)
     listed = params.pop("prompt_token_ids", None)
     if listed is not None and binary is not None:
         raise ForwardedIdsRejected(Rejection.MALFORMED, "give the ids once: as the prompt_token_ids tensor or inside kv_transfer_params")

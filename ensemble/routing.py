@@ -46,8 +46,11 @@ class RoutePlanner:
         self.ttl_s = ttl_s
 
     def plan(self, chat: ChatRequest, binary_ids: list[int] | None, kv_transfer_params: str | None) -> RoutePlan:
-        """Decide the path; refusals raise InvalidRequest (ForwardedIdsRejected for the gate's)."""
-        ids, params = forwarded_ids(binary_ids, kv_transfer_params)
+        """Decide the path; refusals raise InvalidRequest (ForwardedIdsRejected for the gate's).
+        `kv_transfer_params`: the tensor's text; the request body may carry them instead."""
+        if kv_transfer_params is not None and chat.kv_transfer_params is not None:
+            raise ForwardedIdsRejected(Rejection.MALFORMED, "give kv_transfer_params once: as the tensor or in the request JSON")
+        ids, params = forwarded_ids(binary_ids, kv_transfer_params if kv_transfer_params is not None else chat.kv_transfer_params)
         if ids is not None:
             handle = self.gate.admit(ids, params, render_fingerprint(chat, self.served_name))
             generation = chat.generation_params(len(ids), self.gate.context_length, self.served_name)

@@ -29,8 +29,6 @@ class LocalPipeline:
         outputs = []
         while True:
             delta = generation.advance()
-            output = assembler.on_delta(delta)
-            if output is not None:
-                outputs.append(output)
+            outputs += assembler.on_delta(delta)
             if delta.finish_reason:
                 return outputs

@@ -153,6 +153,7 @@ BAD_REQUESTS = [
     ({"request": json.dumps({"messages": [{"role": "robot", "content": "x"}]})}, "messages[0].role is 'robot'"),
     ({"request": user(max_tokens=10**9)}, "max_tokens=1000000000 does not fit"),
     ({"request": user(temperature="hot")}, "'temperature' must be a number"),
+    ({"request": user(presence_penalty=0.5)}, "Unrecognized request argument supplied: presence_penalty"),
     ({"request": user(model="gpt-9")}, "model 'gpt-9' is not served here"),
     ({"request": user(), "text_input": "x"}, "not both"),
     ({"request": user(), "max_tokens": 3}, "put max_tokens inside the JSON body"),

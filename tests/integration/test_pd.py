@@ -132,14 +132,45 @@ def test_openai_client_streams_a_tool_call_through_the_router(stack):
     [model] = [m.id for m in client.models.list().data]
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Pick a number"}], tools=[PICK_TOOL],
-        tool_choice="required", max_tokens=96, temperature=0, stream=True)
-    calls, finish = [], None
+        tool_choice="required", max_tokens=96, temperature=0, stream=True, stream_options={"include_usage": True})
+    calls, finish, usage = [], None, []
     for chunk in stream:
+        if not chunk.choices:  # the usage chunk, last
+            usage.append(chunk.usage)
+            continue
+        assert chunk.usage is None
         calls += chunk.choices[0].delta.tool_calls or []
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls"
+    assert len(usage) == 1 and usage[0].completion_tokens > 0 and usage[0].prompt_tokens > 0
     assert [c.function.name for c in calls] == ["pick_number"]
     assert set(json.loads(calls[0].function.arguments)) == {"n", "ok"}
+
+
+def test_a_vllm_style_proxy_sending_json_only_gets_the_monolithic_answer(stack, monolithic_answers):
+    """As vLLM's disaggregation proxy drives a pair: kv_transfer_params inside the JSON, the
+    prefill answer's kv_transfer_params (ids listed) copied into the decode request."""
+    body = {"max_tokens": 12, "temperature": 0, **PARITY_CASES["multi_turn"]}
+    prefill, decode = GrpcChat(stack.prefill.grpc_url), GrpcChat(stack.decode.grpc_url)
+    try:
+        [answer] = list(prefill.stream(chat_inputs({**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})))
+        params = answer.response["kv_transfer_params"]
+        assert params["do_remote_prefill"] and params["prompt_token_ids"] == answer.prompt_token_ids
+        renders = executions(stack.decode, "renderer")
+        result = collect(decode.stream(chat_inputs({**body, "kv_transfer_params": params})))
+    finally:
+        prefill.close()
+        decode.close()
+    assert result.output_token_ids == monolithic_answers["multi_turn"].output_token_ids
+    assert executions(stack.decode, "renderer") == renders
+
+
+def test_unknown_fields_and_client_kv_transfer_params_are_400s_from_the_router(stack):
+    for fields, needle in [({"logprobs": True}, "Unrecognized request argument supplied: logprobs"),
+                           ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params is the router's to set")]:
+        with pytest.raises(urllib.error.HTTPError) as info:
+            post(stack, {"messages": [{"role": "user", "content": "x"}], **fields})
+        assert info.value.code == 400 and needle in json.loads(info.value.read())["error"]["message"]
 
 
 def test_bad_request_through_the_router_is_a_400_with_the_reason(stack):

@@ -44,7 +44,15 @@ def test_streamed_deltas_add_up_to_the_whole_answer(pipeline):
     assert [c.finish_reason for c in chunks] == [""] * 15 + ["length"]
     first = json.loads(chunks[0].response)
     assert first["choices"][0]["delta"]["role"] == "assistant"
-    assert json.loads(chunks[-1].response)["usage"]["completion_tokens"] == 16
+    assert "usage" not in json.loads(chunks[-1].response)  # only when asked for
+
+
+def test_include_usage_adds_a_last_chunk_with_empty_choices_and_the_usage(pipeline):
+    chunks = pipeline.run(chat(max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert len(chunks) == 7 and [c.finish_reason for c in chunks] == [""] * 6 + ["length"]
+    finishing, usage = json.loads(chunks[-2].response), json.loads(chunks[-1].response)
+    assert finishing["choices"][0]["finish_reason"] == "length" and "usage" not in finishing
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6 and chunks[-1].output_token_ids == []
 
 
 def test_stop_string_ends_the_answer_early(pipeline):

@@ -28,8 +28,33 @@ def test_text_parts_are_joined_and_tool_call_arguments_decoded():
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
     ]}))
-    assert request.messages[0]["content"] == "ab"
+    assert request.messages[0]["content"] == "a\nb"  # vLLM's rule: text parts joined by newlines
     assert request.messages[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+
+
+UNHONOURED = ["logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+              "stop_token_ids", "top_k", "min_p", "parallel_tool_calls", "echo", "functions", "made_up_field"]
+
+
+@pytest.mark.parametrize("field", UNHONOURED)
+def test_a_field_not_honoured_is_refused_by_name(field):
+    with pytest.raises(InvalidRequest, match=f"Unrecognized request argument supplied: {field}"):
+        parse_chat_json(json.dumps({"messages": [{"role": "user", "content": "x"}], field: 1}))
+
+
+def test_known_no_op_fields_are_accepted_and_ignored():
+    request = parse_chat_json(json.dumps({"messages": [{"role": "user", "content": "x"}], "user": "u1", "metadata": {"a": "b"},
+                                          "store": False, "service_tier": "auto"}))
+    assert request.messages[0]["content"] == "x"
+
+
+def test_stream_options_and_kv_transfer_params_in_the_body():
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    assert parse_chat_json(json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}})).include_usage
+    for options, needle in [({"include_usage": True}, "only allowed when 'stream' is true"), ({"other": 1}, "takes only")]:
+        with pytest.raises(InvalidRequest, match=needle):
+            parse_chat_json(json.dumps({**body, "stream": "other" in options, "stream_options": options}))
+    assert parse_chat_json(json.dumps({**body, "kv_transfer_params": {"do_remote_decode": True}})).kv_transfer_params == {"do_remote_decode": True}
 
 
 @pytest.mark.parametrize(

@@ -97,7 +97,7 @@ class TritonPythonModel:
     async def _route(self, request, sender):
         chat, form = io.chat_request(request, self.max_request_bytes)
         self.parses.parsed(form)
-        plan = self.planner.plan(
+        plan = self.planner.plan(  # kv_transfer_params: the tensor, or inside the JSON (vLLM)
             chat,
             io.input_token_ids(request, tensors.PROMPT_TOKEN_IDS),
             io.input_text(request, tensors.KV_TRANSFER_PARAMS),
@@ -117,7 +117,8 @@ class TritonPythonModel:
         if plan.route is Route.REMOTE_PREFILL:
             first, handle = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params_text, seal, self.kv_connector)
             handoff = self.planner.sign_handoff(chat, ids, kv_handle=handle)
-            output = remote_prefill_output(params, ids, first, self.renderer.tokenizer.decode([first], skip_special_tokens=True))
+            output = remote_prefill_output(params, ids, first, self.renderer.tokenizer.decode([first], skip_special_tokens=True),
+                                           handoff.to_params())
             sender.send(pb_utils.InferenceResponse(output_tensors=io.client_tensors(output) + [
                 io.string_tensor(tensors.KV_TRANSFER_PARAMS, handoff.to_json())]), flags=FINAL)
             return

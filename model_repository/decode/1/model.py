@@ -85,8 +85,7 @@ class TritonPythonModel:
                                          prefill_chunk=self.options.prefill_chunk)
 
         def emit(delta):
-            output = assembler.on_delta(delta)
-            if output is not None:
+            for output in assembler.on_delta(delta):
                 sender.send(io.client_response(output), flags=FINAL if output.final else 0)
             if delta.finish_reason:
                 self.metrics.ended("finished", started)

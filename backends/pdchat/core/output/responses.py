@@ -1,7 +1,8 @@
 """Shape decode's deltas into what clients read: text_output and OpenAI JSON.
 
-Streaming: one output per delta (`chat.completion.chunk`). Not streaming: one output
-at the end (`chat.completion`). The text is parsed into content, reasoning_content and
+Streaming: one output per delta (`chat.completion.chunk`), and with
+stream_options.include_usage a last chunk with empty `choices` and the `usage`, as OpenAI
+sends it. Not streaming: one output at the end (`chat.completion`). The text is parsed into content, reasoning_content and
 tool_calls; text_output keeps the raw text. Token ids also travel as binary tensors.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from pdchat.core.output.parsing import OutputParser, ParsedDelta
 from pdchat.core.request.protocol import GenerationParams
@@ -50,8 +52,9 @@ class ResponseAssembler:
         self._token_ids: list[int] = []
         self._parsed = ParsedDelta()
 
-    def on_delta(self, delta: Delta) -> ClientOutput | None:
-        """The output this delta produces now, if any."""
+    def on_delta(self, delta: Delta) -> list[ClientOutput]:
+        """The outputs this delta produces now (none, one, or at the end of a stream that
+        asked for usage, two); only the last one of a request carries its finish_reason."""
         self._text.append(delta.text)
         self._token_ids.extend(delta.token_ids)
         parsed = self._parser.feed(delta.text)
@@ -60,10 +63,11 @@ class ResponseAssembler:
         self._parsed.extend(parsed)
         finish = self._finish_reason(delta.finish_reason)
         if self._params.stream:
-            return self._chunk(delta, parsed, finish)
-        if finish:
-            return self._completion(finish)
-        return None
+            chunk = self._chunk(delta, parsed, finish)
+            if finish and self._params.include_usage:
+                return [replace(chunk, finish_reason=""), self._usage_chunk(finish)]
+            return [chunk]
+        return [self._completion(finish)] if finish else []
 
     def _finish_reason(self, finish: str | None) -> str:
         if finish == "stop" and self._parsed.tool_calls:
@@ -81,12 +85,15 @@ class ResponseAssembler:
         prompt_ids = self._prompt_token_ids if self._first else []
         choice = {"index": 0, "delta": message, "finish_reason": finish or None}
         body = self._envelope("chat.completion.chunk", choice, prompt_ids, delta.token_ids)
-        if finish:
-            body["usage"] = self._usage()
         self._first = False
         return ClientOutput(delta.text, json.dumps(body, ensure_ascii=False), prompt_ids, delta.token_ids, finish)
 
-    def _completion(self, finish: str) -> ClientOutput:
+    def _usage_chunk(self, finish: str) -> ClientOutput:
+        body = {"id": self._params.request_id, "object": "chat.completion.chunk", "created": self._params.created,
+                "model": self._params.model, "choices": [], "usage": self._usage()}
+        return ClientOutput("", json.dumps(body, ensure_ascii=False), finish_reason=finish)
+
+    def _completion(self, finish: str, extra: dict[str, Any] | None = None) -> ClientOutput:
         parsed = self._parsed
         message: dict = {"role": "assistant", "content": parsed.content if parsed.content or not parsed.tool_calls else None}
         if parsed.reasoning:
@@ -96,6 +103,7 @@ class ResponseAssembler:
         choice = {"index": 0, "message": message, "finish_reason": finish}
         body = self._envelope("chat.completion", choice, self._prompt_token_ids, self._token_ids)
         body["usage"] = self._usage()
+        body.update(extra or {})
         return ClientOutput(
             self._params.echo_text + "".join(self._text),
             json.dumps(body, ensure_ascii=False),
@@ -118,10 +126,12 @@ class ResponseAssembler:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def remote_prefill_output(params: GenerationParams, prompt_token_ids: list[int], first_token_id: int, text: str) -> ClientOutput:
+def remote_prefill_output(params: GenerationParams, prompt_token_ids: list[int], first_token_id: int, text: str,
+                          kv_transfer_params: dict[str, Any]) -> ClientOutput:
     """Prefill's whole answer to a do_remote_decode request: the first token only (like
-    vLLM's prefill with max_tokens=1); the decode server produces the answer."""
+    vLLM's prefill with max_tokens=1); the decode server produces the answer. The JSON carries
+    kv_transfer_params at top level with the prompt ids listed, as vLLM returns them, so a
+    vLLM-style proxy copies them into the decode request as they are."""
     assembler = ResponseAssembler(replace(params, stream=False), prompt_token_ids, OutputParser(reasoning=False, tools=False))
-    output = assembler.on_delta(Delta(text, [first_token_id], "length"))
-    assert output is not None
-    return output
+    assembler.on_delta(Delta(text, [first_token_id], None))
+    return assembler._completion("length", {"kv_transfer_params": {**kv_transfer_params, "prompt_token_ids": prompt_token_ids}})

@@ -19,6 +19,14 @@ from pdchat.core.errors import InvalidRequest
 from pdchat.core.request.grammar import check_spec, response_format_spec, tool_choice_spec
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# Request fields accepted and ignored, as OpenAI-compatible servers do (they change no output).
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
+# Every other field this server honours; anything else is refused by name.
+HONOURED_FIELDS = frozenset({
+    "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream",
+    "stream_options", "n", "tools", "tool_choice", "response_format", "chat_template_kwargs", "add_generation_prompt",
+    "continue_final_message", "ignore_eos", "return_token_ids", "kv_transfer_params",
+})
 # Generous but finite: the default when a request names no max_tokens.
 DEFAULT_MAX_TOKENS = 256
 # A JSON escape of a UTF-16 surrogate: the only way a body that decodes can still hold
@@ -40,6 +48,8 @@ class SamplingOptions:
     echo_text: str = ""
     # Grammar the output must follow (core.request.grammar spec).
     constraint: dict[str, Any] | None = None
+    # stream_options.include_usage: a last chunk with empty choices and the usage.
+    include_usage: bool = False
 
     def sampling_options(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(SamplingOptions)}
@@ -92,6 +102,8 @@ class ChatRequest(SamplingOptions):
     model: str | None = None
     max_tokens: int | None = None
     seed: int | None = None
+    # vLLM's wire form: kv_transfer_params inside the body, taken like the tensor of that name.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def parse_tool_calls(self) -> bool:
@@ -153,9 +165,13 @@ def chat_request_from_body(data: dict[str, Any], *, check_grammar: bool = True) 
     """Validate an already parsed OpenAI chat-completions body (the router parsed it once).
     `check_grammar=False` leaves schemas to the servers: xgrammar imports torch, which the
     router does without."""
+    unknown = sorted(set(data) - HONOURED_FIELDS - IGNORED_FIELDS)
+    if unknown:
+        raise InvalidRequest(f"Unrecognized request argument supplied: {', '.join(unknown)} (this server honours "
+                             f"{', '.join(sorted(HONOURED_FIELDS))}; see the README's field table)")
     n = data.get("n", 1)
     if n != 1:
-        raise InvalidRequest(f"'n' must be 1 (one choice per request), got {n!r}")
+        raise InvalidRequest(f"'n' must be 1 (one choice per request; send n requests for n choices), got {n!r}")
     max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
     tools = _tools(data.get("tools"))
     tool_choice = data.get("tool_choice")
@@ -176,7 +192,19 @@ def chat_request_from_body(data: dict[str, Any], *, check_grammar: bool = True) 
         ignore_eos=_typed(data, "ignore_eos", bool, False),
         stream=_typed(data, "stream", bool, False),
         return_token_ids=_typed(data, "return_token_ids", bool, False),
+        include_usage=_include_usage(data.get("stream_options"), data.get("stream")),
+        kv_transfer_params=_typed(data, "kv_transfer_params", dict, None),
     )
+
+
+def _include_usage(options: Any, stream: Any) -> bool:
+    if options is None:
+        return False
+    if stream is not True:
+        raise InvalidRequest("'stream_options' is only allowed when 'stream' is true")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise InvalidRequest("'stream_options' takes only {'include_usage': true|false}")
+    return _typed(options, "include_usage", bool, False)
 
 
 def text_input_request(
@@ -258,7 +286,8 @@ def _message(index: int, message: Any) -> dict[str, Any]:
 
 
 def _content(where: str, content: Any, *, allow_empty: bool) -> str:
-    """Flatten text parts into one string; refuse media, which no stage here can read."""
+    """Flatten text parts into one string, joined by newlines as vLLM's chat utils do (so a
+    request tokenizes the same on both); refuse media, which no stage here can read."""
     if content is None and allow_empty:
         return ""
     if isinstance(content, str):
@@ -270,7 +299,7 @@ def _content(where: str, content: Any, *, allow_empty: bool) -> str:
             if kind != "text" or not isinstance(part.get("text"), str):
                 raise InvalidRequest(f"{where}.content[{j}] has type {kind!r}; only text parts are supported")
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)
     raise InvalidRequest(f"{where}.content must be a string or a list of text parts")
 
 
