@@ -5,6 +5,7 @@
     python -m pdchat.clients.bench router   # latency the router adds per request
     python -m pdchat.clients.bench soak     # N streams at concurrency C through a P/D pair
     python -m pdchat.clients.bench batching # throughput and latency by concurrency (batched decode)
+    python -m pdchat.clients.bench e2e      # TTFT with and without forwarded ids, by prompt length (clients/e2e.py)
 
 Ratios are measured side by side in one run; these machines are noisy.
 """
@@ -20,49 +21,69 @@ import time
 
 import numpy as np
 
-from pdchat.clients.report import OUT_DIR, plot, table, timed
+from pdchat.clients import e2e
+from pdchat.clients.report import plot, table, timed, write_results
 
 
 def bench_reuse(args: argparse.Namespace) -> None:
-    """What decode skips: rendering + tokenizing the conversation, against checking the
-    signed handoff (signature, fingerprint, ids), at growing prompt lengths."""
+    """What decode skips: parsing, rendering and tokenizing the conversation, against its
+    whole preprocessing on the reuse path (parse, fingerprint, signature, id checks), with
+    the ids as the binary tensor and as vLLM's JSON list, at growing prompt lengths."""
     from pdchat import embedded
     from pdchat.core.request.protocol import parse_chat_json
     from pdchat.core.request.rendering import ChatRenderer
-    from pdchat.ensemble.gate import Gate, Policy, render_fingerprint, sign
+    from pdchat.ensemble.gate import Gate, Policy, forwarded_ids
+    from pdchat.ensemble.handoff import render_fingerprint, sign
 
     model_dir = embedded.ensure_model(args.model)
     renderer = ChatRenderer(model_dir, model_dir.name)
     key = b"k" * 32
     gate = Gate(Policy.SIGNED, key, vocab_size=len(renderer.tokenizer), context_length=1 << 20)
-    rows, xs, render_ms, gate_ms = [], [], [], []
-    paragraph = "The committee reviewed the quarterly figures, naïve café notes ☕ and all; "
+    rows, xs, series = [], [], {"parse + render + tokenize (naive decode)": [], "gate, binary ids (pdchat)": [],
+                                "gate, ids as JSON list (vLLM wire form)": []}
     for target in args.tokens:
-        per = len(renderer.tokenizer.encode(paragraph))
-        turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": paragraph * max(1, target // per // 4)} for i in range(3)]
-        turns.append({"role": "user", "content": paragraph * max(1, target // per // 4)})
-        body = json.dumps({"messages": [{"role": "system", "content": "Be brief."}, *turns]})
+        body = json.dumps(_conversation(renderer.tokenizer, target))
         request = parse_chat_json(body)
         ids = renderer.token_ids(request)
-        params = sign(key, ids, render_fingerprint(request, model_dir.name))
+        binary = np.asarray(ids, dtype=np.int32)  # what the prompt_token_ids tensor hands chat
+        fingerprint = render_fingerprint(request, model_dir.name)
+        # Each admission consumes its handoff (replays are refused): sign one per call, untimed.
+        fresh = iter([sign(key, ids, fingerprint, now=time.time() + i).to_params() for i in range(2 * args.repeats + 2)])
+        listed = iter([json.dumps({**next(fresh), "prompt_token_ids": ids}) for _ in range(args.repeats + 1)])
 
         def render(body=body):
             renderer.token_ids(parse_chat_json(body))
 
-        def admit(body=body, ids=ids, params=params):
-            gate.admit(ids, params, render_fingerprint(parse_chat_json(body), model_dir.name))
+        def admit_binary(body=body, binary=binary, fresh=fresh):
+            params = next(fresh)
+            gate.admit(binary, params, render_fingerprint(parse_chat_json(body), model_dir.name))
+
+        def admit_listed(body=body, listed=listed):
+            text = next(listed)
+            chat = parse_chat_json(body)
+            ids, params = forwarded_ids(None, text)
+            gate.admit(ids, params, render_fingerprint(chat, model_dir.name))
 
         print(f"  {len(ids)} tokens ...", file=sys.stderr, flush=True)
-        r = statistics.median(timed(render, args.repeats)) * 1000
-        g = statistics.median(timed(admit, args.repeats)) * 1000
-        rows.append([len(ids), r, r / len(ids) * 1000, g, r - g, r / g])
+        timings = [statistics.median(timed(fn, args.repeats)) * 1000 for fn in (render, admit_binary, admit_listed)]
+        rows.append([len(ids), *timings, timings[0] / timings[1], timings[0] / timings[2]])
         xs.append(len(ids))
-        render_ms.append(r)
-        gate_ms.append(g)
-    print(f"\nDecode critical path per request, model {model_dir.name} (median of {args.repeats}):")
-    print(table(["prompt tokens", "render+tokenize ms", "ms per 1k tok", "gate check ms", "saved ms", "ratio"], rows))
+        for name, ms in zip(series, timings, strict=True):
+            series[name].append(ms)
+    headers = ["prompt tokens", "parse+render+tokenize ms", "gate (binary ids) ms", "gate (JSON ids) ms", "ratio binary", "ratio JSON"]
+    print(f"\nDecode's preprocessing per request, model {model_dir.name} (median of {args.repeats}):")
+    print(table(headers, rows))
+    write_results("reuse", {"model": model_dir.name, "repeats": args.repeats, "columns": headers, "rows": rows})
     plot("reuse", "Decode: re-render vs checking forwarded ids", "prompt tokens", "ms (median)",
-         {"render + tokenize (naive decode)": (xs, render_ms), "signed-id gate (pdchat)": (xs, gate_ms)}, logx=True)
+         {name: (xs, ms) for name, ms in series.items()}, logx=True)
+
+
+def _conversation(tokenizer, tokens: int) -> dict:
+    """A multi-turn chat with a system prompt of about `tokens` tokens."""
+    paragraph = "The committee reviewed the quarterly figures, naïve café notes ☕ and all; "
+    repeat = max(1, tokens // len(tokenizer.encode(paragraph)) // 4)
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": paragraph * repeat} for i in range(4)]
+    return {"messages": [{"role": "system", "content": "Be brief."}, *turns]}
 
 
 def _pull_worker(connection, connector_name: str) -> None:
@@ -191,9 +212,7 @@ def bench_soak(args: argparse.Namespace) -> None:
     print(text)
     if errors := load.first_errors(outcomes):
         print("first errors:", *errors, sep="\n  ")
-    OUT_DIR.mkdir(exist_ok=True)
-    (OUT_DIR / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"results: {OUT_DIR / 'soak.json'}")
+    write_results("soak", result)
 
 
 def bench_batching(args: argparse.Namespace) -> None:
@@ -243,12 +262,9 @@ def bench_batching(args: argparse.Namespace) -> None:
     if 1 in mono and 16 in mono:
         print(f"\nmonolithic: tokens/s at 16 / at 1 = {mono[16]['output_tokens_per_s'] / mono[1]['output_tokens_per_s']:.1f}x; "
               f"itl p50 at 16 / at 1 = {mono[16]['itl_p50_ms'] / mono[1]['itl_p50_ms']:.1f}x")
-    OUT_DIR.mkdir(exist_ok=True)
-    (OUT_DIR / "batching.json").write_text(json.dumps({"model": args.model, "prompt_tokens": prompt_tokens,
-                                                        "max_tokens": args.max_tokens, "results": results}, indent=2) + "\n")
+    write_results("batching", {"model": args.model, "prompt_tokens": prompt_tokens, "max_tokens": args.max_tokens, "results": results})
     plot("batching", "Batched decode: output tokens/s by concurrency", "concurrency", "output tokens/s",
          {name: (list(r), [v["output_tokens_per_s"] for v in r.values()]) for name, r in results.items() if name != "long local prefill"})
-    print(f"results: {OUT_DIR / 'batching.json'}")
 
 
 def _during_long_prefill(server, tokenizer, args: argparse.Namespace) -> dict[str, float]:
@@ -280,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="bench", required=True)
     reuse = commands.add_parser("reuse")
     reuse.add_argument("--model", default="smollm2")
-    reuse.add_argument("--tokens", type=int, nargs="+", default=[1000, 4000, 16000, 37000])
+    reuse.add_argument("--tokens", type=int, nargs="+", default=[1000, 4000, 16000, 64000])
     reuse.add_argument("--repeats", type=int, default=5)
     kv = commands.add_parser("kv")
     kv.add_argument("--connectors", nargs="+", default=["shm", "nixl"])
@@ -300,8 +316,10 @@ def main(argv: list[str] | None = None) -> None:
     batching.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     batching.add_argument("--max-tokens", type=int, default=64)
     batching.add_argument("--long-prompt", type=int, default=16000)
+    e2e.add_arguments(commands.add_parser("e2e"))
     args = parser.parse_args(argv)
-    benches = {"reuse": bench_reuse, "kv": bench_kv, "router": bench_router, "soak": bench_soak, "batching": bench_batching}
+    benches = {"reuse": bench_reuse, "kv": bench_kv, "router": bench_router, "soak": bench_soak, "batching": bench_batching,
+               "e2e": e2e.bench_e2e}
     benches[args.bench](args)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,3 +48,10 @@ def plot(name: str, title: str, xlabel: str, ylabel: str, series: dict[str, tupl
     figure.tight_layout()
     figure.savefig(OUT_DIR / f"{name}.png", dpi=120)
     print(f"plot: {OUT_DIR / f'{name}.png'}")
+
+
+def write_results(name: str, results: dict) -> None:
+    """bench-results/<name>.json: the numbers a README table quotes."""
+    OUT_DIR.mkdir(exist_ok=True)
+    (OUT_DIR / f"{name}.json").write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n")
+    print(f"results: {OUT_DIR / f'{name}.json'}")

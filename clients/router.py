@@ -113,7 +113,11 @@ class RouterStats:
 
 
 class PDRouter:
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str]):
+    """`forward_ids=False` is the comparison mode of the benchmarks (vLLM before it
+    forwarded ids): decode gets the signed handoff without the ids and renders itself."""
+
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], forward_ids: bool = True):
+        self.forward_ids = forward_ids
         self.prefill = BackendPool(prefill_urls, "prefill")
         self.decode = BackendPool(decode_urls, "decode")
         self.stats = RouterStats()
@@ -139,7 +143,9 @@ class PDRouter:
         forwarded = {}
         if prefilled is not None:
             # The signed handoff goes on as the prefill server serialized it.
-            forwarded = {"prompt_token_ids": prefilled.prompt_token_ids, "kv_transfer_params": prefilled.kv_transfer_params_json}
+            forwarded = {"kv_transfer_params": prefilled.kv_transfer_params_json}
+            if self.forward_ids:
+                forwarded["prompt_token_ids"] = prefilled.prompt_token_ids
             self.stats.disaggregated += 1
         with self.decode.pick() as backend, backend.client() as client:
             try:

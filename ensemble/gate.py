@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import enum
 import hmac
-import json
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+import orjson
 
 from pdchat.core.errors import InvalidRequest, ModelUnavailable
 from pdchat.core.kv.base import KVHandle
@@ -78,7 +80,7 @@ class Gate:
                 f"forwarded_ids policy 'signed' needs a handoff key: set {ENV_HANDOFF_KEY} or {ENV_HANDOFF_KEY_FILE}"
             )
 
-    def admit(self, ids: list[int], params: dict[str, Any], fingerprint: str, *, now: float | None = None) -> KVHandle | None:
+    def admit(self, ids: list[int] | np.ndarray, params: dict[str, Any], fingerprint: str, *, now: float | None = None) -> KVHandle | None:
         """Check forwarded ids; return the signed KV handle (or None). Raises ForwardedIdsRejected."""
         if self.policy is Policy.OFF:
             raise ForwardedIdsRejected(Rejection.POLICY_OFF, "this server does not accept them (policy 'off'); send the conversation only")
@@ -111,12 +113,13 @@ class Gate:
                 raise ForwardedIdsRejected(Rejection.REPLAYED, "this handoff was used already; send the request to prefill again")
             self._admitted[handoff.signature] = handoff.expires_at
 
-    def _check_ids(self, ids: list[int]) -> None:
-        if not ids:
+    def _check_ids(self, ids: list[int] | np.ndarray) -> None:
+        if len(ids) == 0:
             raise ForwardedIdsRejected(Rejection.EMPTY, "the id list is empty")
         if len(ids) >= self.context_length:
             raise ForwardedIdsRejected(Rejection.TOO_LONG, f"{len(ids)} ids; this model's context is {self.context_length}")
-        low, high = min(ids), max(ids)
+        array = np.asarray(ids)
+        low, high = int(array.min()), int(array.max())
         if low < 0 or high >= self.vocab_size:
             raise ForwardedIdsRejected(Rejection.OUT_OF_VOCABULARY, f"ids must lie in [0, {self.vocab_size}); got {low}..{high}")
 
@@ -128,8 +131,8 @@ def forwarded_ids(binary: list[int] | None, kv_transfer_params: str | dict[str, 
     params: dict[str, Any] = {}
     if isinstance(kv_transfer_params, str):
         try:
-            kv_transfer_params = json.loads(kv_transfer_params)
-        except ValueError as exc:
+            kv_transfer_params = orjson.loads(kv_transfer_params)
+        except orjson.JSONDecodeError as exc:
             raise ForwardedIdsRejected(Rejection.MALFORMED, f"kv_transfer_params is not valid JSON: {exc}") from exc
     if kv_transfer_params is not None:
         if not isinstance(kv_transfer_params, dict):
@@ -139,7 +142,13 @@ def forwarded_ids(binary: list[int] | None, kv_transfer_params: str | dict[str, 
     if listed is not None and binary is not None:
         raise ForwardedIdsRejected(Rejection.MALFORMED, "give the ids once: as the prompt_token_ids tensor or inside kv_transfer_params")
     if listed is not None:
-        if not isinstance(listed, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in listed):
-            raise ForwardedIdsRejected(Rejection.MALFORMED, "kv_transfer_params.prompt_token_ids must be a list of integers")
-        return listed, params
+        return _id_array(listed), params
     return binary, params
+
+
+def _id_array(listed: Any) -> np.ndarray:
+    """vLLM's JSON list of ids as one int64 array (checked in bulk, not id by id)."""
+    array = np.array(listed) if isinstance(listed, list) else None
+    if array is None or array.ndim != 1 or (array.size and array.dtype.kind != "i"):
+        raise ForwardedIdsRejected(Rejection.MALFORMED, "kv_transfer_params.prompt_token_ids must be a list of integers")
+    return array.astype(np.int64, copy=False)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 from pdchat.core.errors import ModelUnavailable
 from pdchat.core.kv.base import KVHandle, KVUnavailable
@@ -64,8 +64,9 @@ def render_fingerprint(request: ChatRequest, served_model: str) -> str:
     return hashlib.sha256(canonical_json(inputs)).hexdigest()
 
 
-def ids_digest(ids: list[int]) -> str:
-    return hashlib.sha256(np.asarray(ids, dtype="<i4").tobytes()).hexdigest()
+def ids_digest(ids: list[int] | np.ndarray) -> str:
+    """SHA-256 of the ids as little-endian int32: the tensor's own bytes, no list on the way."""
+    return hashlib.sha256(np.ascontiguousarray(ids, dtype="<i4").data).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class Handoff:
 
     def to_json(self) -> str:
         """The one serialization, made by the prefill server's `chat`, forwarded as is."""
-        return json.dumps(self.to_params(), separators=(",", ":"))
+        return orjson.dumps(self.to_params()).decode()
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> Handoff:
@@ -120,4 +121,5 @@ def same_mac(given: str, expected: str) -> bool:
 
 
 def canonical_json(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    """Sorted keys, no whitespace, UTF-8: the same bytes for the same value on every server."""
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)

@@ -4,6 +4,9 @@
   the renderer does not run;
 - `kv_transfer_params.do_remote_decode` -> REMOTE_PREFILL: render and prefill here, answer
   with the first token and signed kv_transfer_params for a decode server;
+- signed kv_transfer_params without the ids -> RENDER_VERIFIED: the comparison mode of
+  the benchmarks (what vLLM did before forwarding ids): render and tokenize here, then use
+  the transferred KV once the rendered ids pass the gate (they hash to the signed digest);
 - otherwise -> RENDER: renderer -> prefill -> decode.
 
 Because it happens before any renderer, the decision covers every render format alike.
@@ -27,6 +30,7 @@ class Route(str, enum.Enum):
     RENDER = "render"
     REUSE = "reuse"
     REMOTE_PREFILL = "remote_prefill"
+    RENDER_VERIFIED = "render_verified"
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,8 @@ class RoutePlan:
     prompt_token_ids: list[int] | None = None
     generation: GenerationParams | None = None
     kv_handle: KVHandle | None = None
+    # RENDER_VERIFIED only: the signed params the rendered ids must match.
+    signed_params: dict | None = None
 
 
 class RoutePlanner:
@@ -56,12 +62,19 @@ class RoutePlanner:
             generation = chat.generation_params(len(ids), self.gate.context_length, self.served_name)
             return RoutePlan(Route.REUSE, chat, ids, generation, handle)
         if "signature" in params:
-            raise ForwardedIdsRejected(Rejection.MALFORMED, "signed kv_transfer_params came without prompt_token_ids")
+            if self.gate.key is None:
+                raise ForwardedIdsRejected(Rejection.BAD_SIGNATURE, "this server has no handoff key to verify the signature")
+            return RoutePlan(Route.RENDER_VERIFIED, chat, signed_params=params)
         if params.get("do_remote_decode") is True:
             if self.gate.key is None:
                 raise InvalidRequest(f"do_remote_decode needs this server to have a handoff key ({ENV_HANDOFF_KEY})")
             return RoutePlan(Route.REMOTE_PREFILL, chat)
         return RoutePlan(Route.RENDER, chat)
+
+    def admit_rendered(self, plan: RoutePlan, rendered_ids: list[int]) -> KVHandle | None:
+        """RENDER_VERIFIED: the transferred KV, if the ids rendered here are the ones prefill
+        signed (same checks as forwarded ids: signature, expiry, fingerprint, once)."""
+        return self.gate.admit(rendered_ids, plan.signed_params or {}, render_fingerprint(plan.chat, self.served_name))
 
     def sign_handoff(self, chat: ChatRequest, prompt_token_ids: list[int], kv_handle: KVHandle | None = None,
                      now: float | None = None) -> Handoff:

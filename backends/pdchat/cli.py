@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     router.add_argument("--decode", action="append", required=True, help="decode server gRPC address (repeatable)")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8080)
+    router.add_argument("--no-forward-ids", action="store_true",
+                        help="comparison mode for benchmarks: decode renders the request itself (checked against the signed ids)")
     router.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on all but /health and /metrics "
                         "(default: $PDCHAT_API_KEY; unset: no key)")
     router.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
@@ -166,7 +168,7 @@ def _router(args: argparse.Namespace) -> int:
                         **{name: value for name, value in limits.items() if value is not None})
     _say(f"router on http://{args.host}:{args.port} (prefill {args.prefill}, decode {args.decode}; "
          f"API key {'required' if http.api_key else 'not required'})")
-    serve(PDRouter(args.prefill, args.decode), args.host, args.port, http)
+    serve(PDRouter(args.prefill, args.decode, forward_ids=not args.no_forward_ids), args.host, args.port, http)
     return 0
 
 

@@ -265,6 +265,22 @@ def test_a_pd_request_is_parsed_once_per_process_and_the_handoff_forwarded_as_se
     assert [parsed(*where) for where in counted] == [b + d for b, d in zip(before, [2, 2, 0, 2, 0], strict=True)]
 
 
+def test_the_baseline_mode_renders_on_decode_and_gives_the_reuse_answer(stack, monolithic_answers):
+    """The benchmarks' comparison (vLLM before forwarded ids): decode renders, then uses the KV."""
+    from pdchat.clients.router import PDRouter
+
+    body = {"max_tokens": 12, "temperature": 0, **PARITY_CASES["tool_result"]}
+    answers = {}
+    for forward_ids in (True, False):
+        router = PDRouter([stack.prefill.grpc_url], [stack.decode.grpc_url], forward_ids=forward_ids)
+        renders = executions(stack.decode, "renderer")
+        pulled = metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled")
+        answers[forward_ids] = collect(router.chat(body))
+        assert executions(stack.decode, "renderer") == renders + (0 if forward_ids else 1)
+        assert metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled") == pulled + 1  # the transferred KV, both ways
+    assert answers[False].output_token_ids == answers[True].output_token_ids == monolithic_answers["tool_result"].output_token_ids
+
+
 def test_prefill_dying_then_dead_falls_back_to_decode_alone_and_decode_dead_is_a_503(stack, monolithic_answers):
     """Last: it kills both servers. Requests run whole on decode, with the same answers."""
     import threading

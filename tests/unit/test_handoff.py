@@ -1,6 +1,7 @@
 """The forwarded-id gate: every way in, and every way to be refused."""
 
 import json
+import time
 
 import pytest
 
@@ -129,7 +130,11 @@ def test_the_route_is_planned_once_before_rendering():
     assert planner.plan(chat(), None, None).route is Route.RENDER
     assert planner.plan(chat(), None, '{"do_remote_decode": true}').route is Route.REMOTE_PREFILL
     handoff = planner.sign_handoff(chat(max_tokens=5), IDS, kv_handle=HANDLE)
-    assert reason(lambda: planner.plan(chat(), None, handoff.to_json())) is Rejection.MALFORMED
+    verified = planner.plan(chat(max_tokens=5), None, handoff.to_json())  # the benchmarks' baseline: render, then verify
+    assert verified.route is Route.RENDER_VERIFIED
+    assert reason(lambda: planner.admit_rendered(verified, IDS[:-1])) is Rejection.BAD_SIGNATURE
+    assert planner.admit_rendered(verified, IDS) == HANDLE
+    handoff = planner.sign_handoff(chat(max_tokens=5), IDS, kv_handle=HANDLE, now=time.time() + 1)  # another handoff
     plan = planner.plan(chat(max_tokens=5), IDS, handoff.to_json())
     assert (plan.route, plan.prompt_token_ids, plan.generation.max_tokens, plan.kv_handle) == (Route.REUSE, IDS, 5, HANDLE)
     with pytest.raises(InvalidRequest, match="handoff key"):

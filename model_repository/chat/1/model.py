@@ -114,6 +114,12 @@ class TritonPythonModel:
         canonical = chat.to_json()
         ids, params_text, seal = await self.loop.call_blocking(STAGES, self._render, request, canonical)
         params = GenerationParams.from_json(params_text)
+        if plan.route is Route.RENDER_VERIFIED:  # the benchmarks' baseline: decode rendered, then uses the KV
+            handle = self.planner.admit_rendered(plan, ids)
+            handle_text = "" if handle is None else handle.to_json()
+            inputs = io.stage_inputs(ids, params_text, self.seal.seal_prompt(ids, params_text, handle_text), handle_text)
+            await self._stream_decode(request, sender, params, inputs)
+            return
         if plan.route is Route.REMOTE_PREFILL:
             first, handle = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params_text, seal, self.kv_connector)
             handoff = self.planner.sign_handoff(chat, ids, kv_handle=handle)
