@@ -79,6 +79,7 @@ def run_cell(stack, tokenizer, tokens: int, mode: str, concurrency: int, request
     """`requests` requests at `concurrency` of one length and mode; per-request numbers."""
     before = {role: server_time(server.grpc_url) for role, server in (("prefill", stack.prefill), ("decode", stack.decode))}
     results: list[dict] = []
+    errors: list[BaseException] = []
     lock = threading.Lock()
     counter = iter(range(requests))
 
@@ -89,6 +90,8 @@ def run_cell(stack, tokenizer, tokens: int, mode: str, concurrency: int, request
                 result = one_request(prefill, decode, conversation(tokenizer, tokens, index), mode)
                 with lock:
                     results.append(result)
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+            errors.append(exc)
         finally:
             prefill.close()
             decode.close()
@@ -98,6 +101,8 @@ def run_cell(stack, tokenizer, tokens: int, mode: str, concurrency: int, request
         thread.start()
     for thread in threads:
         thread.join()
+    if errors:
+        raise errors[0]
     after = {role: server_time(server.grpc_url) for role, server in (("prefill", stack.prefill), ("decode", stack.decode))}
     split = {f"{role} {model} ms": 1000 * (after[role][model][0] - before[role][model][0]) / len(results)
              for role in after for model in STAT_MODELS if after[role][model][1] > before[role][model][1]}

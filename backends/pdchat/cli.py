@@ -55,11 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     pd.add_argument("--connector", choices=registry.KV_CONNECTORS, default=registry.SHM)
     pd.add_argument("--port", type=int, default=8080, help="router port")
 
+    commands.add_parser("env", help="print the exports and command that run a stock tritonserver on the model repository")
+
     prepare = commands.add_parser("prepare", help="build an embedded model into the cache")
     prepare.add_argument("name", choices=sorted(registry.EMBEDDED_MODELS))
 
     args = parser.parse_args(argv)
-    handlers = {"serve": _serve, "chat": _chat, "demo": _demo, "router": _router, "pd": _pd, "prepare": _prepare}
+    handlers = {"serve": _serve, "chat": _chat, "demo": _demo, "router": _router, "pd": _pd, "prepare": _prepare, "env": _env}
     return handlers[args.command](args)
 
 
@@ -201,6 +203,13 @@ def _died(report: str, then: str = "") -> int:
     restart the whole unit (the launcher itself does not restart anything)."""
     _say(f"{report}\n[pdchat] {then + '; ' if then else ''}exiting with status 1")
     return 1
+
+
+def _env(args: argparse.Namespace) -> int:
+    from pdchat.launcher import stock_command
+
+    print(stock_command())
+    return 0
 
 
 def _prepare(args: argparse.Namespace) -> int:

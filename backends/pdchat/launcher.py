@@ -112,6 +112,29 @@ def _stub_library_dirs() -> list[Path]:
 STUB_LIBRARY_DIRS = _stub_library_dirs()
 
 
+def stub_environment(libs: Path | None, env: dict[str, str]) -> dict[str, str]:
+    """PATH and LD_LIBRARY_PATH for tritonserver's python stub: it runs the first python3 on
+    PATH (make it this venv's), and must load this interpreter's libpython, not a distro one."""
+    return {
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        "LD_LIBRARY_PATH": os.pathsep.join(str(p) for p in (*STUB_LIBRARY_DIRS, libs, env.get("LD_LIBRARY_PATH")) if p),
+    }
+
+
+def stock_command() -> str:
+    """Shell lines that run a stock `tritonserver` on the model repository as the launcher
+    does: the exports the python stub needs, and the binary with its backend directory."""
+    import shlex
+
+    binary, backend_dir, libs = find_tritonserver()
+    exports = stub_environment(libs, {"PATH": "$PATH", "LD_LIBRARY_PATH": "$LD_LIBRARY_PATH"})
+    lines = [f'export {name}="{value}"' for name, value in exports.items()]
+    backend = f" --backend-directory={shlex.quote(str(backend_dir))}" if backend_dir is not None else ""
+    lines.append(f"{shlex.quote(str(binary))} --model-repository={shlex.quote(str(DEFAULT_MODEL_REPOSITORY))}{backend}"
+                 " [--model-config-name prefill|decode]")
+    return "\n".join(lines)
+
+
 @dataclass
 class TritonServer:
     """One tritonserver process serving the model repository in a role."""
@@ -177,12 +200,7 @@ class TritonServer:
             args += ["--model-control-mode=explicit", *(f"--load-model={m}" for m in self.load_models)]
         args += list(self.extra_args)
         env = {**os.environ, **self.env}
-        # The stub runs the first python3 on PATH: make it this interpreter's venv.
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            str(p) for p in (*STUB_LIBRARY_DIRS, libs, env.get("LD_LIBRARY_PATH")) if p
-        )
-        return args, env
+        return args, {**env, **stub_environment(libs, env)}
 
     def start(self, timeout: float = 300.0) -> TritonServer:
         args, env = self.command()
