@@ -114,6 +114,58 @@ def run_cell(stack, tokenizer, tokens: int, mode: str, concurrency: int, request
             "itl_p50_ms": 1000 * statistics.median(r["itl"] for r in results), **split}
 
 
+def bls_overhead(stack, model_dir, tokenizer, tokens: int, repeats: int) -> dict[str, float]:
+    """The decode leg's time to first token through `chat` (reuse path: parse, gate, BLS)
+    against calling `decode` itself with the same ids, KV handle and seal; a fresh prefill
+    before each, interleaved."""
+    from pdchat.clients.chat import GrpcChat
+    from pdchat.core.kv.base import KVHandle
+    from pdchat.core.request.protocol import chat_request_from_body
+    from pdchat.core.request.rendering import ChatRenderer
+    from pdchat.ensemble.seal import StageSeal
+
+    renderer = ChatRenderer(model_dir, model_dir.name)  # its context length and vocabulary, as decode's chat has them
+    seal = StageSeal.for_this_server({"PDCHAT_HANDOFF_KEY": stack.handoff_key})
+    prefill, decode, direct = GrpcChat(stack.prefill.grpc_url), GrpcChat(stack.decode.grpc_url), GrpcChat(stack.decode.grpc_url, "decode")
+    samples: dict[str, list[float]] = {"through chat": [], "decode directly": []}
+    try:
+        for index in range(repeats):
+            for path, values in samples.items():
+                body = {**conversation(tokenizer, tokens, index), "stream": True}
+                [handed] = list(prefill.stream(chat_inputs(body, kv_transfer_params={"do_remote_decode": True})))
+                ids = handed.prompt_token_ids
+                if path == "through chat":
+                    inputs = chat_inputs(body, prompt_token_ids=ids, kv_transfer_params=handed.kv_transfer_params_json)
+                    client = decode
+                else:
+                    params = renderer.render(chat_request_from_body(body)).params.to_json()  # untimed, as chat's gate path makes them
+                    handle = KVHandle.from_dict(handed.kv_transfer_params["kv_handle"]).to_json()
+                    inputs = _stage_inputs(ids, params, handle, seal.seal_prompt(ids, params, handle))
+                    client = direct
+                started = time.perf_counter()
+                stream = client.stream(inputs)
+                next(stream)
+                values.append(time.perf_counter() - started)
+                for _ in stream:  # the rest of the answer
+                    pass
+    finally:
+        for client in (prefill, decode, direct):
+            client.close()
+    return {path: 1000 * statistics.median(values) for path, values in samples.items()}
+
+
+def _stage_inputs(ids: list[int], params: str, handle: str, seal: str) -> dict:
+    import numpy as np
+
+    from pdchat import tensors
+
+    def text(value: str):
+        return np.array([value.encode()], dtype=np.object_)
+
+    return {tensors.PROMPT_TOKEN_IDS: np.asarray(ids, dtype=np.int32), tensors.GENERATION_PARAMS: text(params),
+            tensors.KV_HANDLE: text(handle), tensors.STAGE_SEAL: text(seal)}
+
+
 def render_cost(model_dir, tokenizer, tokens: int, repeats: int) -> float:
     """Parse + render + tokenize of one such conversation in-process, median ms."""
     import json
@@ -148,6 +200,8 @@ def bench_e2e(args: argparse.Namespace) -> None:
             by_cell[(tokens, mode, concurrency)] = row
             print(f"  [{done}/{len(cells)}] {row['prompt_tokens']} tokens, {mode}, concurrency {concurrency}: "
                   f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, decode leg {row['decode_ttft_p50_ms']:.1f} ms", file=sys.stderr, flush=True)
+        print("BLS overhead: the decode leg through chat vs decode called directly", file=sys.stderr, flush=True)
+        bls = [[tokens, *bls_overhead(stack, model_dir, tokenizer, tokens, requests).values()] for tokens in lengths]
     renders = {tokens: render_cost(model_dir, tokenizer, tokens, 5) for tokens in lengths}
     columns = ["prompt_tokens", "mode", "concurrency", "ttft_p50_ms", "ttft_p90_ms", "decode_ttft_p50_ms", "itl_p50_ms"]
     print(f"\nEnd to end on a P/D pair ({args.model}, shm; {requests} requests per cell, 16 output tokens):")
@@ -160,12 +214,15 @@ def bench_e2e(args: argparse.Namespace) -> None:
             savings.append([reuse["prompt_tokens"], concurrency, saved, renders[tokens], saved / renders[tokens]])
     print("\nDecode leg, baseline minus reuse, against parse + render + tokenize in-process:")
     print(table(["prompt tokens", "concurrency", "saved ms", "render ms", "saved / render"], savings))
+    print("\nDecode leg's time to first token on the reuse path, through chat vs decode called directly (p50 ms):")
+    print(table(["prompt tokens (target)", "through chat", "decode directly"], bls))
     split_columns = sorted({k for r in rows for k in r if k.endswith(" ms") and k not in columns})
     print("\nServer time per request (Triton compute_infer), ms:")
     print(table(["prompt tokens", "mode", "concurrency", *split_columns],
                 [[r["prompt_tokens"], r["mode"], r["concurrency"], *[r.get(k, 0.0) for k in split_columns]] for r in rows]))
     write_results("e2e", {"model": args.model, "connector": "shm", "requests_per_cell": requests, "rows": rows,
                           "render_ms": {str(k): v for k, v in renders.items()},
+                          "bls_overhead_ms": [{"tokens": r[0], "through_chat": r[1], "decode_directly": r[2]} for r in bls],
                           "saved_vs_render": [dict(zip(["prompt_tokens", "concurrency", "saved_ms", "render_ms", "ratio"], s, strict=True))
                                               for s in savings]})
     for concurrency in args.concurrency:

@@ -7,7 +7,7 @@ time to send it, the body's size, time and JSON nesting, the X-Request-Id forwar
 both servers' logs, idle keep-alive connections and the number of connections. Errors
 use OpenAI's shape, `{"error": {"message", "type", "code"}}`.
 
-`PDRouter.chat` is a blocking generator: each step runs in a worker thread, and a client
+`ChatFront.chat` is a blocking generator: each step runs in a worker thread, and a client
 that leaves mid-stream gets the generator closed, which cancels the decode request.
 """
 
@@ -43,7 +43,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from pdchat.clients.chat import ChatError, ChatOutput
 
 if TYPE_CHECKING:
-    from pdchat.clients.router import PDRouter
+    from pdchat.clients.router import ChatFront
 
 log = logging.getLogger("pdchat.router.http")
 
@@ -143,7 +143,7 @@ def outcome_of(status: int) -> str:
 class _Metrics:
     """The front's Prometheus metrics, in a registry of its own (one per app)."""
 
-    def __init__(self, router: PDRouter):
+    def __init__(self, router: ChatFront):
         self.registry = CollectorRegistry()
         self.requests = Counter("pdchat_router_requests", "Chat completion requests, by how they ended", ["outcome"],
                                 registry=self.registry)
@@ -167,7 +167,7 @@ class _Metrics:
 class _RouterStatsCollector:
     """Reads the router's own counters at scrape time, so the router needs no Prometheus."""
 
-    def __init__(self, router: PDRouter):
+    def __init__(self, router: ChatFront):
         self.router = router
 
     def collect(self) -> Iterator[CounterMetricFamily]:
@@ -203,7 +203,7 @@ def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = No
 class _Front:
     """The routes and error handlers, around one router."""
 
-    def __init__(self, router: PDRouter, settings: HttpSettings):
+    def __init__(self, router: ChatFront, settings: HttpSettings):
         self.router, self.settings = router, settings
         self.metrics = _Metrics(router)
         self._limiter: anyio.CapacityLimiter | None = None
@@ -395,7 +395,7 @@ class _Guard:
         return None
 
 
-def create_app(router: PDRouter, settings: HttpSettings | None = None) -> ASGIApp:
+def create_app(router: ChatFront, settings: HttpSettings | None = None) -> ASGIApp:
     """The ASGI app of the front (for uvicorn or any ASGI server; `serve` adds the timeouts)."""
     front = _Front(router, settings or HttpSettings())
     app = FastAPI(title="pdchat router", docs_url=None, redoc_url=None, openapi_url=None)
@@ -468,7 +468,7 @@ def _peer(client: tuple[str, int] | None) -> str:
     return f"{client[0]}:{client[1]}" if client else "client"
 
 
-def make_server(router: PDRouter, host: str = "127.0.0.1", port: int = 8080, settings: HttpSettings | None = None) -> uvicorn.Server:
+def make_server(router: ChatFront, host: str = "127.0.0.1", port: int = 8080, settings: HttpSettings | None = None) -> uvicorn.Server:
     """A uvicorn server for the front (h11 with deadlines, asyncio loop); `.run()` blocks."""
     settings = settings or HttpSettings()
 
@@ -484,7 +484,7 @@ def make_server(router: PDRouter, host: str = "127.0.0.1", port: int = 8080, set
     return uvicorn.Server(config)
 
 
-def serve(router: PDRouter, host: str = "127.0.0.1", port: int = 8080, settings: HttpSettings | None = None) -> None:
+def serve(router: ChatFront, host: str = "127.0.0.1", port: int = 8080, settings: HttpSettings | None = None) -> None:
     """Serve until SIGTERM or SIGINT, then stop gracefully and return (in the main thread)."""
     server = make_server(router, host, port, settings)
     if threading.current_thread() is threading.main_thread():

@@ -26,7 +26,7 @@ from typing import Any
 
 from pdchat.clients.chat import ChatError, ChatOutput, GrpcChat, chat_inputs
 from pdchat.core.errors import InvalidRequest
-from pdchat.core.request.protocol import chat_request_from_body, utf8_json
+from pdchat.core.request.protocol import ChatRequest, chat_request_from_body, utf8_json
 
 log = logging.getLogger("pdchat.router")
 PROBE_TIMEOUT_S = 2.0
@@ -112,29 +112,88 @@ class RouterStats:
     failed: int = 0
 
 
-class PDRouter:
-    """`forward_ids=False` is the comparison mode of the benchmarks (vLLM before it
-    forwarded ids): decode gets the signed handoff without the ids and renders itself."""
+class ChatFront:
+    """What the OpenAI HTTP front (clients/openai_api.py) serves: chat requests streamed from
+    the `chat` model of a pool of servers, the served model's name, health and stats."""
 
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str], forward_ids: bool = True):
-        self.forward_ids = forward_ids
-        self.prefill = BackendPool(prefill_urls, "prefill")
-        self.decode = BackendPool(decode_urls, "decode")
+    def __init__(self, serving: BackendPool):
+        self.serving = serving
         self.stats = RouterStats()
         self._served_model: str | None = None
+
+    def chat(self, body: dict[str, Any], request_id: str = "") -> Iterator[ChatOutput]:
+        raise NotImplementedError
+
+    def served_model(self) -> str:
+        """The model name clients should send (asked of a server once)."""
+        if self._served_model is None:
+            probe = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+            with self.serving.pick() as backend, backend.client() as client:
+                self._served_model = next(iter(client.stream(chat_inputs(probe)))).response["model"]
+        return self._served_model
+
+    def health(self) -> dict[str, Any]:
+        status = {self.serving.role: {b.url: b.probe() for b in self.serving.backends}, "stats": self.stats.__dict__}
+        status["ok"] = any(status[self.serving.role].values())
+        return status
+
+    def _validated(self, body: dict[str, Any]) -> tuple[bytes, ChatRequest]:
+        """The body as the bytes every server gets, once it is known valid here (a bad
+        request is the client's error, never a server failure)."""
+        try:
+            return utf8_json(body), chat_request_from_body(body, check_grammar=False)
+        except InvalidRequest as exc:
+            raise ChatError(str(exc), "INVALID_ARGUMENT") from exc
+
+    def _stream(self, text: bytes, request_id: str, **forwarded: Any) -> Iterator[ChatOutput]:
+        """Responses of one serving server; a server fault marks it for a probe."""
+        if not self.serving.any_healthy():
+            self.stats.failed += 1
+            raise ChatError(f"no {self.serving.role} server is ready ({', '.join(b.url for b in self.serving.backends)})", "UNAVAILABLE")
+        with self.serving.pick() as backend, backend.client() as client:
+            try:
+                yield from client.stream(chat_inputs(text, **forwarded), request_id=request_id)
+            except ChatError as exc:
+                self.stats.failed += 1
+                if not exc.is_client_error:
+                    self.serving.mark_failed(backend)
+                    if not backend.healthy:
+                        raise ChatError(f"{self.serving.role} server {backend.url} is unavailable: {exc}", "UNAVAILABLE") from exc
+                raise
+
+
+class ServerFront(ChatFront):
+    """One pdchat server's `chat` behind the OpenAI front, as vLLM serves one engine: for a
+    router of its own (vllm-router, production-stack) that drives P/D itself. The body goes
+    as is, `kv_transfer_params` included; a prefill answer carries them back in its JSON."""
+
+    def __init__(self, url: str, role: str = "server"):
+        super().__init__(BackendPool([url], role))
+
+    def chat(self, body: dict[str, Any], request_id: str = "") -> Iterator[ChatOutput]:
+        self.stats.requests += 1
+        text, _ = self._validated(body)
+        yield from self._stream(text, request_id or f"pdchat-{uuid.uuid4().hex}")
+
+
+class PDRouter(ChatFront):
+    """Prefill on one pool, decode on another. `forward_ids=False` is the comparison mode of
+    the benchmarks (vLLM before it forwarded ids): decode gets the signed handoff without
+    the ids and renders itself."""
+
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], forward_ids: bool = True):
+        super().__init__(BackendPool(decode_urls, "decode"))
+        self.prefill = BackendPool(prefill_urls, "prefill")
+        self.decode = self.serving
+        self.forward_ids = forward_ids
 
     def chat(self, body: dict[str, Any], request_id: str = "") -> Iterator[ChatOutput]:
         """The decode server's responses for one chat request (streamed if body asks)."""
         request_id = request_id or f"pdchat-{uuid.uuid4().hex}"
         self.stats.requests += 1
-        try:
-            # Refuse what no server would take here (a bad request is not a prefill failure),
-            # and serialize once: both legs get these very bytes.
-            text = utf8_json(body)
-            if chat_request_from_body(body, check_grammar=False).kv_transfer_params is not None:
-                raise InvalidRequest("kv_transfer_params is the router's to set: send the conversation only")
-        except InvalidRequest as exc:
-            raise ChatError(str(exc), "INVALID_ARGUMENT") from exc
+        text, chat = self._validated(body)
+        if chat.kv_transfer_params is not None:
+            raise ChatError("kv_transfer_params is the router's to set: send the conversation only", "INVALID_ARGUMENT")
         if not self.decode.any_healthy():
             # Prefill work for a request no decode server can finish would only pile up KV.
             self.stats.failed += 1
@@ -147,16 +206,7 @@ class PDRouter:
             if self.forward_ids:
                 forwarded["prompt_token_ids"] = prefilled.prompt_token_ids
             self.stats.disaggregated += 1
-        with self.decode.pick() as backend, backend.client() as client:
-            try:
-                yield from client.stream(chat_inputs(text, **forwarded), request_id=request_id)
-            except ChatError as exc:
-                self.stats.failed += 1
-                if not exc.is_client_error:
-                    self.decode.mark_failed(backend)
-                    if not backend.healthy:
-                        raise ChatError(f"decode server {backend.url} is unavailable: {exc}", "UNAVAILABLE") from exc
-                raise
+        yield from self._stream(text, request_id, **forwarded)
 
     def _prefill_leg(self, body: bytes, request_id: str) -> ChatOutput | None:
         """Prefill's answer (first token, prompt ids, signed handoff), or None to let decode
@@ -178,22 +228,8 @@ class PDRouter:
             log.warning("request %s: prefill failed (%s: %s); decode serves it whole", request_id, exc.status, exc)
             return None
 
-    def served_model(self) -> str:
-        """The model name clients should send (asked of a decode server once)."""
-        if self._served_model is None:
-            probe = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-            with self.decode.pick() as backend, backend.client() as client:
-                self._served_model = next(iter(client.stream(chat_inputs(probe)))).response["model"]
-        return self._served_model
-
     def health(self) -> dict[str, Any]:
-        status = {
-            "prefill": {b.url: b.probe() for b in self.prefill.backends},
-            "decode": {b.url: b.probe() for b in self.decode.backends},
-            "stats": self.stats.__dict__,
-        }
-        status["ok"] = any(status["decode"].values())
-        return status
+        return {**super().health(), "prefill": {b.url: b.probe() for b in self.prefill.backends}}
 
 
 def _ready(url: str) -> bool:

@@ -16,6 +16,12 @@ DEMO_QUESTION = "In two sentences, why is the sky blue?"
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"serve": _serve, "chat": _chat, "demo": _demo, "router": _router, "pd": _pd, "prepare": _prepare, "env": _env, "openai": _openai}
+    return handlers[args.command](args)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdchat", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -38,17 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     router = commands.add_parser("router", help="run the P/D router with its OpenAI-compatible API")
     router.add_argument("--prefill", action="append", required=True, help="prefill server gRPC address (repeatable)")
     router.add_argument("--decode", action="append", required=True, help="decode server gRPC address (repeatable)")
-    router.add_argument("--host", default="127.0.0.1")
-    router.add_argument("--port", type=int, default=8080)
     router.add_argument("--no-forward-ids", action="store_true",
                         help="comparison mode for benchmarks: decode renders the request itself (checked against the signed ids)")
-    router.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on all but /health and /metrics "
-                        "(default: $PDCHAT_API_KEY; unset: no key)")
-    router.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
-    router.add_argument("--max-connections", type=int, help="requests over this many connections get 503 (default 256)")
-    router.add_argument("--header-timeout", type=float, help="seconds a client has to send a request's head (default 10)")
-    router.add_argument("--body-timeout", type=float, help="seconds a client has to send a request's body (default 30)")
-    router.add_argument("--keep-alive-timeout", type=float, help="idle kept-alive connections close after this (default 5 s)")
+    _http_options(router)
+
+    openai = commands.add_parser("openai", help="one server's chat behind a vLLM-compatible OpenAI API (for vllm-router and the like)")
+    openai.add_argument("--server", required=True, help="the server's gRPC address")
+    _http_options(openai)
 
     pd = commands.add_parser("pd", help="start a prefill server, a decode server and the router on loopback")
     pd.add_argument("--model", default=registry.DEFAULT_MODEL)
@@ -60,9 +62,19 @@ def main(argv: list[str] | None = None) -> int:
     prepare = commands.add_parser("prepare", help="build an embedded model into the cache")
     prepare.add_argument("name", choices=sorted(registry.EMBEDDED_MODELS))
 
-    args = parser.parse_args(argv)
-    handlers = {"serve": _serve, "chat": _chat, "demo": _demo, "router": _router, "pd": _pd, "prepare": _prepare, "env": _env}
-    return handlers[args.command](args)
+    return parser
+
+
+def _http_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on all but /health and /metrics "
+                        "(default: $PDCHAT_API_KEY; unset: no key)")
+    parser.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
+    parser.add_argument("--max-connections", type=int, help="requests over this many connections get 503 (default 256)")
+    parser.add_argument("--header-timeout", type=float, help="seconds a client has to send a request's head (default 10)")
+    parser.add_argument("--body-timeout", type=float, help="seconds a client has to send a request's body (default 30)")
+    parser.add_argument("--keep-alive-timeout", type=float, help="idle kept-alive connections close after this (default 5 s)")
 
 
 def _server_options(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +85,7 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--host", default="127.0.0.1", help="address the three ports listen on (0.0.0.0 in a container)")
 
 
 def _chat_options(parser: argparse.ArgumentParser) -> None:
@@ -90,7 +103,7 @@ def _serve(args: argparse.Namespace) -> int:
     env = {settings.ENV_MODEL: args.model} if args.model else {}
     server = TritonServer(
         args.model_repository, role=args.role, env=env,
-        http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+        http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port, host=args.host,
     )
     stop = _stop_on_signals()
     _say(f"starting tritonserver ({args.role}) on {args.model_repository}")
@@ -157,20 +170,31 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
+    from pdchat.clients.router import PDRouter
+
+    front = PDRouter(args.prefill, args.decode, forward_ids=not args.no_forward_ids)
+    return _serve_http(args, front, f"router (prefill {args.prefill}, decode {args.decode})")
+
+
+def _openai(args: argparse.Namespace) -> int:
+    from pdchat.clients.router import ServerFront
+
+    return _serve_http(args, ServerFront(args.server), f"OpenAI front of {args.server}")
+
+
+def _serve_http(args: argparse.Namespace, front, what: str) -> int:
     import logging
     import os
 
     from pdchat.clients.openai_api import HttpSettings, serve
-    from pdchat.clients.router import PDRouter
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     limits = {"max_body_bytes": args.max_body_bytes, "max_connections": args.max_connections,
               "header_timeout_s": args.header_timeout, "body_timeout_s": args.body_timeout, "keep_alive_s": args.keep_alive_timeout}
     http = HttpSettings(api_key=args.api_key or os.environ.get(settings.ENV_API_KEY) or None,
                         **{name: value for name, value in limits.items() if value is not None})
-    _say(f"router on http://{args.host}:{args.port} (prefill {args.prefill}, decode {args.decode}; "
-         f"API key {'required' if http.api_key else 'not required'})")
-    serve(PDRouter(args.prefill, args.decode, forward_ids=not args.no_forward_ids), args.host, args.port, http)
+    _say(f"{what} on http://{args.host}:{args.port} (API key {'required' if http.api_key else 'not required'})")
+    serve(front, args.host, args.port, http)
     return 0
 
 

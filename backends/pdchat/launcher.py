@@ -335,6 +335,7 @@ class PDStack:
     decode: TritonServer | None = None
     router: subprocess.Popen | None = None
     router_log: Path | None = None
+    handoff_key: str = ""  # generated at start unless given
 
     @property
     def router_url(self) -> str:
@@ -346,7 +347,8 @@ class PDStack:
 
         log_dir = Path(self.log_dir or cache_dir() / "logs")
         log_dir.mkdir(parents=True, exist_ok=True)
-        env = {settings.ENV_MODEL: self.model, settings.ENV_HANDOFF_KEY: secrets.token_hex(32),
+        self.handoff_key = self.handoff_key or secrets.token_hex(32)
+        env = {settings.ENV_MODEL: self.model, settings.ENV_HANDOFF_KEY: self.handoff_key,
                settings.ENV_KV_CONNECTOR: self.connector, **self.env}
         self.prefill = TritonServer(role="prefill", env=env, log_path=log_dir / "prefill.log")
         self.decode = TritonServer(role="decode", env=env, log_path=log_dir / "decode.log")

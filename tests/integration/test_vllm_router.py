@@ -1,0 +1,86 @@
+"""pdchat roles behind vllm-router: each server's `chat` behind `pdchat openai` (a
+vLLM-compatible OpenAI API with kv_transfer_params in the JSON), vllm-router driving P/D
+the way it drives vLLM: prefill with max_tokens 1 and do_remote_decode, the returned
+kv_transfer_params copied into the decode request.
+
+The workers vllm-router sees are the fronts: here two prefill and two decode fronts on the
+session's decode-role server (which signs its own prefill legs), so ejecting a dead decode
+worker is tested by killing its front, without four tritonservers on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from pdchat.launcher import free_port, wait_healthy
+from tests.conversations import PARITY_CASES
+from tests.integration.helpers import ask, executions, metric
+
+pytestmark = pytest.mark.skipif(shutil.which("vllm-router", path=f"{sys.prefix}/bin") is None, reason="vllm-router not installed")
+
+
+def start(command: list[str], port: int, log_path, health: str = "/health"):
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    wait_healthy(process, f"http://127.0.0.1:{port}{health}", 120, command[0], log_path)
+    return process
+
+
+@pytest.fixture(scope="module")
+def deployment(decode_server, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("vllm-router-logs")
+    fronts = {}
+    for name in ("prefill-a", "prefill-b", "decode-a", "decode-b"):
+        port = free_port()
+        command = [sys.executable, "-m", "pdchat.cli", "openai", "--server", decode_server.grpc_url, "--port", str(port)]
+        fronts[name] = (start(command, port, logs / f"{name}.log"), port)
+    router_port = free_port()
+    command = [f"{sys.prefix}/bin/vllm-router", "--vllm-pd-disaggregation", "--port", str(router_port),
+               "--prefill", *(f"http://127.0.0.1:{fronts[n][1]}" for n in ("prefill-a", "prefill-b")),
+               "--decode", f"http://127.0.0.1:{fronts['decode-a'][1]}", "--decode", f"http://127.0.0.1:{fronts['decode-b'][1]}",
+               "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--worker-startup-timeout-secs", "60"]
+    router = start(command, router_port, logs / "vllm-router.log")
+    yield {"url": f"http://127.0.0.1:{router_port}/v1", "fronts": fronts, "logs": logs}
+    for process in [router, *(p for p, _ in fronts.values())]:
+        process.terminate()
+        process.wait(10)
+
+
+def test_vllm_router_drives_a_pdchat_pair_with_the_gate_in_force(deployment, decode_server):
+    from openai import OpenAI
+
+    from pdchat.clients.chat import GrpcChat
+
+    client = OpenAI(base_url=deployment["url"], api_key="unused")
+    body = {"max_tokens": 12, "temperature": 0, **PARITY_CASES["multi_turn"]}
+    [monolithic] = ask(GrpcChat(decode_server.grpc_url), body).outputs  # render path, same server
+    renders = executions(decode_server, "renderer")
+    accepted = metric(decode_server, "pdchat_forwarded_ids_total", outcome="accepted")
+    stream = client.chat.completions.create(model=monolithic.response["model"], stream=True, **body)
+    content = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert content == monolithic.response["choices"][0]["message"]["content"]
+    # One render (the prefill leg); the decode leg's ids passed the signed gate.
+    assert executions(decode_server, "renderer") == renders + 1
+    assert metric(decode_server, "pdchat_forwarded_ids_total", outcome="accepted") == accepted + 1
+
+
+def test_a_dead_decode_worker_is_ejected_and_new_requests_do_not_fail(deployment):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=deployment["url"], api_key="unused", max_retries=0)
+    process, _ = deployment["fronts"]["decode-b"]
+    process.kill()
+    process.wait()
+    errors = []
+    for i in range(12):
+        try:
+            reply = client.chat.completions.create(model="tiny-llama", max_tokens=3, temperature=0,
+                                                   messages=[{"role": "user", "content": f"request {i}"}])
+            assert reply.choices[0].finish_reason == "length"
+        except Exception as exc:  # noqa: BLE001 - counted, then asserted
+            errors.append(repr(exc))
+    assert errors == []
