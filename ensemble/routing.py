@@ -59,7 +59,7 @@ class RoutePlanner:
         ids, params = forwarded_ids(binary_ids, kv_transfer_params if kv_transfer_params is not None else chat.kv_transfer_params)
         if ids is not None:
             handle = self.gate.admit(ids, params, render_fingerprint(chat, self.served_name))
-            generation = chat.generation_params(len(ids), self.gate.context_length, self.served_name)
+            generation = chat.generation_params(len(ids), self.gate.context_length, self.gate.vocab_size, self.served_name)
             return RoutePlan(Route.REUSE, chat, ids, generation, handle)
         if "signature" in params:
             if self.gate.key is None:

@@ -63,3 +63,14 @@ PARITY_CASES = {
     "sampled": {"messages": [{"role": "user", "content": "Write a haiku."}], "temperature": 0.9, "top_p": 0.9, "seed": 1234},
     "long_prompt": {"messages": [{"role": "system", "content": "Summarize."}, {"role": "user", "content": LONG_TEXT}]},
 }
+
+# Requests setting the sampling controls and logprobs; parity tests compare their tokens and
+# logprobs path by path. A few requests each: these fields change no routing, only the choice.
+SAMPLING_CASES = {
+    "greedy_logprobs": {"messages": CONVERSATIONS["multi_turn"], "temperature": 0, "logprobs": True, "top_logprobs": 5, "max_tokens": 8},
+    "shaped_sampled": {
+        "messages": CONVERSATIONS["unicode_emoji"], "temperature": 0.8, "seed": 7, "top_p": 0.95, "top_k": 50, "min_p": 0.02,
+        "presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2, "logit_bias": {"30": -100, "260": 5},
+        "min_tokens": 4, "stop_token_ids": [3297], "logprobs": True, "top_logprobs": 3, "max_tokens": 10,
+    },
+}

@@ -33,6 +33,8 @@ FINISH_REASON = "finish_reason"
 GENERATION_PARAMS = "generation_params"  # JSON of core.protocol.GenerationParams
 KV_CACHE = "kv_cache"  # FP32 [layers, 2, kv_heads, tokens, head_dim]
 FIRST_TOKEN_ID = "first_token_id"  # INT32 [1], sampled by prefill
+# BYTES [1]: that token's core.output.logprobs.TokenLogprobs JSON, or "" when not asked for.
+FIRST_TOKEN_LOGPROBS = "first_token_logprobs"
 # prefill: publish the KV through this connector (shm, nixl) and answer KV_HANDLE instead of KV_CACHE.
 KV_DESTINATION = "kv_destination"
 KV_HANDLE = "kv_handle"  # JSON handle of published KV; decode pulls it

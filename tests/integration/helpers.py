@@ -38,6 +38,16 @@ def summary(result: ChatResult) -> dict:
             "tool_calls": calls, "finish_reason": result.finish_reason}
 
 
+def responses(result: ChatResult) -> list[dict]:
+    """The response JSON of each output (streamed chunks, or the one completion)."""
+    return [output.response for output in result.outputs]
+
+
+def answers_of(client, bodies: dict[str, dict]) -> dict[str, ChatResult]:
+    """Each body's answer from one client: the reference a parity test compares paths with."""
+    return {name: ask(client, body) for name, body in bodies.items()}
+
+
 def metric(server, name: str, **labels: str) -> float:
     """Sum of metric `name` over the series whose labels include `labels`."""
     text = urllib.request.urlopen(server.metrics_url).read().decode()

@@ -15,8 +15,9 @@ import pytest
 from pdchat.clients.chat import GrpcChat, chat_inputs, collect
 from pdchat.core.kv.shm import SHM_PREFIX, ShmConnector, kv_directory
 from pdchat.launcher import PDStack
-from tests.conversations import PARITY_CASES, PICK_TOOL
-from tests.integration.helpers import executions, metric, wait_for
+from tests.conversations import PARITY_CASES, PICK_TOOL, SAMPLING_CASES
+from tests.integration.helpers import answers_of, executions, metric, responses, wait_for
+from tests.logprobs import assert_logprobs_close, logprobs_of
 
 KV_TTL_S = 3.0
 CASES = ["single_turn", "multi_turn", "unicode_emoji", "tool_result", "tool_required", "reasoning_open", "json_schema", "long_prompt"]
@@ -65,26 +66,32 @@ def post(stack, body, headers=None):
     return urllib.request.urlopen(request, timeout=300)
 
 
-def router_answer(stack, body) -> dict:
-    """The answer through the router, assembled the same way streamed or not."""
+def router_responses(stack, body) -> list[dict]:
+    """The router's answer as response JSONs: the SSE chunks, or the one completion."""
     with post(stack, body) as reply:
         if not body.get("stream"):
-            message = json.loads(reply.read())["choices"][0]
-            return {"content": message["message"]["content"] or "", "reasoning": message["message"].get("reasoning_content") or "",
-                    "tool_calls": [(c["function"]["name"], c["function"]["arguments"]) for c in message["message"].get("tool_calls") or []],
-                    "finish_reason": message["finish_reason"], "ids": message.get("token_ids")}
-        content, reasoning, calls, finish, ids = "", "", [], None, []
-        for line in reply:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            choice = json.loads(line[6:])["choices"][0]
+            return [json.loads(reply.read())]
+        return [json.loads(line[6:]) for line in reply if line.startswith(b"data: ") and line.strip() != b"data: [DONE]"]
+
+
+def router_answer(stack, body) -> dict:
+    """The answer through the router, assembled the same way streamed or not."""
+    answers = router_responses(stack, body)
+    if not body.get("stream"):
+        message = answers[0]["choices"][0]
+        return {"content": message["message"]["content"] or "", "reasoning": message["message"].get("reasoning_content") or "",
+                "tool_calls": [(c["function"]["name"], c["function"]["arguments"]) for c in message["message"].get("tool_calls") or []],
+                "finish_reason": message["finish_reason"], "ids": message.get("token_ids")}
+    content, reasoning, calls, finish, ids = "", "", [], None, []
+    for answer in answers:
+        for choice in answer["choices"]:
             delta = choice["delta"]
             content += delta.get("content") or ""
             reasoning += delta.get("reasoning_content") or ""
             calls += [(c["function"]["name"], c["function"]["arguments"]) for c in delta.get("tool_calls") or []]
             finish = choice["finish_reason"] or finish
             ids += choice.get("token_ids") or []
-        return {"content": content, "reasoning": reasoning, "tool_calls": calls, "finish_reason": finish, "ids": ids}
+    return {"content": content, "reasoning": reasoning, "tool_calls": calls, "finish_reason": finish, "ids": ids}
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +120,43 @@ def test_pd_answers_equal_monolithic_token_for_token(stack, monolithic_answers, 
         assert answer["content"] == (message["content"] or "")
         assert answer["reasoning"] == (message.get("reasoning_content") or "")
     assert answer["finish_reason"] == expected.finish_reason
+
+
+@pytest.fixture(scope="module")
+def monolithic_sampling(server):
+    """The sampling cases on a monolithic server (chat, render path), whole and streamed."""
+    client = GrpcChat(server.grpc_url, "chat")
+    yield {stream: answers_of(client, {name: {**body, "stream": stream, "return_token_ids": True} for name, body in SAMPLING_CASES.items()})
+           for stream in (False, True)}
+    client.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
+def test_pd_sampling_fields_and_logprobs_equal_monolithic(stack, monolithic_sampling, case, stream):
+    """Penalties, biases, limits, seeded sampling and logprobs through the router: the first
+    token's logprobs travel from the prefill server inside the signed KV handle."""
+    pulled = metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled")
+    answer = router_responses(stack, {**SAMPLING_CASES[case], "stream": stream, "return_token_ids": True})
+    assert metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled") == pulled + 1, "decode did not use prefill's KV"
+    expected = monolithic_sampling[stream][case]
+    assert [t for a in answer for c in a["choices"] for t in c.get("token_ids") or []] == expected.output_token_ids
+    assert_logprobs_close(logprobs_of(answer), logprobs_of(responses(expected)))
+
+
+def test_openai_client_gets_top_logprobs_through_the_router(stack, monolithic_sampling):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{stack.router_url}/v1", api_key="unused")
+    [model] = [m.id for m in client.models.list().data]
+    body = SAMPLING_CASES["greedy_logprobs"]
+    expected = logprobs_of(responses(monolithic_sampling[False]["greedy_logprobs"]))
+    whole = client.chat.completions.create(model=model, **body).choices[0].logprobs.content
+    streamed = [entry for chunk in client.chat.completions.create(model=model, stream=True, **body)
+                for entry in chunk.choices[0].logprobs.content]
+    for entries in (whole, streamed):
+        assert all(len(entry.top_logprobs) == body["top_logprobs"] for entry in entries)
+        assert_logprobs_close([entry.model_dump() for entry in entries], expected)
 
 
 def test_decode_never_renders_and_prefill_never_decodes(stack):
@@ -166,7 +210,7 @@ def test_a_vllm_style_proxy_sending_json_only_gets_the_monolithic_answer(stack, 
 
 
 def test_unknown_fields_and_client_kv_transfer_params_are_400s_from_the_router(stack):
-    for fields, needle in [({"logprobs": True}, "Unrecognized request argument supplied: logprobs"),
+    for fields, needle in [({"functions": []}, "Unrecognized request argument supplied: functions"),
                            ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params is the router's to set")]:
         with pytest.raises(urllib.error.HTTPError) as info:
             post(stack, {"messages": [{"role": "user", "content": "x"}], **fields})

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from pdchat.clients.chat import GrpcChat, HttpChat, chat_inputs
-from tests.conversations import PARITY_CASES, chat_body
+from tests.conversations import PARITY_CASES, SAMPLING_CASES, chat_body
 from tests.integration.conftest import SHORT_TTL_S
-from tests.integration.helpers import ask, executions, metric, refusal, summary
+from tests.integration.helpers import answers_of, ask, executions, metric, refusal, responses, summary
+from tests.logprobs import assert_logprobs_close, logprobs_of
 
 CHAT = "chat"
 
@@ -58,6 +59,52 @@ def test_render_and_reuse_paths_give_identical_answers(clients, case):
         assert answer["reasoning"] and not answer["content"]
     if case == "stop_strings":
         assert answer["finish_reason"] == "stop"
+
+
+@pytest.fixture(scope="module")
+def monolithic_sampling(server):
+    """The monolithic server's `chat` (render path): the reference for the sampling fields."""
+    client = GrpcChat(server.grpc_url, CHAT)
+    yield {stream: answers_of(client, {name: {**body, "stream": stream} for name, body in SAMPLING_CASES.items()})
+           for stream in (False, True)}
+    client.close()
+
+
+def assert_same_answer(result, expected, where):
+    assert result.output_token_ids == expected.output_token_ids, where
+    assert result.finish_reason == expected.finish_reason, where
+    assert_logprobs_close(logprobs_of(responses(result)), logprobs_of(responses(expected)))
+
+
+@pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
+def test_sampling_fields_and_logprobs_equal_on_chat_ensemble_and_the_reuse_path(server, clients, monolithic_sampling, case):
+    """Penalties, biases, limits and logprobs: the same tokens and logprobs (1e-4) on every path
+    of one server and of the prefill/decode handoff, streamed and not. The first token's
+    logprobs come from prefill: as a tensor within a server, in the signed KV handle across."""
+    ensemble = GrpcChat(server.grpc_url, "chat_ensemble")
+    for stream in (False, True):
+        body, expected = {**SAMPLING_CASES[case], "stream": stream}, monolithic_sampling[stream][case]
+        assert len(logprobs_of(responses(expected))) == len(expected.output_token_ids)
+        handed = prefill(clients["grpc"], body)
+        assert_logprobs_close(logprobs_of([handed.response]), logprobs_of(responses(expected))[:1])
+        assert "first_token_logprobs" in handed.kv_transfer_params["kv_handle"]
+        reused = ask(clients["http"], body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)
+        assert_same_answer(reused, expected, ("reuse", stream))
+        assert_same_answer(ask(ensemble, body), expected, ("chat_ensemble", stream))
+        assert_same_answer(ask(clients["grpc"], body), expected, ("decode role, render path", stream))
+    ensemble.close()
+
+
+def test_a_prefill_leg_without_logprobs_still_hands_decode_its_kv(decode_server, clients, monolithic_sampling):
+    """A prefill leg that did not ask for logprobs: decode pulls its KV all the same and
+    computes the prompt's last token again for the first token's logprobs."""
+    body = SAMPLING_CASES["greedy_logprobs"]
+    handed = prefill(clients["grpc"], {**body, "logprobs": False, "top_logprobs": None})
+    assert "first_token_logprobs" not in handed.kv_transfer_params["kv_handle"]
+    pulled = metric(decode_server, "pdchat_kv_pulls_total", outcome="pulled")
+    reused = ask(clients["grpc"], body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)
+    assert_same_answer(reused, monolithic_sampling[False]["greedy_logprobs"], "first token's logprobs computed by decode")
+    assert metric(decode_server, "pdchat_kv_pulls_total", outcome="pulled") == pulled + 1
 
 
 def test_ids_inside_kv_transfer_params_vllm_style_are_reused_too(clients):

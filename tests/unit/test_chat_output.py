@@ -57,3 +57,16 @@ def test_partial_marker_is_held_back_then_released():
     parser = OutputParser(reasoning=True, tools=True)
     assert parser.feed("a <thi").content == "a "
     assert parser.feed("s is not a tag").content == "<this is not a tag"
+
+
+@pytest.mark.parametrize("pieces", [1, 4, 1000])
+def test_max_tool_calls_ends_parsing_with_the_call_that_reaches_it(pieces):
+    text = 'Sure.<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    out = parse(text, pieces=pieces, max_tool_calls=1)
+    assert out.content == "Sure." and [c["function"]["name"] for c in out.tool_calls] == ["a"]
+    assert [c["function"]["name"] for c in parse(text, pieces=pieces).tool_calls] == ["a", "b"]
+
+
+def test_an_unparsable_call_does_not_count_towards_max_tool_calls():
+    out = parse('<tool_call>{bad}</tool_call><tool_call>{"name": "a"}</tool_call>tail', max_tool_calls=1)
+    assert out.content == "<tool_call>{bad}</tool_call>" and len(out.tool_calls) == 1

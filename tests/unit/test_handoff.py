@@ -6,7 +6,8 @@ import time
 import pytest
 
 from pdchat.core.errors import InvalidRequest, ModelUnavailable
-from pdchat.core.kv.base import KVHandle
+from pdchat.core.kv.base import KVHandle, KVUnavailable
+from pdchat.core.output.logprobs import TokenLogprobs
 from pdchat.core.request.protocol import parse_chat_json
 from pdchat.ensemble.gate import ForwardedIdsRejected, Gate, Policy, Rejection, forwarded_ids
 from pdchat.ensemble.handoff import Handoff, load_key, render_fingerprint, sign
@@ -26,6 +27,7 @@ def gate(policy=Policy.SIGNED, key=KEY):
 
 
 HANDLE = KVHandle("shm", (2, 2, 1, 4, 8), NOW + 60, 7, {"name": "x"})
+WITH_LOGPROBS = KVHandle("shm", (2, 2, 1, 4, 8), NOW + 60, 7, {"name": "x"}, TokenLogprobs(7, -0.25, ((7, -0.25), (3, -1.5))))
 
 
 def signed(request=None, ids=IDS, **kw):
@@ -50,6 +52,20 @@ def test_the_handoff_crosses_the_wire_as_one_serialization():
     handoff = sign(KEY, IDS, "f" * 64, kv_handle=HANDLE, now=NOW)
     assert Handoff.from_params(json.loads(handoff.to_json())) == handoff
     assert KVHandle.from_json(HANDLE.to_json()) == HANDLE
+
+
+def test_first_token_logprobs_travel_inside_the_signed_handle():
+    assert KVHandle.from_json(WITH_LOGPROBS.to_json()) == WITH_LOGPROBS
+    assert "first_token_logprobs" not in HANDLE.to_dict()  # nothing added when not asked for
+    assert admit(signed(kv_handle=WITH_LOGPROBS)) == WITH_LOGPROBS
+    altered = {**WITH_LOGPROBS.to_dict(), "first_token_logprobs": {"token_id": 7, "logprob": -0.01, "top": []}}
+    assert reason(lambda: admit({**signed(kv_handle=WITH_LOGPROBS), "kv_handle": altered})) is Rejection.BAD_SIGNATURE
+    added = {**HANDLE.to_dict(), "first_token_logprobs": WITH_LOGPROBS.first_token_logprobs.to_dict()}
+    assert reason(lambda: admit({**signed(kv_handle=HANDLE), "kv_handle": added})) is Rejection.BAD_SIGNATURE
+    for bad in ({"token_id": 8, "logprob": -0.1, "top": []}, {"token_id": 7, "logprob": 0.5, "top": []},
+                {"token_id": 7, "logprob": -0.1, "top": [[1]]}, {"token_id": 7, "logprob": -0.1}):
+        with pytest.raises(KVUnavailable, match="malformed KV handle"):
+            KVHandle.from_dict({**HANDLE.to_dict(), "first_token_logprobs": bad})
 
 
 def test_a_handoff_is_admitted_once_then_refused_as_replayed_until_it_expires():

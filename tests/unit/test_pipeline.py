@@ -1,11 +1,14 @@
 """The core stages chained in-process agree with transformers' own greedy generation."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
+from pdchat.core.generation.sampling import Choice
 from pdchat.core.request.protocol import parse_chat_json
+from tests.logprobs import assert_logprobs_close, logprobs_of
 from tests.pipeline import LocalPipeline
 
 
@@ -66,7 +69,7 @@ def test_stop_string_ends_the_answer_early(pipeline):
 def generation_starting_with(pipeline, first_token, **fields):
     rendered = pipeline.renderer.render(chat(temperature=0, **fields))
     _, kv = pipeline.model.prefill(rendered.prompt_token_ids, rendered.params)
-    return pipeline.model.generation(rendered.prompt_token_ids, rendered.params, first_token_id=first_token, kv_cache=kv)
+    return pipeline.model.generation(rendered.prompt_token_ids, rendered.params, first=Choice(first_token), kv_cache=kv)
 
 
 def test_eos_ends_the_answer_unless_ignored(pipeline):
@@ -122,3 +125,189 @@ def test_answer_continuing_an_open_think_block_is_reasoning(pipeline):
         "continue_final_message": True, "max_tokens": 8, "temperature": 0}))
     message = json.loads(pipeline.run(request)[-1].response)["choices"][0]["message"]
     assert message["reasoning_content"] and not message["content"]
+
+
+# Request fields that shape the choice, through the whole pipeline (prefill picks the first
+# token, decode the rest): each one changes the answer as specified.
+
+def answer(pipeline, handoff=True, **fields):
+    return pipeline.run(chat(temperature=0, **fields), handoff=handoff)[-1]
+
+
+def reference_greedy(pipeline, prompt, tokens, *, bias=None, presence=0.0, frequency=0.0, repetition=1.0):
+    """Greedy decoding written out from the specification (full forward pass per token):
+    logit_bias, then vLLM/HF's repetition penalty over prompt + output, then OpenAI's
+    frequency and presence penalties over the output."""
+    out = []
+    for _ in range(tokens):
+        logits = next_logits(pipeline, prompt + out)
+        for token, amount in (bias or {}).items():
+            logits[token] += amount
+        for token in set(prompt + out):
+            logits[token] = logits[token] / repetition if logits[token] > 0 else logits[token] * repetition
+        for token in set(out):
+            logits[token] -= frequency * out.count(token) + presence
+        out.append(int(torch.argmax(logits)))
+    return out
+
+
+def next_logits(pipeline, token_ids):
+    with torch.inference_mode():
+        logits = pipeline.model.engine.model(torch.tensor([token_ids])).logits[0, -1]
+    return logits.clone()
+
+
+PENALTIES = {"presence_penalty": ("presence", 2.0), "frequency_penalty": ("frequency", 1.5),
+             "repetition_penalty": ("repetition", 1.3)}
+
+
+@pytest.mark.parametrize("field", [*PENALTIES, "encouraging_repetition"])
+def test_penalties_follow_their_specification_and_change_the_answer(pipeline, field):
+    prompt = answer(pipeline, max_tokens=1).prompt_token_ids
+    # The 4 likeliest first tokens, biased far up, compete at every position: repeats happen and penalties bite.
+    favoured = {token: 100.0 for token in torch.topk(next_logits(pipeline, prompt), 4).indices.tolist()}
+    bias = {"logit_bias": {str(t): b for t, b in favoured.items()}}
+    name, value = PENALTIES.get(field, ("repetition", 0.05))
+    fields = {field if field in PENALTIES else "repetition_penalty": value}
+    got = answer(pipeline, max_tokens=10, **bias, **fields).output_token_ids
+    expected = reference_greedy(pipeline, prompt, 10, bias=favoured, **{name: value})
+    assert got == expected
+    assert got != answer(pipeline, max_tokens=10, **bias).output_token_ids, f"{field} changed nothing"
+
+
+def test_logit_bias_bans_a_token_and_forces_one(pipeline):
+    plain = answer(pipeline, max_tokens=6).output_token_ids
+    banned = answer(pipeline, max_tokens=6, logit_bias={str(plain[0]): -100}).output_token_ids
+    assert banned[0] != plain[0] and plain[0] not in banned
+    assert answer(pipeline, max_tokens=6, logit_bias={"1234": 100}).output_token_ids == [1234] * 6
+
+
+def test_top_k_one_and_min_p_one_are_greedy_where_plain_sampling_is_not(pipeline):
+    greedy = answer(pipeline, max_tokens=12).output_token_ids
+    sampled = {"temperature": 1.0, "seed": 3, "max_tokens": 12}
+    assert pipeline.run(chat(**sampled))[-1].output_token_ids != greedy
+    assert pipeline.run(chat(**sampled, top_k=1))[-1].output_token_ids == greedy
+    assert pipeline.run(chat(**sampled, min_p=1.0))[-1].output_token_ids == greedy
+    assert pipeline.run(chat(**sampled, top_k=40, min_p=0.05))[-1].output_token_ids != pipeline.run(chat(**sampled))[-1].output_token_ids
+
+
+def test_min_tokens_holds_back_eos(pipeline):
+    eos = min(pipeline.model.eos_ids)
+    at_once = answer(pipeline, max_tokens=8, logit_bias={str(eos): 100})
+    assert (at_once.output_token_ids, at_once.finish_reason) == ([eos], "stop")
+    held = answer(pipeline, max_tokens=8, logit_bias={str(eos): 100}, min_tokens=3)
+    assert len(held.output_token_ids) == 4 and held.output_token_ids[-1] == eos and eos not in held.output_token_ids[:3]
+    assert held.finish_reason == "stop"
+
+
+def test_stop_token_ids_end_the_answer_without_their_text(pipeline):
+    plain = answer(pipeline, max_tokens=16).output_token_ids
+    cut = next(i for i in range(2, 16) if plain[i] not in plain[:i])
+    for handoff in (True, False):
+        stopped = answer(pipeline, handoff=handoff, max_tokens=16, stop_token_ids=[plain[cut]], ignore_eos=True)
+        assert stopped.output_token_ids == plain[: cut + 1] and stopped.finish_reason == "stop"
+        assert stopped.text_output == pipeline.renderer.tokenizer.decode(plain[:cut], skip_special_tokens=True)
+    # min_tokens suppresses stop_token_ids too.
+    held = answer(pipeline, max_tokens=16, stop_token_ids=[plain[cut]], min_tokens=cut + 1).output_token_ids
+    assert len(held) > cut + 1 and held[cut] != plain[cut]
+
+
+def test_logprobs_whole_and_streamed_and_with_or_without_handoff(pipeline):
+    request = {"max_tokens": 8, "logprobs": True, "top_logprobs": 3}
+    whole = answer(pipeline, **request)
+    entries = logprobs_of([json.loads(whole.response)])
+    assert len(entries) == 8 and all(len(e["top_logprobs"]) == 3 for e in entries)
+    # Greedy over the raw distribution: each chosen token is its position's likeliest.
+    assert all(e["top_logprobs"][0]["token"] == e["token"] and e["top_logprobs"][0]["logprob"] == e["logprob"] for e in entries)
+    assert bytes(b for e in entries for b in e["bytes"]).decode() == whole.text_output
+    streamed = pipeline.run(chat(temperature=0, stream=True, **request))
+    assert [len(logprobs_of([json.loads(c.response)])) for c in streamed] == [1] * 8
+    assert_logprobs_close(logprobs_of([json.loads(c.response) for c in streamed]), entries, tolerance=0.0)
+    assert_logprobs_close(logprobs_of([json.loads(answer(pipeline, handoff=False, **request).response)]), entries)
+    assert "logprobs" not in json.loads(answer(pipeline, max_tokens=2).response)["choices"][0]
+
+
+@pytest.mark.parametrize("handed", ["none", "fewer"])
+def test_logprobs_prefill_did_not_hand_over_come_from_its_last_prompt_token_again(pipeline, handed):
+    """A prefill leg that did not ask for logprobs (or for fewer alternatives): decode uses its
+    KV and first token all the same, computing the prompt's last token again for the logprobs."""
+    rendered = pipeline.renderer.render(chat(temperature=0, max_tokens=4, logprobs=True, top_logprobs=3))
+    ids, params = rendered.prompt_token_ids, rendered.params
+    first, kv = pipeline.model.prefill(ids, params)
+    given = Choice(first.token_id, None if handed == "none" else first.logprobs.trimmed(1))
+    [entry] = pipeline.model.generation(ids, params, first=given, kv_cache=kv).advance().logprobs
+    assert entry.token_id == first.token_id and [t for t, _ in entry.top] == [t for t, _ in first.logprobs.top]
+    assert abs(entry.logprob - first.logprobs.logprob) < 1e-4
+    unasked = replace(params, logprobs=False, top_logprobs=0)
+    assert pipeline.model.generation(ids, unasked, first=first, kv_cache=kv).advance().logprobs == []
+
+
+def test_logprobs_are_raw_whatever_shapes_the_choice(pipeline):
+    plain = logprobs_of([json.loads(answer(pipeline, max_tokens=1, logprobs=True, top_logprobs=2).response)])
+    forced = logprobs_of([json.loads(answer(pipeline, max_tokens=1, logprobs=True, top_logprobs=2, logit_bias={"1234": 100}).response)])
+    assert forced[0]["token"] == pipeline.model.speller.spell(1234)[0] != plain[0]["token"]
+    assert forced[0]["top_logprobs"] == plain[0]["top_logprobs"]  # the bias shaped the choice, not the distribution
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+TWO_CALLS = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+
+
+class Scripted:
+    """A token chooser that says a given answer, whatever the model's logits."""
+
+    def __init__(self, token_ids):
+        self._token_ids, self._position = token_ids, 0
+
+    def choose(self, logits):
+        self.replay(self._token_ids[self._position])
+        return Choice(self._token_ids[self._position - 1])
+
+    def replay(self, token_id):
+        self._position += 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_ends_the_answer_with_its_first_call(pipeline, monkeypatch, stream):
+    script = pipeline.renderer.tokenizer.encode(TWO_CALLS, add_special_tokens=False) + [min(pipeline.model.eos_ids)]
+    monkeypatch.setattr(pipeline.model, "chooser", lambda prompt, params: Scripted(script))
+
+    def called(**fields):
+        outputs = pipeline.run(chat(max_tokens=100, tools=[WEATHER], stream=stream, **fields))
+        calls = [json.loads(c["function"]["arguments"])["city"] for o in outputs for c in message(o).get("tool_calls") or []]
+        content = "".join(message(o).get("content") or "" for o in outputs)
+        return calls, content, [t for o in outputs for t in o.output_token_ids], outputs[-1].finish_reason
+
+    assert called() == (["Paris", "Rome"], "Let me check.\n\n", script, "tool_calls")
+    first_call = TWO_CALLS[: TWO_CALLS.index("</tool_call>") + len("</tool_call>")]
+    ended = len(pipeline.renderer.tokenizer.encode(first_call, add_special_tokens=False))
+    assert called(parallel_tool_calls=False) == (["Paris"], "Let me check.\n", script[:ended], "tool_calls")
+
+
+def message(output):
+    choice = json.loads(output.response)["choices"][0]
+    return choice.get("message") or choice.get("delta")
+
+
+def test_forced_tool_choice_already_makes_one_call_and_parallel_false_keeps_it(pipeline):
+    for parallel in (True, False):
+        result = pipeline.run(chat(max_tokens=60, temperature=0, tools=[TOOL], tool_choice="required", parallel_tool_calls=parallel))[-1]
+        assert result.finish_reason == "tool_calls" and len(json.loads(result.response)["choices"][0]["message"]["tool_calls"]) == 1
+
+
+def test_each_row_of_a_batch_keeps_its_own_shaping_and_logprobs(pipeline):
+    """The batched step hands each row's logits to its own request: penalties, biases and
+    logprobs of one row never leak into another, and each answers what it would alone."""
+    requests = [
+        chat(temperature=0, max_tokens=8, logprobs=True, top_logprobs=2),
+        chat(temperature=0, max_tokens=8, logit_bias={"1234": 100}),
+        chat(temperature=0, max_tokens=8, repetition_penalty=0.05, min_tokens=8),
+        chat(temperature=0.9, seed=5, max_tokens=8, top_k=20, min_p=0.01, presence_penalty=-2, logprobs=True),
+    ]
+    batched = pipeline.run_batched(requests)
+    for request, outputs in zip(requests, batched, strict=True):
+        alone = pipeline.run(request)[-1]
+        assert outputs[-1].output_token_ids == alone.output_token_ids
+        assert_logprobs_close(logprobs_of([json.loads(outputs[-1].response)]), logprobs_of([json.loads(alone.response)]))
+    assert batched[1][-1].output_token_ids == [1234] * 8

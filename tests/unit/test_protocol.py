@@ -1,9 +1,10 @@
 import json
+import re
 
 import pytest
 
 from pdchat.core.errors import InvalidRequest
-from pdchat.core.request.protocol import GenerationParams, parse_chat_json, resolve_max_tokens, text_input_request
+from pdchat.core.request.protocol import ChatRequest, GenerationParams, parse_chat_json, resolve_max_tokens, text_input_request
 
 
 def body(**fields):
@@ -32,14 +33,69 @@ def test_text_parts_are_joined_and_tool_call_arguments_decoded():
     assert request.messages[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
 
 
-UNHONOURED = ["logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
-              "stop_token_ids", "top_k", "min_p", "parallel_tool_calls", "echo", "functions", "made_up_field"]
+UNHONOURED = ["echo", "functions", "best_of", "prediction", "made_up_field"]
 
 
 @pytest.mark.parametrize("field", UNHONOURED)
 def test_a_field_not_honoured_is_refused_by_name(field):
     with pytest.raises(InvalidRequest, match=f"Unrecognized request argument supplied: {field}"):
         parse_chat_json(json.dumps({"messages": [{"role": "user", "content": "x"}], field: 1}))
+
+
+def test_sampling_controls_are_parsed_normalized_and_reach_generation_params():
+    request = parse_chat_json(body(
+        presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, logit_bias={"007": -100, "12": 5.5},
+        top_k=-1, min_p=0.1, min_tokens=3, max_tokens=8, stop_token_ids=[2, 9], logprobs=True, top_logprobs=4,
+        parallel_tool_calls=False))
+    params = request.generation_params(10, 100, 1000, "m")
+    for options in (request, params):
+        assert (options.presence_penalty, options.frequency_penalty, options.repetition_penalty) == (0.5, -1.0, 1.2)
+        assert options.logit_bias == {"7": -100.0, "12": 5.5}
+        assert (options.top_k, options.min_p, options.min_tokens, options.stop_token_ids) == (0, 0.1, 3, (2, 9))
+        assert (options.logprobs, options.top_logprobs, options.parallel_tool_calls) == (True, 4, False)
+    assert GenerationParams.from_json(params.to_json()) == params
+    assert ChatRequest.from_json(request.to_json()) == request
+    defaults = parse_chat_json(body()).generation_params(10, 100, 1000, "m")
+    assert (defaults.repetition_penalty, defaults.top_k, defaults.logit_bias, defaults.parallel_tool_calls) == (1.0, 0, {}, True)
+
+
+@pytest.mark.parametrize(("fields", "needle"), [
+    ({"presence_penalty": 2.5}, "'presence_penalty' must be a number in [-2, 2]"),
+    ({"frequency_penalty": "a"}, "'frequency_penalty' must be a number in [-2, 2]"),
+    ({"repetition_penalty": 0}, "'repetition_penalty' must be a number > 0"),
+    ({"repetition_penalty": float("inf")}, "'repetition_penalty' must be a number > 0"),
+    ({"logit_bias": [1]}, "'logit_bias' must be an object"),
+    ({"logit_bias": {"-3": 1}}, "'logit_bias' keys must be token ids"),
+    ({"logit_bias": {"abc": 1}}, "'logit_bias' keys must be token ids"),
+    ({"logit_bias": {"5": 150}}, "'logit_bias[5]' must be a number in [-100, 100]"),
+    ({"logit_bias": {"5": None}}, "'logit_bias[5]' must be a number in [-100, 100]"),
+    ({"min_tokens": -1}, "'min_tokens' must be an integer >= 0"),
+    ({"min_tokens": 9, "max_tokens": 4}, "'min_tokens' (9) must not exceed max_tokens (4)"),
+    ({"stop_token_ids": [1, -2]}, "'stop_token_ids' must be a list of token ids"),
+    ({"stop_token_ids": 5}, "'stop_token_ids' must be a list of token ids"),
+    ({"top_k": -2}, "'top_k' must be -1 or 0 (off) or a positive integer"),
+    ({"top_k": 1.5}, "'top_k' must be -1 or 0 (off) or a positive integer"),
+    ({"min_p": 1.1}, "'min_p' must be a number in [0, 1]"),
+    ({"logprobs": 1}, "'logprobs' must be a bool"),
+    ({"logprobs": True, "top_logprobs": 21}, "'top_logprobs' must be an integer in [0, 20]"),
+    ({"top_logprobs": 2}, "'top_logprobs' needs 'logprobs': true"),
+    ({"parallel_tool_calls": "no"}, "'parallel_tool_calls' must be a bool"),
+])
+def test_sampling_controls_out_of_range_are_refused_naming_the_field(fields, needle):
+    with pytest.raises(InvalidRequest) as info:
+        parse_chat_json(body(**fields))
+    assert needle in str(info.value)
+
+
+def test_token_ids_are_checked_against_the_vocabulary_and_min_tokens_against_the_resolved_max_tokens():
+    for fields, needle in [({"logit_bias": {"1000": 1}}, "'logit_bias' names token ids outside this model's vocabulary of 1000: [1000]"),
+                           ({"stop_token_ids": [5, 4000]}, "'stop_token_ids' names token ids outside this model's vocabulary of 1000: [4000]")]:
+        with pytest.raises(InvalidRequest, match=re.escape(needle)):
+            parse_chat_json(body(**fields)).generation_params(10, 100, 1000, "m")
+    # The default max_tokens leaves room for min_tokens where the context allows, else it is refused.
+    assert parse_chat_json(body(min_tokens=300)).generation_params(10, 10_000, 1000, "m").max_tokens == 300
+    with pytest.raises(InvalidRequest, match=re.escape("'min_tokens' (300) must not exceed max_tokens (90)")):
+        parse_chat_json(body(min_tokens=300)).generation_params(10, 100, 1000, "m")
 
 
 def test_known_no_op_fields_are_accepted_and_ignored():
@@ -115,7 +171,7 @@ def test_max_tokens_must_fit_the_context():
 
 def test_generation_params_round_trip_and_fixed_seed():
     request = parse_chat_json(body(stop=["a", "b"], max_tokens=3))
-    params = request.generation_params(10, 100, "m")
+    params = request.generation_params(10, 100, 1000, "m")
     assert GenerationParams.from_json(params.to_json()) == params
     assert params.request_id.startswith("chatcmpl-") and params.model == "m"
     # No seed in the request: one is chosen, so prefill and decode sample alike.

@@ -17,6 +17,7 @@ from pdchat import tensors
 from pdchat.core import settings
 from pdchat.core.errors import INVALID_ARG, UNAVAILABLE, InvalidRequest, error_class, tagged_message
 from pdchat.core.kv.base import KVHandle
+from pdchat.core.output.logprobs import TokenLogprobs
 from pdchat.core.output.responses import ClientOutput
 from pdchat.core.request.protocol import ChatRequest, GenerationParams, parse_chat_json, text_input_request
 from pdchat.ensemble.seal import StageSeal
@@ -99,7 +100,7 @@ class StageInput:
     kv_handle: KVHandle | None
 
 
-def stage_input(request, seal: StageSeal, context_length: int) -> StageInput:
+def stage_input(request, seal: StageSeal, context_length: int, vocab_size: int) -> StageInput:
     """prefill/decode inputs, refused unless this server's renderer or chat sealed them
     (ids, generation params and KV handle as one), and unless the params fit the model."""
     ids = required_token_ids(request)
@@ -109,7 +110,7 @@ def stage_input(request, seal: StageSeal, context_length: int) -> StageInput:
     handle_text = input_text(request, tensors.KV_HANDLE) or ""
     seal.check_prompt(ids, params_text, handle_text, input_text(request, tensors.STAGE_SEAL))
     params = GenerationParams.from_json(params_text)
-    params.check(len(ids), context_length)
+    params.check(len(ids), context_length, vocab_size)
     return StageInput(ids, params, KVHandle.from_json(handle_text) if handle_text else None)
 
 
@@ -118,6 +119,21 @@ def stage_inputs(ids: list[int], params_text: str, seal: str, kv_handle: str = "
     inputs = [int32_tensor(tensors.PROMPT_TOKEN_IDS, ids), string_tensor(tensors.GENERATION_PARAMS, params_text),
               string_tensor(tensors.STAGE_SEAL, seal)]
     return inputs + ([string_tensor(tensors.KV_HANDLE, kv_handle)] if kv_handle else [])
+
+
+def logprobs_tensor(logprobs: TokenLogprobs | None) -> pb_utils.Tensor:
+    """Prefill's first_token_logprobs: the JSON entry, or "" when the request did not ask."""
+    return string_tensor(tensors.FIRST_TOKEN_LOGPROBS, "" if logprobs is None else logprobs.to_json())
+
+
+def input_logprobs(request) -> TokenLogprobs | None:
+    text = input_text(request, tensors.FIRST_TOKEN_LOGPROBS)
+    if not text:
+        return None
+    try:
+        return TokenLogprobs.from_json(text)
+    except ValueError as exc:
+        raise InvalidRequest(f"'{tensors.FIRST_TOKEN_LOGPROBS}': {exc}") from None
 
 
 def required_token_ids(request, name: str = tensors.PROMPT_TOKEN_IDS) -> list[int]:

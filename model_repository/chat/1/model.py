@@ -22,7 +22,8 @@ import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
 from pdchat.core.kv.base import KVHandle
-from pdchat.core.output.responses import remote_prefill_output
+from pdchat.core.output.logprobs import TokenSpeller
+from pdchat.core.output.responses import Delta, remote_prefill_output
 from pdchat.core.request.protocol import GenerationParams
 from pdchat.core.request.render_cost import RenderRate
 from pdchat.core.request.rendering import ChatRenderer
@@ -43,6 +44,8 @@ STAGES = "stages"  # the one lane for blocking BLS calls
 MAX_CONCURRENT_REQUESTS = 64
 # How often a stream asks whether its client left (each ask is a round trip to the server).
 CANCEL_POLL_S = 0.05
+# What prefill hands decode within one server, forwarded as prefill answered it.
+HANDED_OVER = (tensors.KV_CACHE, tensors.FIRST_TOKEN_ID, tensors.FIRST_TOKEN_LOGPROBS)
 
 
 class TritonPythonModel:
@@ -57,6 +60,7 @@ class TritonPythonModel:
         settings = resolve_model(parameters)
         # The tokenizer here only calibrates the render rate and spells prefill's first token.
         self.renderer = ChatRenderer(settings.path, settings.served_name)
+        self.speller = TokenSpeller(self.renderer.tokenizer)
         gate = Gate(
             policy=parse_policy(forwarded_ids_policy(parameters)),
             key=load_key(),
@@ -121,16 +125,14 @@ class TritonPythonModel:
             await self._stream_decode(request, sender, params, inputs)
             return
         if plan.route is Route.REMOTE_PREFILL:
-            first, handle = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params_text, seal, self.kv_connector)
+            handle = await self.loop.call_blocking(STAGES, self._publish, request, ids, params_text, seal)
             handoff = self.planner.sign_handoff(chat, ids, kv_handle=handle)
-            output = remote_prefill_output(params, ids, first, self.renderer.tokenizer.decode([first], skip_special_tokens=True),
-                                           handoff.to_params())
+            output = remote_prefill_output(params, ids, self._first_delta(handle), self.speller, handoff.to_params())
             sender.send(pb_utils.InferenceResponse(output_tensors=io.client_tensors(output) + [
                 io.string_tensor(tensors.KV_TRANSFER_PARAMS, handoff.to_json())]), flags=FINAL)
             return
-        first, kv_cache = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params_text, seal)
-        inputs = io.stage_inputs(ids, params_text, seal) + [kv_cache, io.int32_tensor(tensors.FIRST_TOKEN_ID, [first])]
-        await self._stream_decode(request, sender, params, inputs)
+        handed = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params_text, seal)
+        await self._stream_decode(request, sender, params, io.stage_inputs(ids, params_text, seal) + handed)
 
     def _render(self, request, canonical):
         """The renderer's (ids, generation params JSON, seal) for the request chat parsed."""
@@ -143,18 +145,23 @@ class TritonPythonModel:
                         for name in (tensors.GENERATION_PARAMS, tensors.STAGE_SEAL))
         return ids.astype(np.int32).tolist(), params, seal
 
-    def _prefill(self, request, ids, params, seal, destination=None):
-        """(first token, KV tensor), or with a destination connector (first token, KV handle)."""
-        inputs = io.stage_inputs(ids, params, seal)
-        if destination is None:
-            response = _exec(request, PREFILL, inputs, [tensors.FIRST_TOKEN_ID, tensors.KV_CACHE])
-            kv = pb_utils.get_output_tensor_by_name(response, tensors.KV_CACHE)
-        else:
-            inputs.append(io.string_tensor(tensors.KV_DESTINATION, destination))
-            response = _exec(request, PREFILL, inputs, [tensors.FIRST_TOKEN_ID, tensors.KV_HANDLE])
-            kv = KVHandle.from_json(pb_utils.get_output_tensor_by_name(response, tensors.KV_HANDLE).as_numpy()[0].decode())
-        first = int(pb_utils.get_output_tensor_by_name(response, tensors.FIRST_TOKEN_ID).as_numpy()[0])
-        return first, kv
+    def _prefill(self, request, ids, params, seal):
+        """Prefill's KV tensor, first token and its logprobs: decode's inputs, as prefill answered them."""
+        response = _exec(request, PREFILL, io.stage_inputs(ids, params, seal), list(HANDED_OVER))
+        return [pb_utils.get_output_tensor_by_name(response, name) for name in HANDED_OVER]
+
+    def _publish(self, request, ids, params, seal):
+        """Prefill with the KV published through this server's connector: its handle (with the
+        first token and its logprobs), for a decode server."""
+        inputs = io.stage_inputs(ids, params, seal) + [io.string_tensor(tensors.KV_DESTINATION, self.kv_connector)]
+        response = _exec(request, PREFILL, inputs, [tensors.KV_HANDLE])
+        return KVHandle.from_json(pb_utils.get_output_tensor_by_name(response, tensors.KV_HANDLE).as_numpy()[0].decode())
+
+    def _first_delta(self, handle):
+        """Prefill's first token as the prefill leg's answer shows it."""
+        token, logprobs = handle.first_token_id, handle.first_token_logprobs
+        text = self.renderer.tokenizer.decode([token], skip_special_tokens=True)
+        return Delta(text, [token], None, [] if logprobs is None else [logprobs])
 
     async def _stream_decode(self, request, sender, params, inputs):
         """Forward decode's stream; `inputs`: the sealed stage inputs, with prefill's KV if any."""

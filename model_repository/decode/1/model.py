@@ -17,6 +17,7 @@ import triton_python_backend_utils as pb_utils
 from pdchat import tensors
 from pdchat.core.generation.engine import DecodeBatch
 from pdchat.core.generation.generation import TextModel
+from pdchat.core.generation.sampling import Choice
 from pdchat.core.generation.scheduler import DecodeJob, DecodeScheduler, Limits
 from pdchat.core.kv.connector import Connectors, KVUnavailable
 from pdchat.core.settings import batching_options, kv_options
@@ -66,10 +67,15 @@ class TritonPythonModel:
         self.metrics.close()
 
     def _job(self, request, sender) -> DecodeJob:
-        stage = io.stage_input(request, self.seal, self.model.engine.context_length)
+        engine = self.model.engine
+        stage = io.stage_input(request, self.seal, engine.context_length, engine.vocab_size)
         ids, params, handle = stage.prompt_token_ids, stage.params, stage.kv_handle
+        if handle is not None:
+            first = Choice(handle.first_token_id, handle.first_token_logprobs)
+        else:
+            token = io.input_scalar(request, tensors.FIRST_TOKEN_ID)
+            first = None if token is None else Choice(int(token), io.input_logprobs(request))
         kv = io.input_array(request, tensors.KV_CACHE)
-        first = handle.first_token_id if handle is not None else io.input_scalar(request, tensors.FIRST_TOKEN_ID)
         # Own the KV: the request's input buffers are not ours once execute() returns.
         kv = None if kv is None else np.array(kv, dtype=np.float32, copy=True)
         assembler = self.model.assembler(ids, params)
@@ -81,7 +87,7 @@ class TritonPythonModel:
             self.metrics.started()
             kv_cache = kv if handle is None else self._pull(handle, params.request_id)
             released = None if handle is None or kv_cache is None else (lambda: self.connectors.done(handle))
-            return self.model.generation(ids, params, first_token_id=first, kv_cache=kv_cache, on_kv_released=released,
+            return self.model.generation(ids, params, first=first, kv_cache=kv_cache, on_kv_released=released,
                                          prefill_chunk=self.options.prefill_chunk)
 
         def emit(delta):

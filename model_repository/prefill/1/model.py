@@ -1,9 +1,11 @@
 """prefill: sealed prompt token ids -> first output token + the prompt's KV cache.
 
-The KV goes back as a tensor (one server), or, when the request names a
-`kv_destination` connector, is published there for a decode server and only its
-handle goes back.
+The KV goes back as a tensor with the first token and its logprobs (one server), or, when
+the request names a `kv_destination` connector, is published there for a decode server
+and only its handle goes back, carrying the first token and its logprobs.
 """
+
+from dataclasses import replace
 
 import triton_python_backend_utils as pb_utils
 
@@ -35,13 +37,16 @@ class TritonPythonModel:
 
     def _prefill(self, request):
         try:
-            stage = io.stage_input(request, self.seal, self.model.engine.context_length)
+            engine = self.model.engine
+            stage = io.stage_input(request, self.seal, engine.context_length, engine.vocab_size)
             destination = io.input_text(request, tensors.KV_DESTINATION)
-            token, kv = self.model.prefill(stage.prompt_token_ids, stage.params)
-            first = io.int32_tensor(tensors.FIRST_TOKEN_ID, [token])
+            choice, kv = self.model.prefill(stage.prompt_token_ids, stage.params)
+            first = io.int32_tensor(tensors.FIRST_TOKEN_ID, [choice.token_id])
             if destination is None:
-                return pb_utils.InferenceResponse(output_tensors=[first, pb_utils.Tensor(tensors.KV_CACHE, kv)])
-            handle = self.connectors.get(destination).publish(kv, token)
+                return pb_utils.InferenceResponse(output_tensors=[first, io.logprobs_tensor(choice.logprobs),
+                                                                  pb_utils.Tensor(tensors.KV_CACHE, kv)])
+            published = self.connectors.get(destination).publish(kv, choice.token_id)
+            handle = replace(published, first_token_logprobs=choice.logprobs)
         except Exception as exc:  # noqa: BLE001 - KVBudgetExceeded becomes UNAVAILABLE
             return io.error_response(exc)
         return pb_utils.InferenceResponse(output_tensors=[first, io.string_tensor(tensors.KV_HANDLE, handle.to_json())])

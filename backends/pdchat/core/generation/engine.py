@@ -96,16 +96,27 @@ class CausalLM:
         """Rebuild a cache from export_kv's array, checking it fits this model and prompt."""
         from transformers import DynamicCache
 
-        if kv.ndim != 5 or kv.shape[0] != self.num_layers or kv.shape[1] != 2 or kv.shape[KV_TOKEN_AXIS] != prompt_tokens:
-            raise InvalidRequest(
-                f"kv_cache of shape {list(kv.shape)} does not fit this model ({self.num_layers} layers) "
-                f"and a prompt of {prompt_tokens} tokens"
-            )
+        self._check_kv(kv, prompt_tokens)
         cache = DynamicCache(config=self.model.config)
         tensor = torch.from_numpy(np.ascontiguousarray(kv, dtype=np.float32)).to(self.device)
         for index in range(self.num_layers):
             cache.update(tensor[index, 0].unsqueeze(0), tensor[index, 1].unsqueeze(0), index)
         return cache
+
+    def import_kv_recomputing_last(self, kv: np.ndarray, prompt_token_ids: list[int]) -> PrefillResult:
+        """The prompt's cache from export_kv's array, its last token computed again for the
+        logits after the prompt, which a handoff does not carry: one token, not the prompt."""
+        self._check_kv(kv, len(prompt_token_ids))
+        head = kv[(slice(None),) * KV_TOKEN_AXIS + (slice(None, -1),)]
+        cache = self.import_kv(head, len(prompt_token_ids) - 1) if len(prompt_token_ids) > 1 else None
+        return self.prefill_chunk(prompt_token_ids[-1:], cache)
+
+    def _check_kv(self, kv: np.ndarray, prompt_tokens: int) -> None:
+        if kv.ndim != 5 or kv.shape[0] != self.num_layers or kv.shape[1] != 2 or kv.shape[KV_TOKEN_AXIS] != prompt_tokens:
+            raise InvalidRequest(
+                f"kv_cache of shape {list(kv.shape)} does not fit this model ({self.num_layers} layers) "
+                f"and a prompt of {prompt_tokens} tokens"
+            )
 
 
 class DecodeBatch:

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pdchat.core.generation.constraints import Constraint, ConstraintCompiler
+from pdchat.core.generation.constraints import ConstraintCompiler
 from pdchat.core.generation.engine import CausalLM
-from pdchat.core.generation.sampling import choose_token
+from pdchat.core.generation.sampling import Choice, LogitsShaper, TokenChooser, token_logprobs
 from pdchat.core.output.detokenizer import IncrementalDetokenizer
+from pdchat.core.output.logprobs import TokenSpeller
 from pdchat.core.output.parsing import THINK_OPEN, OutputParser, starts_in_reasoning
 from pdchat.core.output.responses import Delta, ResponseAssembler
 from pdchat.core.output.stopping import StopStringMatcher
@@ -36,19 +37,21 @@ class TextModel:
         self.eos_ids = self._eos_ids()
         self.constraints = ConstraintCompiler(self.tokenizer, self.engine.vocab_size)
         self.reasoning = THINK_OPEN in (self.tokenizer.chat_template or "")
+        self.speller = TokenSpeller(self.tokenizer)
 
-    def prefill(self, prompt_token_ids: list[int], params: GenerationParams) -> tuple[int, np.ndarray]:
-        """Prefill's whole job: the first output token and the prompt's KV for decode."""
-        constraint = self.constraints.constraint(params.constraint)
+    def prefill(self, prompt_token_ids: list[int], params: GenerationParams) -> tuple[Choice, np.ndarray]:
+        """Prefill's whole job: the first output token (with its logprobs, if asked) and the
+        prompt's KV for decode."""
+        chooser = self.chooser(prompt_token_ids, params)
         result = self.engine.prefill(prompt_token_ids)
-        return choose(result.last_logits, params, 0, constraint), self.engine.export_kv(result.cache)
+        return chooser.choose(result.last_logits), self.engine.export_kv(result.cache)
 
     def generation(
         self,
         prompt_token_ids: list[int],
         params: GenerationParams,
         *,
-        first_token_id: int | None = None,
+        first: Choice | None = None,
         kv_cache: np.ndarray | None = None,
         on_kv_released: Callable[[], None] | None = None,
         prefill_chunk: int | None = None,
@@ -56,15 +59,27 @@ class TextModel:
         """Decode state continuing from prefill's KV and first token; without them, prefill
         here: at once, or with `prefill_chunk`, chunk by chunk through prefill_step().
         `on_kv_released` runs once the cache no longer reads `kv_cache`'s memory."""
-        return Generation(self, prompt_token_ids, params, first_token_id=first_token_id, kv_cache=kv_cache,
+        return Generation(self, prompt_token_ids, params, first=first, kv_cache=kv_cache,
                           on_kv_released=on_kv_released, prefill_chunk=prefill_chunk)
 
-    def assembler(self, prompt_token_ids: list[int], params: GenerationParams) -> ResponseAssembler:
+    def chooser(self, prompt_token_ids: list[int], params: GenerationParams) -> TokenChooser:
+        """One request's token choice: its grammar, penalties and biases, its seeded draw."""
+        shaper = LogitsShaper(params, prompt_token_ids, self.engine.vocab_size, self.stop_ids(params))
+        return TokenChooser(params, shaper, self.constraints.constraint(params.constraint))
+
+    def stop_ids(self, params: GenerationParams) -> frozenset[int]:
+        """Tokens that end an answer: EOS (unless ignore_eos) and the request's stop_token_ids."""
+        return (frozenset() if params.ignore_eos else self.eos_ids) | frozenset(params.stop_token_ids)
+
+    def output_parser(self, prompt_token_ids: list[int], params: GenerationParams) -> OutputParser:
+        """Splits the answer's text into content, reasoning and tool calls (at most one
+        with parallel_tool_calls false)."""
         tail = self.tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:])
-        parser = OutputParser(
-            reasoning=self.reasoning, tools=params.parse_tool_calls, in_reasoning=starts_in_reasoning(tail)
-        )
-        return ResponseAssembler(params, prompt_token_ids, parser)
+        return OutputParser(reasoning=self.reasoning, tools=params.parse_tool_calls, in_reasoning=starts_in_reasoning(tail),
+                            max_tool_calls=None if params.parallel_tool_calls else 1)
+
+    def assembler(self, prompt_token_ids: list[int], params: GenerationParams) -> ResponseAssembler:
+        return ResponseAssembler(params, prompt_token_ids, self.output_parser(prompt_token_ids, params), self.speller)
 
     def _eos_ids(self) -> frozenset[int]:
         """EOS ids from both the generation config and the tokenizer (chat models differ)."""
@@ -73,16 +88,6 @@ class TextModel:
             if source is not None:
                 ids.update(source if isinstance(source, list) else [source])
         return frozenset(ids)
-
-
-def choose(logits, params: GenerationParams, position: int, constraint: Constraint | None) -> int:
-    """Sample output `position` within the request's grammar, if it has one."""
-    if constraint is not None:
-        logits = constraint.mask(logits)
-    token = choose_token(logits, temperature=params.temperature, top_p=params.top_p, seed=params.seed, position=position)
-    if constraint is not None:
-        constraint.accept(token)
-    return token
 
 
 class Generation:
@@ -97,7 +102,7 @@ class Generation:
     """
 
     def __init__(self, model: TextModel, prompt_token_ids: list[int], params: GenerationParams, *,
-                 first_token_id: int | None, kv_cache: np.ndarray | None,
+                 first: Choice | None, kv_cache: np.ndarray | None,
                  on_kv_released: Callable[[], None] | None = None, prefill_chunk: int | None = None):
         engine = model.engine
         self.engine = engine
@@ -105,24 +110,38 @@ class Generation:
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
         self.finished = False
-        self._eos = frozenset() if params.ignore_eos else model.eos_ids
+        self._stop_ids = model.stop_ids(params)
         self._detokenizer = IncrementalDetokenizer(model.tokenizer)
         self._stops = StopStringMatcher(params.stop)
-        self._constraint = model.constraints.constraint(params.constraint)
+        self._chooser = model.chooser(prompt_token_ids, params)
+        # parallel_tool_calls false: a parser of its own watches for the first complete call.
+        one_call = params.parse_tool_calls and not params.parallel_tool_calls
+        self._tool_call_watch = model.output_parser(prompt_token_ids, params) if one_call else None
         self._on_kv_released = on_kv_released
         self._prefill_chunk = prefill_chunk or len(prompt_token_ids)
         self._prefilled = 0
         self.cache = None
-        self._pending: int | None = None
+        self._pending: Choice | None = None
         engine.check_prompt(prompt_token_ids)
-        if kv_cache is not None and first_token_id is not None:
-            self.cache = engine.import_kv(kv_cache, len(prompt_token_ids))
-            self._prefilled = len(prompt_token_ids)
-            self._pending = first_token_id
-            if self._constraint is not None:
-                self._constraint.accept(first_token_id)  # replay prefill's choice into the grammar
+        if kv_cache is not None and first is not None:
+            self._pending = self._continue_from(first, kv_cache)
         elif prefill_chunk is None:
             self.prefill_step()  # the whole prompt at once
+
+    def _continue_from(self, first: Choice, kv_cache: np.ndarray) -> Choice:
+        """Take over prefill's KV and first token. Logprobs the request asks for that prefill
+        did not hand over (its leg did not ask for them, or for fewer alternatives) come from
+        the prompt's last token computed again here; logprobs it does not ask for are dropped."""
+        params, prompt = self.params, self.prompt_token_ids
+        logprobs = first.logprobs if params.logprobs else None
+        if params.logprobs and (logprobs is None or not logprobs.covers(first.token_id, params.top_logprobs)):
+            result = self.engine.import_kv_recomputing_last(kv_cache, prompt)
+            self.cache, logprobs = result.cache, token_logprobs(result.last_logits, first.token_id, params.top_logprobs)
+        else:
+            self.cache = self.engine.import_kv(kv_cache, len(prompt))
+        self._prefilled = len(prompt)
+        self._chooser.replay(first.token_id)  # prefill's choice, into grammar and penalties
+        return Choice(first.token_id, None if logprobs is None else logprobs.trimmed(params.top_logprobs))
 
     @property
     def prefilling(self) -> bool:
@@ -135,20 +154,19 @@ class Generation:
         result = self.engine.prefill_chunk(self.prompt_token_ids[self._prefilled:end], self.cache)
         self.cache, self._prefilled = result.cache, end
         if end == len(self.prompt_token_ids):
-            self._pending = choose(result.last_logits, self.params, 0, self._constraint)
+            self._pending = self._chooser.choose(result.last_logits)
             return True
         return False
 
     def emit(self) -> Delta:
-        """The pending token as the client sees it; sets `finished` when it is the last."""
-        token = self._pending
+        """The pending token as the client sees it; sets `finished` when it is the last.
+        A stop token (EOS, stop_token_ids) ends the answer without adding text, as in vLLM."""
+        choice = self._pending
+        token = choice.token_id
         self.output_token_ids.append(token)
-        finish = None
-        text = self._detokenizer.push(token)
-        if token in self._eos:
-            finish = FINISH_STOP
-        elif len(self.output_token_ids) >= self.params.max_tokens:
-            finish = FINISH_LENGTH
+        stopped = token in self._stop_ids
+        text = "" if stopped else self._detokenizer.push(token)
+        finish = self._finish(stopped, text)
         if finish:
             text += self._detokenizer.flush()
         released, hit_stop = self._stops.feed(text)
@@ -159,7 +177,16 @@ class Generation:
         self.finished = bool(finish)
         if self.finished:
             self.cache = None  # free the KV as soon as the answer is complete
-        return Delta(released, [token], finish)
+        return Delta(released, [token], finish, [] if choice.logprobs is None else [choice.logprobs])
+
+    def _finish(self, stopped: bool, text: str) -> str | None:
+        if stopped:
+            return FINISH_STOP
+        if self._tool_call_watch is not None and self._tool_call_watch.feed(text).tool_calls:
+            return FINISH_STOP  # the first complete tool call (the client sees finish_reason tool_calls)
+        if len(self.output_token_ids) >= self.params.max_tokens:
+            return FINISH_LENGTH
+        return None
 
     @property
     def last_token_id(self) -> int:
@@ -167,7 +194,7 @@ class Generation:
 
     def accept(self, logits) -> None:
         """Choose the next token from the logits that followed the last emitted one."""
-        self._pending = choose(logits, self.params, len(self.output_token_ids), self._constraint)
+        self._pending = self._chooser.choose(logits)
 
     def kv_moved(self) -> None:
         """The KV no longer reads the imported memory (grown into new tensors, copied into a

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from pdchat.core.errors import Unavailable
+from pdchat.core.output.logprobs import TokenLogprobs
 
 DEFAULT_BUDGET_BYTES = 2 << 30
 DEFAULT_KV_TTL_S = 60.0
@@ -32,6 +33,8 @@ class KVHandle:
     Travels prefill -> chat -> (signed, router) -> decode's chat -> decode as `to_json()`.
     `location` is the connector's own address of the KV (shm: a file name; nixl: agent,
     metadata, buffer id and address); nothing outside the connector reads it.
+    `first_token_logprobs`: that token's logprobs when the request asked for them, so the
+    handoff's signature and chat's seal cover them like the token itself.
     """
 
     connector: str
@@ -39,14 +42,19 @@ class KVHandle:
     expires_at: float
     first_token_id: int
     location: dict[str, Any] = field(default_factory=dict)
+    first_token_logprobs: TokenLogprobs | None = None
 
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape)) * 4  # FP32 KV
 
     def to_dict(self) -> dict[str, Any]:
-        return {"connector": self.connector, "shape": list(self.shape), "expires_at": self.expires_at,
-                "first_token_id": self.first_token_id, "location": self.location}
+        """The handle as JSON values; `first_token_logprobs` only when there are some."""
+        value = {"connector": self.connector, "shape": list(self.shape), "expires_at": self.expires_at,
+                 "first_token_id": self.first_token_id, "location": self.location}
+        if self.first_token_logprobs is not None:
+            value["first_token_logprobs"] = self.first_token_logprobs.to_dict()
+        return value
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
@@ -60,7 +68,12 @@ class KVHandle:
             shape = tuple(int(n) for n in value["shape"])
             if not shape or min(shape) < 0:
                 raise ValueError(f"bad shape {value['shape']!r}")
-            return cls(str(value["connector"]), shape, float(value["expires_at"]), int(value["first_token_id"]), value["location"])
+            first_token_id = int(value["first_token_id"])
+            logprobs = value.get("first_token_logprobs")
+            logprobs = None if logprobs is None else TokenLogprobs.from_dict(logprobs)
+            if logprobs is not None and logprobs.token_id != first_token_id:
+                raise ValueError("first_token_logprobs are not those of first_token_id")
+            return cls(str(value["connector"]), shape, float(value["expires_at"]), first_token_id, value["location"], logprobs)
         except (KeyError, TypeError, ValueError) as exc:
             raise KVUnavailable(f"malformed KV handle: {exc!r}") from None
 

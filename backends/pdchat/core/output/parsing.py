@@ -3,7 +3,9 @@
 Markers: `<think>...</think>` (reasoning) and Hermes-style
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. Text that might be the start
 of a marker is held back until it is decided; a tool call is emitted whole once closed.
-Nothing is dropped: an unparsable tool call comes back as content.
+Nothing is dropped: an unparsable tool call comes back as content. The one exception is
+`max_tool_calls` (parallel_tool_calls false): generation stops at the call that reaches it,
+and what the same token spelled after it is not part of the answer.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
-CONTENT, REASONING, TOOL_CALL = "content", "reasoning", "tool_call"
+CONTENT, REASONING, TOOL_CALL, DONE = "content", "reasoning", "tool_call", "done"
 
 
 @dataclass
@@ -37,23 +39,26 @@ def starts_in_reasoning(prompt_tail: str) -> bool:
 
 
 class OutputParser:
-    def __init__(self, *, reasoning: bool, tools: bool, in_reasoning: bool = False):
+    def __init__(self, *, reasoning: bool, tools: bool, in_reasoning: bool = False, max_tool_calls: int | None = None):
         self._reasoning = reasoning
         self._tools = tools
+        self._max_tool_calls = max_tool_calls
         self._state = REASONING if reasoning and in_reasoning else CONTENT
         self._buffer = ""
         self._tool_count = 0
         self._after_think = False  # drop the blank line the template puts after </think>
 
     def feed(self, text: str) -> ParsedDelta:
-        self._buffer += text
         out = ParsedDelta()
+        if self._state == DONE:
+            return out
+        self._buffer += text
         while self._step(out):
             pass
         return out
 
     def finish(self) -> ParsedDelta:
-        """End of output: release what was held back, in the state it was in."""
+        """End of output: release what was held back, in the state it was in (nothing once DONE)."""
         out = ParsedDelta()
         rest, self._buffer = self._buffer, ""
         if self._state == REASONING:
@@ -92,11 +97,14 @@ class OutputParser:
         before, self._buffer = self._buffer[:index], self._buffer[index + len(marker) :]
         if self._state == TOOL_CALL:
             call = self._tool_call(before)
+            self._state = CONTENT
             if call is None:
                 out.content += TOOL_OPEN + before + TOOL_CLOSE
             else:
                 out.tool_calls.append(call)
-            self._state = CONTENT
+                if self._tool_count == self._max_tool_calls:
+                    self._state, self._buffer = DONE, ""
+                    return False
             return True
         self._emit(out, before)
         if marker == THINK_OPEN:

@@ -3,7 +3,9 @@
 Streaming: one output per delta (`chat.completion.chunk`), and with
 stream_options.include_usage a last chunk with empty `choices` and the `usage`, as OpenAI
 sends it. Not streaming: one output at the end (`chat.completion`). The text is parsed into content, reasoning_content and
-tool_calls; text_output keeps the raw text. Token ids also travel as binary tensors.
+tool_calls; text_output keeps the raw text. Token ids also travel as binary tensors. With
+`logprobs`, each choice carries OpenAI's `logprobs.content` for its tokens (every token,
+stop tokens included, whether or not its text was shown).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pdchat.core.output.logprobs import TokenLogprobs, TokenSpeller
 from pdchat.core.output.parsing import OutputParser, ParsedDelta
 from pdchat.core.request.protocol import GenerationParams
 
@@ -25,6 +28,7 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when the request asked
 
 
 @dataclass(frozen=True)
@@ -43,13 +47,15 @@ class ClientOutput:
 
 
 class ResponseAssembler:
-    def __init__(self, params: GenerationParams, prompt_token_ids: list[int], parser: OutputParser):
+    def __init__(self, params: GenerationParams, prompt_token_ids: list[int], parser: OutputParser, speller: TokenSpeller):
         self._params = params
         self._prompt_token_ids = prompt_token_ids
         self._parser = parser
+        self._speller = speller
         self._first = True
         self._text: list[str] = []
         self._token_ids: list[int] = []
+        self._logprobs: list[TokenLogprobs] = []
         self._parsed = ParsedDelta()
 
     def on_delta(self, delta: Delta) -> list[ClientOutput]:
@@ -57,6 +63,7 @@ class ResponseAssembler:
         asked for usage, two); only the last one of a request carries its finish_reason."""
         self._text.append(delta.text)
         self._token_ids.extend(delta.token_ids)
+        self._logprobs.extend(delta.logprobs)
         parsed = self._parser.feed(delta.text)
         if delta.finish_reason:
             parsed.extend(self._parser.finish())
@@ -83,7 +90,7 @@ class ResponseAssembler:
         if parsed.tool_calls:
             message["tool_calls"] = parsed.tool_calls
         prompt_ids = self._prompt_token_ids if self._first else []
-        choice = {"index": 0, "delta": message, "finish_reason": finish or None}
+        choice = {"index": 0, "delta": message, **self._logprobs_field(delta.logprobs), "finish_reason": finish or None}
         body = self._envelope("chat.completion.chunk", choice, prompt_ids, delta.token_ids)
         self._first = False
         return ClientOutput(delta.text, json.dumps(body, ensure_ascii=False), prompt_ids, delta.token_ids, finish)
@@ -100,7 +107,7 @@ class ResponseAssembler:
             message["reasoning_content"] = parsed.reasoning
         if parsed.tool_calls:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in parsed.tool_calls]
-        choice = {"index": 0, "message": message, "finish_reason": finish}
+        choice = {"index": 0, "message": message, **self._logprobs_field(self._logprobs), "finish_reason": finish}
         body = self._envelope("chat.completion", choice, self._prompt_token_ids, self._token_ids)
         body["usage"] = self._usage()
         body.update(extra or {})
@@ -111,6 +118,10 @@ class ResponseAssembler:
             self._token_ids,
             finish,
         )
+
+    def _logprobs_field(self, entries: list[TokenLogprobs]) -> dict[str, Any]:
+        """A choice's `logprobs`, only when the request asked for them."""
+        return {"logprobs": {"content": self._speller.content(entries)}} if self._params.logprobs else {}
 
     def _envelope(self, kind: str, choice: dict, prompt_ids: list[int], token_ids: list[int]) -> dict:
         body = {"id": self._params.request_id, "object": kind, "created": self._params.created, "model": self._params.model}
@@ -126,12 +137,13 @@ class ResponseAssembler:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def remote_prefill_output(params: GenerationParams, prompt_token_ids: list[int], first_token_id: int, text: str,
+def remote_prefill_output(params: GenerationParams, prompt_token_ids: list[int], first: Delta, speller: TokenSpeller,
                           kv_transfer_params: dict[str, Any]) -> ClientOutput:
     """Prefill's whole answer to a do_remote_decode request: the first token only (like
-    vLLM's prefill with max_tokens=1); the decode server produces the answer. The JSON carries
-    kv_transfer_params at top level with the prompt ids listed, as vLLM returns them, so a
-    vLLM-style proxy copies them into the decode request as they are."""
-    assembler = ResponseAssembler(replace(params, stream=False), prompt_token_ids, OutputParser(reasoning=False, tools=False))
-    assembler.on_delta(Delta(text, [first_token_id], None))
+    vLLM's prefill with max_tokens=1), with its logprobs if asked; the decode server produces
+    the answer. The JSON carries kv_transfer_params at top level with the prompt ids listed,
+    as vLLM returns them, so a vLLM-style proxy copies them into the decode request as they are."""
+    parser = OutputParser(reasoning=False, tools=False)
+    assembler = ResponseAssembler(replace(params, stream=False), prompt_token_ids, parser, speller)
+    assembler.on_delta(first)
     return assembler._completion("length", {"kv_transfer_params": {**kv_transfer_params, "prompt_token_ids": prompt_token_ids}})

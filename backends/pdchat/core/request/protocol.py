@@ -8,6 +8,7 @@ refusal is an `InvalidRequest` naming the field and what is accepted.
 from __future__ import annotations
 
 import json
+import math
 import re
 import secrets
 import time
@@ -26,7 +27,15 @@ HONOURED_FIELDS = frozenset({
     "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream",
     "stream_options", "n", "tools", "tool_choice", "response_format", "chat_template_kwargs", "add_generation_prompt",
     "continue_final_message", "ignore_eos", "return_token_ids", "kv_transfer_params",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "top_k",
+    "min_p", "logprobs", "top_logprobs", "parallel_tool_calls",
 })
+# OpenAI's bounds: penalties in [-2, 2], biases in [-100, 100], up to 20 alternatives per token.
+PENALTY_BOUND = 2.0
+LOGIT_BIAS_BOUND = 100.0
+MAX_TOP_LOGPROBS = 20
+# Fields whose JSON form is a list but whose value is a tuple (frozen, comparable).
+_TUPLE_FIELDS = ("stop", "stop_token_ids")
 # Generous but finite: the default when a request names no max_tokens.
 DEFAULT_MAX_TOKENS = 256
 # A JSON escape of a UTF-16 surrogate: the only way a body that decodes can still hold
@@ -50,9 +59,36 @@ class SamplingOptions:
     constraint: dict[str, Any] | None = None
     # stream_options.include_usage: a last chunk with empty choices and the usage.
     include_usage: bool = False
+    # Per request, inside the batched engine (core.generation.sampling.LogitsShaper):
+    # OpenAI's presence/frequency penalties over the output so far, vLLM's repetition
+    # penalty over prompt + output, biases by token id (decimal string keys, OpenAI's form).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] = field(default_factory=dict)
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    # EOS and stop_token_ids are suppressed until min_tokens tokens are out.
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    # Raw log-probabilities of each output token, and of its top_logprobs alternatives.
+    logprobs: bool = False
+    top_logprobs: int = 0
+    # False: the answer ends with its first complete tool call.
+    parallel_tool_calls: bool = True
 
     def sampling_options(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(SamplingOptions)}
+
+    def check_controls(self, vocab_size: int, max_tokens: int | None) -> None:
+        """Refuse penalties, biases, limits and logprobs out of range (the very checks a body
+        gets), token ids outside the vocabulary, and min_tokens above max_tokens."""
+        _sampling_controls(self.sampling_options())
+        for key, ids in (("logit_bias", [int(k) for k in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            outside = [i for i in ids if i >= vocab_size]
+            if outside:
+                raise InvalidRequest(f"'{key}' names token ids outside this model's vocabulary of {vocab_size}: {outside[:5]}")
+        _min_tokens_fit(self.min_tokens, max_tokens)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,18 +108,17 @@ class GenerationParams(SamplingOptions):
     @classmethod
     def from_json(cls, text: str) -> GenerationParams:
         try:
-            values = json.loads(text)
-            values["stop"] = tuple(values.get("stop", ()))
-            return cls(**values)
+            return cls(**_tuples(json.loads(text)))
         except (ValueError, TypeError) as exc:
             raise InvalidRequest(f"generation_params is not valid GenerationParams JSON: {exc}") from exc
 
-    def check(self, prompt_tokens: int, context_length: int) -> None:
+    def check(self, prompt_tokens: int, context_length: int, vocab_size: int) -> None:
         """What a stage model verifies before any work, whoever sent the params."""
         _number("temperature", self.temperature, 0.0, 0.0, 2.0)
         _number("top_p", self.top_p, 0.0, 1e-6, 1.0)
         _positive_int("max_tokens", self.max_tokens)
         _seed(self.seed)
+        self.check_controls(vocab_size, self.max_tokens)
         if prompt_tokens + self.max_tokens > context_length:
             raise InvalidRequest(f"{prompt_tokens} prompt tokens + max_tokens={self.max_tokens} exceed this model's context of "
                                  f"{context_length} tokens")
@@ -117,19 +152,20 @@ class ChatRequest(SamplingOptions):
     def from_json(cls, text: str) -> ChatRequest:
         """Back from to_json(), without validating again (the caller checks its seal)."""
         try:
-            values = json.loads(text)
-            values["stop"] = tuple(values.get("stop", ()))
-            return cls(**values)
+            return cls(**_tuples(json.loads(text)))
         except (ValueError, TypeError) as exc:
             raise InvalidRequest(f"chat_request is not valid ChatRequest JSON: {exc}") from exc
 
-    def generation_params(self, prompt_tokens: int, context_length: int, served_model: str) -> GenerationParams:
-        """Freeze the sampling side once the prompt's length is known (it bounds max_tokens)."""
+    def generation_params(self, prompt_tokens: int, context_length: int, vocab_size: int, served_model: str) -> GenerationParams:
+        """Freeze the sampling side once the prompt's length is known (it bounds max_tokens)
+        and the vocabulary (it bounds logit_bias and stop_token_ids)."""
         if self.model not in (None, "", served_model):
             raise InvalidRequest(f"model '{self.model}' is not served here; this server serves '{served_model}'")
+        max_tokens = resolve_max_tokens(self.max_tokens, prompt_tokens, context_length, at_least=self.min_tokens)
+        self.check_controls(vocab_size, max_tokens)
         return GenerationParams(
             **self.sampling_options(),
-            max_tokens=resolve_max_tokens(self.max_tokens, prompt_tokens, context_length),
+            max_tokens=max_tokens,
             # A random seed chosen once here keeps prefill and decode on one sample path.
             seed=self.seed if self.seed is not None else secrets.randbits(63),
             parse_tool_calls=self.parse_tool_calls,
@@ -172,9 +208,11 @@ def chat_request_from_body(data: dict[str, Any], *, check_grammar: bool = True) 
     n = data.get("n", 1)
     if n != 1:
         raise InvalidRequest(f"'n' must be 1 (one choice per request; send n requests for n choices), got {n!r}")
-    max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
+    max_tokens = _positive_int("max_tokens", data.get("max_completion_tokens", data.get("max_tokens")))
     tools = _tools(data.get("tools"))
     tool_choice = data.get("tool_choice")
+    controls = _sampling_controls(data)
+    _min_tokens_fit(controls["min_tokens"], max_tokens)
     return ChatRequest(
         messages=_messages(data.get("messages")),
         tools=tools,
@@ -184,7 +222,7 @@ def chat_request_from_body(data: dict[str, Any], *, check_grammar: bool = True) 
         add_generation_prompt=_typed(data, "add_generation_prompt", bool, True),
         continue_final_message=_typed(data, "continue_final_message", bool, False),
         model=_typed(data, "model", str, None),
-        max_tokens=_positive_int("max_tokens", max_tokens),
+        max_tokens=max_tokens,
         temperature=_number("temperature", data.get("temperature"), 1.0, 0.0, 2.0),
         top_p=_number("top_p", data.get("top_p"), 1.0, 1e-6, 1.0),
         seed=_seed(data.get("seed")),
@@ -194,7 +232,40 @@ def chat_request_from_body(data: dict[str, Any], *, check_grammar: bool = True) 
         return_token_ids=_typed(data, "return_token_ids", bool, False),
         include_usage=_include_usage(data.get("stream_options"), data.get("stream")),
         kv_transfer_params=_typed(data, "kv_transfer_params", dict, None),
+        **controls,
     )
+
+
+def _sampling_controls(data: dict[str, Any]) -> dict[str, Any]:
+    """Penalties, biases, limits and logprobs, validated and normalized: one place for their
+    rules, applied to a client's body and again to the params a stage model receives."""
+    logprobs = _typed(data, "logprobs", bool, False)
+    top_logprobs = _bounded_int("top_logprobs", data.get("top_logprobs"), 0, MAX_TOP_LOGPROBS)
+    if top_logprobs and not logprobs:
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true")
+    return {
+        "presence_penalty": _number("presence_penalty", data.get("presence_penalty"), 0.0, -PENALTY_BOUND, PENALTY_BOUND),
+        "frequency_penalty": _number("frequency_penalty", data.get("frequency_penalty"), 0.0, -PENALTY_BOUND, PENALTY_BOUND),
+        "repetition_penalty": _positive_number("repetition_penalty", data.get("repetition_penalty"), 1.0),
+        "logit_bias": _logit_bias(data.get("logit_bias")),
+        "top_k": _top_k(data.get("top_k")),
+        "min_p": _number("min_p", data.get("min_p"), 0.0, 0.0, 1.0),
+        "min_tokens": _bounded_int("min_tokens", data.get("min_tokens"), 0, None),
+        "stop_token_ids": _token_ids("stop_token_ids", data.get("stop_token_ids")),
+        "logprobs": logprobs,
+        "top_logprobs": top_logprobs,
+        "parallel_tool_calls": _typed(data, "parallel_tool_calls", bool, True),
+    }
+
+
+def _min_tokens_fit(min_tokens: int, max_tokens: int | None) -> None:
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise InvalidRequest(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})")
+
+
+def _tuples(values: dict[str, Any]) -> dict[str, Any]:
+    """JSON lists back into the tuples the dataclasses hold."""
+    return {**values, **{key: tuple(values[key]) for key in _TUPLE_FIELDS if key in values}}
 
 
 def _include_usage(options: Any, stream: Any) -> bool:
@@ -232,8 +303,9 @@ def text_input_request(
     )
 
 
-def resolve_max_tokens(requested: int | None, prompt_tokens: int, context_length: int) -> int:
-    """Fit the answer into the context window; refuse what cannot fit."""
+def resolve_max_tokens(requested: int | None, prompt_tokens: int, context_length: int, *, at_least: int = 0) -> int:
+    """Fit the answer into the context window; refuse what cannot fit. The default leaves
+    room for `at_least` tokens (min_tokens) where the context allows."""
     room = context_length - prompt_tokens
     if room < 1:
         raise InvalidRequest(
@@ -241,7 +313,7 @@ def resolve_max_tokens(requested: int | None, prompt_tokens: int, context_length
             f"context of {context_length} tokens"
         )
     if requested is None:
-        return min(DEFAULT_MAX_TOKENS, room)
+        return min(max(DEFAULT_MAX_TOKENS, at_least), room)
     if requested > room:
         raise InvalidRequest(
             f"max_tokens={requested} does not fit: this model's context is {context_length} tokens "
@@ -356,6 +428,56 @@ def _number(key: str, value: Any, default: float, low: float, high: float) -> fl
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
         raise InvalidRequest(f"'{key}' must be a number in [{low:g}, {high:g}], got {value!r}")
     return float(value)
+
+
+def _positive_number(key: str, value: Any, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise InvalidRequest(f"'{key}' must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def _bounded_int(key: str, value: Any, low: int, high: int | None) -> int:
+    if value is None:
+        return low
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        accepted = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise InvalidRequest(f"'{key}' must be an integer {accepted}, got {value!r}")
+    return value
+
+
+def _top_k(value: Any) -> int:
+    """-1 and 0 both mean off (vLLM, HF); stored as 0."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise InvalidRequest(f"'top_k' must be -1 or 0 (off) or a positive integer, got {value!r}")
+    return max(value, 0)
+
+
+def _logit_bias(value: Any) -> dict[str, float]:
+    """{token id as a decimal string: bias in [-100, 100]}, keys normalized ("007" -> "7")."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidRequest("'logit_bias' must be an object mapping token ids (as strings) to biases in [-100, 100]")
+    bias = {}
+    for key, amount in value.items():
+        if not isinstance(key, str) or not key.isascii() or not key.isdigit():
+            raise InvalidRequest(f"'logit_bias' keys must be token ids (non-negative integers as strings), got {key!r}")
+        if amount is None:
+            raise InvalidRequest(f"'logit_bias[{key}]' must be a number in [{-LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}], got None")
+        bias[str(int(key))] = _number(f"logit_bias[{key}]", amount, 0.0, -LOGIT_BIAS_BOUND, LOGIT_BIAS_BOUND)
+    return bias
+
+
+def _token_ids(key: str, value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+        raise InvalidRequest(f"'{key}' must be a list of token ids (non-negative integers), got {value!r}")
+    return tuple(value)
 
 
 def _seed(value: Any) -> int | None:

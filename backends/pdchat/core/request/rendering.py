@@ -62,7 +62,9 @@ class ChatRenderer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if not self.tokenizer.chat_template:
             raise ModelUnavailable(f"the tokenizer in {model_dir} has no chat template")
-        self.context_length = int(AutoConfig.from_pretrained(model_dir).max_position_embeddings)
+        config = AutoConfig.from_pretrained(model_dir)
+        self.context_length = int(config.max_position_embeddings)
+        self.vocab_size = int(config.vocab_size)  # the logits' width: bounds logit_bias and stop_token_ids
         self.served_name = served_name
         # Templates that never mention tools would drop them silently; refuse instead.
         self.supports_tools = "tools" in self.tokenizer.chat_template
@@ -86,7 +88,7 @@ class ChatRenderer:
         if request.tools and not self.supports_tools:
             raise InvalidRequest(f"the chat template of '{self.served_name}' does not support tools")
         ids = self.token_ids(request)
-        return RenderedPrompt(ids, request.generation_params(len(ids), self.context_length, self.served_name))
+        return RenderedPrompt(ids, request.generation_params(len(ids), self.context_length, self.vocab_size, self.served_name))
 
     def token_ids(self, request: ChatRequest) -> list[int]:
         """Apply the chat template and tokenize, as prefill and the reference both need."""
