@@ -153,6 +153,9 @@ class TritonServer:
     # How long a stopping server lets requests in flight finish before it unloads its
     # models anyway (Triton's default, 30 s, makes a stop under load look like a hang).
     exit_timeout_s: int = 10
+    # Run inside this network namespace (`ip netns exec`): a host of its own, for tests
+    # that cross a network on one machine.
+    netns: str | None = None
     process: subprocess.Popen | None = None
     shm_prefix: str = field(default_factory=lambda: f"pdchat_{uuid.uuid4().hex[:8]}_")
 
@@ -180,6 +183,7 @@ class TritonServer:
         self.grpc_port = self.grpc_port or free_port()
         self.metrics_port = self.metrics_port or free_port()
         args = [
+            *(["ip", "netns", "exec", self.netns] if self.netns else []),
             str(binary),
             f"--model-repository={self.model_repository}",
             f"--http-address={self.host}",

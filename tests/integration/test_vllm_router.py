@@ -40,7 +40,8 @@ def deployment(decode_server, tmp_path_factory):
         fronts[name] = (start(command, port, logs / f"{name}.log"), port)
     router_port = free_port()
     command = [f"{sys.prefix}/bin/vllm-router", "--vllm-pd-disaggregation", "--port", str(router_port),
-               "--prefill", *(f"http://127.0.0.1:{fronts[n][1]}" for n in ("prefill-a", "prefill-b")),
+               # Each --prefill takes one URL (a second word would be its bootstrap port).
+               "--prefill", f"http://127.0.0.1:{fronts['prefill-a'][1]}", "--prefill", f"http://127.0.0.1:{fronts['prefill-b'][1]}",
                "--decode", f"http://127.0.0.1:{fronts['decode-a'][1]}", "--decode", f"http://127.0.0.1:{fronts['decode-b'][1]}",
                "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--worker-startup-timeout-secs", "60"]
     router = start(command, router_port, logs / "vllm-router.log")

@@ -35,6 +35,7 @@ ENV_HANDOFF_KEY = "PDCHAT_HANDOFF_KEY"  # the deployment's shared secret (at lea
 ENV_HANDOFF_KEY_FILE = "PDCHAT_HANDOFF_KEY_FILE"  # or a file holding it
 # Seals stage inputs (renderer/prefill/decode accept only what this server's renderer or gate made).
 ENV_STAGE_KEY = "PDCHAT_STAGE_KEY"
+ENV_KV_PULL_TIMEOUT_S = "PDCHAT_KV_PULL_TIMEOUT_S"  # decode: longest NIXL READ before recomputing (30 s)
 ENV_API_KEY = "PDCHAT_API_KEY"  # the router's bearer token (pdchat router --api-key)
 ENV_DEVICE = "PDCHAT_DEVICE"
 ENV_CACHE_DIR = "PDCHAT_CACHE_DIR"

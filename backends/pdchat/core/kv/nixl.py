@@ -10,6 +10,7 @@ is freed when its TTL passes. DRAM to DRAM here; GPU memory works the same way.
 from __future__ import annotations
 
 import base64
+import os
 import threading
 import time
 import uuid
@@ -18,9 +19,11 @@ from typing import Any
 import numpy as np
 
 from pdchat.core.kv.base import DEFAULT_BUDGET_BYTES, DEFAULT_KV_TTL_S, KVBudgetExceeded, KVHandle, KVUnavailable
+from pdchat.core.settings import ENV_KV_PULL_TIMEOUT_S
 from pdchat.registry import NIXL
 
-PULL_TIMEOUT_S = 30.0
+# A READ from a peer that cannot be reached gives up after this; decode then recomputes.
+PULL_TIMEOUT_S = float(os.environ.get(ENV_KV_PULL_TIMEOUT_S) or 30.0)
 # UCX's own progress thread busy-spins a core; polling notifications drives the
 # worker too, so a light loop serves peers' READs at a fraction of the CPU.
 PROGRESS_INTERVAL_S = 0.002
