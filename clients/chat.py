@@ -19,6 +19,7 @@ import numpy as np
 
 from pdchat import tensors
 from pdchat.core.errors import INTERNAL, INVALID_ARG, UNAVAILABLE, split_error_class
+from pdchat.core.output.responses import FAILED
 
 DEFAULT_MODEL = "chat"
 TIMEOUT_S = 600.0
@@ -129,6 +130,9 @@ def _to_output(get: Callable[[str], Any]) -> ChatOutput:
         return [] if value is None else [int(v) for v in np.asarray(value).reshape(-1)]
 
     body, handoff = text(tensors.RESPONSE), text(tensors.KV_TRANSFER_PARAMS)
+    if text(tensors.FINISH_REASON) == FAILED:  # a stream that failed mid-way (chat_ensemble, decode)
+        error = json.loads(body)["error"]
+        raise ChatError(split_error_class(error["message"])[1], _STATUS_OF_CLASS.get(error["type"], ""))
     return ChatOutput(
         text(tensors.TEXT_OUTPUT),
         body,

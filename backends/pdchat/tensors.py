@@ -30,20 +30,17 @@ OUTPUT_TOKEN_IDS = "output_token_ids"
 FINISH_REASON = "finish_reason"
 
 # Between stages: renderer -> prefill -> decode.
-GENERATION_PARAMS = "generation_params"  # JSON of core.protocol.GenerationParams
-KV_CACHE = "kv_cache"  # FP32 [layers, 2, kv_heads, tokens, head_dim]
-FIRST_TOKEN_ID = "first_token_id"  # INT32 [1], sampled by prefill
-# BYTES [1]: that token's core.output.logprobs.TokenLogprobs JSON, or "" when not asked for.
-FIRST_TOKEN_LOGPROBS = "first_token_logprobs"
-# prefill: publish the KV through this connector (shm, nixl) and answer KV_HANDLE instead of KV_CACHE.
+GENERATION_PARAMS = "generation_params"  # JSON of core.request.protocol.GenerationParams
+FIRST_TOKEN_ID = "first_token_id"  # INT32 [1], sampled by prefill (also inside KV_HANDLE)
+# prefill: publish the KV through this connector (shm, the default; nixl) and answer its KV_HANDLE.
 KV_DESTINATION = "kv_destination"
-KV_HANDLE = "kv_handle"  # JSON handle of published KV; decode pulls it
+KV_HANDLE = "kv_handle"  # JSON of core.kv.base.KVHandle: where the KV is, the first token; decode pulls it
 # decode control input: stop the request whose GenerationParams.request_id this names
 # (Triton 2.51 passes no cancellation from a BLS caller or an ensemble to decode).
 CANCEL_REQUEST_ID = "cancel_request_id"
 # renderer input from chat: the ChatRequest chat parsed already (canonical JSON), not re-parsed.
 CHAT_REQUEST = "chat_request"
-# Seal on stage inputs (ensemble.seal): made by the renderer or chat, checked by each stage.
+# Seal on stage inputs (ensemble.seal): made by the renderer, prefill or chat, checked by each stage.
 STAGE_SEAL = "stage_seal"
 
 # Optional scalar inputs of the text_input convention: name -> numpy dtype name.

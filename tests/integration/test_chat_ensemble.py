@@ -137,9 +137,10 @@ def test_non_decoupled_stages_answer_http_infer(server):
     prefill_inputs[1].set_data_from_numpy(params)
     prefill_inputs[2].set_data_from_numpy(rendered.as_numpy("stage_seal"))  # the renderer's seal opens prefill
     prefilled = client.infer("prefill", prefill_inputs)
-    kv = prefilled.as_numpy("kv_cache")
-    assert kv.shape == (4, 2, 2, len(ids), 64) and kv.dtype == np.float32
-    assert prefilled.as_numpy("first_token_id").shape == (1,)
+    handle = json.loads(prefilled.as_numpy("kv_handle")[0])
+    assert handle["connector"] == "shm" and handle["shape"] == [4, 2, 2, len(ids), 64]
+    assert handle["first_token_id"] == prefilled.as_numpy("first_token_id")[0]
+    assert prefilled.as_numpy("stage_seal")[0] != rendered.as_numpy("stage_seal")[0]  # prefill's own seal opens decode
     client.close()
 
 

@@ -90,6 +90,27 @@ def test_a_kv_handle_needs_the_gate_s_seal(server, rendered):
     assert UNSEALED in message
 
 
+@pytest.mark.parametrize("own", ["kv_cache", "first_token_id"])
+def test_decode_takes_no_kv_or_first_token_of_a_client_s_own(server, rendered, own):
+    """Prefill's KV and first token reach decode only inside prefill's sealed handle: a
+    client's own (a red-team finding: an out-of-vocabulary first token failed every stream
+    of the batch) is not even an input."""
+    value = np.zeros((4, 2, 2, 8, 64), dtype=np.float32) if own == "kv_cache" else np.array([10**6], dtype=np.int32)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    inputs = []
+    for name, array in [("prompt_token_ids", rendered["prompt_token_ids"]), ("generation_params", rendered["generation_params"]),
+                        ("stage_seal", rendered["stage_seal"]), (own, value)]:
+        entry = grpcclient.InferInput(name, list(array.shape), {"i": "INT32", "f": "FP32"}.get(array.dtype.kind, "BYTES"))
+        entry.set_data_from_numpy(array)
+        inputs.append(entry)
+    errors = []
+    client.start_stream(callback=lambda result, error: errors.append(error))
+    client.async_stream_infer("decode", inputs)
+    client.stop_stream()
+    client.close()
+    assert errors and errors[0] is not None and f"unexpected inference input '{own}'" in str(errors[0])
+
+
 def test_a_cancellation_needs_chat_s_seal(server):
     assert "an unsealed cancellation" in refusal(server, "decode", cancel_request_id="chatcmpl-0", stage_seal="x")
 

@@ -70,3 +70,15 @@ def test_max_tool_calls_ends_parsing_with_the_call_that_reaches_it(pieces):
 def test_an_unparsable_call_does_not_count_towards_max_tool_calls():
     out = parse('<tool_call>{bad}</tool_call><tool_call>{"name": "a"}</tool_call>tail', max_tool_calls=1)
     assert out.content == "<tool_call>{bad}</tool_call>" and len(out.tool_calls) == 1
+
+
+def test_a_stream_that_failed_mid_way_is_a_client_error_with_its_class():
+    import pytest
+
+    from pdchat.clients.chat import ChatError, _to_output
+
+    body = json.dumps({"error": {"message": "[UNAVAILABLE] decode is full", "type": "UNAVAILABLE"}})
+    outputs = {"text_output": b"", "response": body.encode(), "finish_reason": b"error"}
+    with pytest.raises(ChatError, match="decode is full") as info:
+        _to_output(outputs.get)
+    assert info.value.status == "UNAVAILABLE"

@@ -63,7 +63,7 @@ def test_sampling_controls_are_parsed_normalized_and_reach_generation_params():
     ({"presence_penalty": 2.5}, "'presence_penalty' must be a number in [-2, 2]"),
     ({"frequency_penalty": "a"}, "'frequency_penalty' must be a number in [-2, 2]"),
     ({"repetition_penalty": 0}, "'repetition_penalty' must be a number > 0"),
-    ({"repetition_penalty": float("inf")}, "'repetition_penalty' must be a number > 0"),
+    ({"repetition_penalty": float("inf")}, "not valid JSON"),  # json.dumps writes Infinity, which is not JSON: refused
     ({"logit_bias": [1]}, "'logit_bias' must be an object"),
     ({"logit_bias": {"-3": 1}}, "'logit_bias' keys must be token ids"),
     ({"logit_bias": {"abc": 1}}, "'logit_bias' keys must be token ids"),
@@ -135,7 +135,8 @@ def test_stream_options_and_kv_transfer_params_in_the_body():
         (body(tools=[{"type": "function", "function": {"name": ""}}]), "tools[0].function.name"),
         (body(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]), "parameters must be a JSON schema"),
         (body(chat_template_kwargs=[1]), "'chat_template_kwargs' must be a dict"),
-        ('{"messages": [{"role": "user", "content": "a \\ud800 b"}]}', "lone UTF-16 surrogate"),
+        ('{"messages": [{"role": "user", "content": "a \\ud800 b"}]}', "no low surrogate"),
+        ("[" * 5000 + "]" * 5000, "depth limit exceeded"),
     ],
 )
 def test_bad_requests_are_refused_with_the_reason(raw, needle):

@@ -66,10 +66,9 @@ def test_stage_tensors_and_seals():
     assert names(load("renderer").output) == [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.STAGE_SEAL]
     assert names(load("prefill").input) == [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.KV_DESTINATION,
                                             tensors.STAGE_SEAL]
-    assert names(load("prefill").output) == [tensors.FIRST_TOKEN_ID, tensors.FIRST_TOKEN_LOGPROBS, tensors.KV_CACHE, tensors.KV_HANDLE]
+    assert names(load("prefill").output) == [tensors.FIRST_TOKEN_ID, tensors.KV_HANDLE, tensors.STAGE_SEAL]
     assert names(load("decode").input) == [
-        tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.KV_CACHE, tensors.FIRST_TOKEN_ID,
-        tensors.FIRST_TOKEN_LOGPROBS, tensors.KV_HANDLE, tensors.CANCEL_REQUEST_ID, tensors.STAGE_SEAL]
+        tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.KV_HANDLE, tensors.CANCEL_REQUEST_ID, tensors.STAGE_SEAL]
     assert load("decode").model_transaction_policy.decoupled
     for stage in ("prefill", "decode"):  # no way in without a seal
         [seal] = [e for e in load(stage).input if e.name == tensors.STAGE_SEAL]
@@ -87,5 +86,6 @@ def test_ensemble_wires_every_stage_input_from_an_earlier_output():
         produced |= set(step.output_map.values())
     assert set(CLIENT_OUTPUTS) <= produced
     decode_step = load("chat_ensemble").ensemble_scheduling.step[-1]
-    # Within one server the KV travels as a tensor, with prefill's first token and its logprobs.
-    assert {tensors.KV_CACHE, tensors.FIRST_TOKEN_ID, tensors.FIRST_TOKEN_LOGPROBS, tensors.STAGE_SEAL} <= set(decode_step.input_map)
+    # Within one server the KV travels by its sealed handle too: decode takes no KV tensor.
+    assert {tensors.KV_HANDLE, tensors.STAGE_SEAL} <= set(decode_step.input_map)
+    assert decode_step.input_map[tensors.STAGE_SEAL] != load("chat_ensemble").ensemble_scheduling.step[1].input_map[tensors.STAGE_SEAL]

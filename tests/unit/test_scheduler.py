@@ -117,6 +117,20 @@ def test_a_failing_request_gets_its_error_and_others_go_on():
     assert events == ["a1", "b1", "error:a broke", "b2", "b:end"]
 
 
+def test_a_request_whose_response_cannot_be_sent_fails_alone_and_the_scheduler_goes_on():
+    recorder = Recorder()
+    broken = recorder.job(CountingGeneration("a", 3))
+
+    def emit(delta):
+        if delta.text == "a2":
+            raise RuntimeError("send failed")
+        recorder.events.append(delta.text)
+
+    broken = DecodeJob(key="a", start=broken.start, emit=emit, fail=broken.fail, is_cancelled=broken.is_cancelled, on_cancel=broken.on_cancel)
+    events = run_jobs(recorder, [broken, recorder.job(CountingGeneration("b", 3))], 6)
+    assert events == ["a1", "b1", "error:send failed", "b2", "b3", "b:end"]
+
+
 def test_cancelled_request_is_closed_and_dropped():
     recorder = Recorder()
     steps = {"n": 0}

@@ -17,8 +17,7 @@ from pdchat import tensors
 from pdchat.core import settings
 from pdchat.core.errors import INVALID_ARG, UNAVAILABLE, InvalidRequest, error_class, tagged_message
 from pdchat.core.kv.base import KVHandle
-from pdchat.core.output.logprobs import TokenLogprobs
-from pdchat.core.output.responses import ClientOutput
+from pdchat.core.output.responses import FAILED, ClientOutput
 from pdchat.core.request.protocol import ChatRequest, GenerationParams, parse_chat_json, text_input_request
 from pdchat.ensemble.seal import StageSeal
 
@@ -97,6 +96,7 @@ class StageInput:
 
     prompt_token_ids: list[int]
     params: GenerationParams
+    params_text: str  # as sealed: what a stage seals on for the next one
     kv_handle: KVHandle | None
 
 
@@ -111,7 +111,7 @@ def stage_input(request, seal: StageSeal, context_length: int, vocab_size: int) 
     seal.check_prompt(ids, params_text, handle_text, input_text(request, tensors.STAGE_SEAL))
     params = GenerationParams.from_json(params_text)
     params.check(len(ids), context_length, vocab_size)
-    return StageInput(ids, params, KVHandle.from_json(handle_text) if handle_text else None)
+    return StageInput(ids, params, params_text, KVHandle.from_json(handle_text) if handle_text else None)
 
 
 def stage_inputs(ids: list[int], params_text: str, seal: str, kv_handle: str = "") -> list[pb_utils.Tensor]:
@@ -119,21 +119,6 @@ def stage_inputs(ids: list[int], params_text: str, seal: str, kv_handle: str = "
     inputs = [int32_tensor(tensors.PROMPT_TOKEN_IDS, ids), string_tensor(tensors.GENERATION_PARAMS, params_text),
               string_tensor(tensors.STAGE_SEAL, seal)]
     return inputs + ([string_tensor(tensors.KV_HANDLE, kv_handle)] if kv_handle else [])
-
-
-def logprobs_tensor(logprobs: TokenLogprobs | None) -> pb_utils.Tensor:
-    """Prefill's first_token_logprobs: the JSON entry, or "" when the request did not ask."""
-    return string_tensor(tensors.FIRST_TOKEN_LOGPROBS, "" if logprobs is None else logprobs.to_json())
-
-
-def input_logprobs(request) -> TokenLogprobs | None:
-    text = input_text(request, tensors.FIRST_TOKEN_LOGPROBS)
-    if not text:
-        return None
-    try:
-        return TokenLogprobs.from_json(text)
-    except ValueError as exc:
-        raise InvalidRequest(f"'{tensors.FIRST_TOKEN_LOGPROBS}': {exc}") from None
 
 
 def required_token_ids(request, name: str = tensors.PROMPT_TOKEN_IDS) -> list[int]:
@@ -165,12 +150,31 @@ def client_response(output: ClientOutput) -> pb_utils.InferenceResponse:
     return pb_utils.InferenceResponse(output_tensors=client_tensors(output))
 
 
+def failed_response(exc: Exception) -> pb_utils.InferenceResponse:
+    """A stream that fails after it started ends with this in-band failure, not a Triton
+    error response: in Triton 2.51 an error response to a decoupled BLS caller never
+    reaches it (chat's client would wait forever). `chat` turns it into a Triton error;
+    other clients read finish_reason "error" and the message in `response`."""
+    body = json.dumps({"error": {"message": tagged_message(exc), "type": error_class(exc)}}, ensure_ascii=False)
+    return client_response(ClientOutput("", body, finish_reason=FAILED))
+
+
+def failure_as_error(response) -> pb_utils.InferenceResponse:
+    """A stage's in-band failure (see failed_response) as the Triton error it stands for."""
+    error = json.loads(pb_utils.get_output_tensor_by_name(response, tensors.RESPONSE).as_numpy()[0])["error"]
+    return pb_utils.InferenceResponse(error=_triton_error(error["message"], error["type"]))
+
+
 def triton_error(exc: Exception) -> pb_utils.TritonError:
     """InvalidRequest -> INVALID_ARG, Unavailable -> UNAVAILABLE, anything else -> INTERNAL;
     the message carries the class too (see core.errors)."""
+    return _triton_error(tagged_message(exc), error_class(exc))
+
+
+def _triton_error(message: str, kind: str) -> pb_utils.TritonError:
     # (TritonError exists only once the stub runs a model, not at import.)
     codes = {INVALID_ARG: pb_utils.TritonError.INVALID_ARG, UNAVAILABLE: pb_utils.TritonError.UNAVAILABLE}
-    return pb_utils.TritonError(tagged_message(exc), codes.get(error_class(exc), pb_utils.TritonError.INTERNAL))
+    return pb_utils.TritonError(message, codes.get(kind, pb_utils.TritonError.INTERNAL))
 
 
 def error_response(exc: Exception) -> pb_utils.InferenceResponse:

@@ -23,7 +23,7 @@ import triton_python_backend_utils as pb_utils
 from pdchat import tensors
 from pdchat.core.kv.base import KVHandle
 from pdchat.core.output.logprobs import TokenSpeller
-from pdchat.core.output.responses import Delta, remote_prefill_output
+from pdchat.core.output.responses import FAILED, Delta, remote_prefill_output
 from pdchat.core.request.protocol import GenerationParams
 from pdchat.core.request.render_cost import RenderRate
 from pdchat.core.request.rendering import ChatRenderer
@@ -33,6 +33,7 @@ from pdchat.ensemble.handoff import load_key
 from pdchat.ensemble.routing import Route, RoutePlanner
 from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
+from pdchat.registry import SHM
 from pdchat.triton import io
 from pdchat.triton.event_loop import ModelEventLoop
 from pdchat.triton.metrics import HandoffMetrics, ParseMetrics
@@ -44,8 +45,6 @@ STAGES = "stages"  # the one lane for blocking BLS calls
 MAX_CONCURRENT_REQUESTS = 64
 # How often a stream asks whether its client left (each ask is a round trip to the server).
 CANCEL_POLL_S = 0.05
-# What prefill hands decode within one server, forwarded as prefill answered it.
-HANDED_OVER = (tensors.KV_CACHE, tensors.FIRST_TOKEN_ID, tensors.FIRST_TOKEN_LOGPROBS)
 
 
 class TritonPythonModel:
@@ -125,14 +124,14 @@ class TritonPythonModel:
             await self._stream_decode(request, sender, params, inputs)
             return
         if plan.route is Route.REMOTE_PREFILL:
-            handle = await self.loop.call_blocking(STAGES, self._publish, request, ids, params_text, seal)
+            handle, _ = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params_text, seal, self.kv_connector)
             handoff = self.planner.sign_handoff(chat, ids, kv_handle=handle)
             output = remote_prefill_output(params, ids, self._first_delta(handle), self.speller, handoff.to_params())
             sender.send(pb_utils.InferenceResponse(output_tensors=io.client_tensors(output) + [
                 io.string_tensor(tensors.KV_TRANSFER_PARAMS, handoff.to_json())]), flags=FINAL)
             return
-        handed = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params_text, seal)
-        await self._stream_decode(request, sender, params, io.stage_inputs(ids, params_text, seal) + handed)
+        handle, decode_seal = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params_text, seal, SHM)
+        await self._stream_decode(request, sender, params, io.stage_inputs(ids, params_text, decode_seal, handle.to_json()))
 
     def _render(self, request, canonical):
         """The renderer's (ids, generation params JSON, seal) for the request chat parsed."""
@@ -145,17 +144,15 @@ class TritonPythonModel:
                         for name in (tensors.GENERATION_PARAMS, tensors.STAGE_SEAL))
         return ids.astype(np.int32).tolist(), params, seal
 
-    def _prefill(self, request, ids, params, seal):
-        """Prefill's KV tensor, first token and its logprobs: decode's inputs, as prefill answered them."""
-        response = _exec(request, PREFILL, io.stage_inputs(ids, params, seal), list(HANDED_OVER))
-        return [pb_utils.get_output_tensor_by_name(response, name) for name in HANDED_OVER]
-
-    def _publish(self, request, ids, params, seal):
-        """Prefill with the KV published through this server's connector: its handle (with the
-        first token and its logprobs), for a decode server."""
-        inputs = io.stage_inputs(ids, params, seal) + [io.string_tensor(tensors.KV_DESTINATION, self.kv_connector)]
-        response = _exec(request, PREFILL, inputs, [tensors.KV_HANDLE])
-        return KVHandle.from_json(pb_utils.get_output_tensor_by_name(response, tensors.KV_HANDLE).as_numpy()[0].decode())
+    def _prefill(self, request, ids, params, seal, destination):
+        """Prefill with the KV published through `destination` (shm for this server's decode,
+        the configured connector for another's): its handle (first token inside) and
+        prefill's seal that opens decode with it."""
+        inputs = io.stage_inputs(ids, params, seal) + [io.string_tensor(tensors.KV_DESTINATION, destination)]
+        response = _exec(request, PREFILL, inputs, [tensors.KV_HANDLE, tensors.STAGE_SEAL])
+        handle, decode_seal = (pb_utils.get_output_tensor_by_name(response, name).as_numpy()[0].decode()
+                               for name in (tensors.KV_HANDLE, tensors.STAGE_SEAL))
+        return KVHandle.from_json(handle), decode_seal
 
     def _first_delta(self, handle):
         """Prefill's first token as the prefill leg's answer shows it."""
@@ -185,6 +182,9 @@ class TritonPythonModel:
             if not response.output_tensors():
                 continue
             finish = pb_utils.get_output_tensor_by_name(response, tensors.FINISH_REASON).as_numpy()[0]
+            if finish == FAILED.encode():  # decode failed mid-stream: a Triton error for our client
+                sender.send(io.failure_as_error(response), flags=FINAL)
+                return
             finished = bool(finish)
             sender.send(pb_utils.InferenceResponse(output_tensors=response.output_tensors()), flags=FINAL if finished else 0)
         if not finished:

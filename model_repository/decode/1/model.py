@@ -11,10 +11,10 @@ A request carrying only `cancel_request_id` (sealed by chat) stops the named req
 import functools
 import logging
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
+from pdchat.core.errors import InvalidRequest
 from pdchat.core.generation.engine import DecodeBatch
 from pdchat.core.generation.generation import TextModel
 from pdchat.core.generation.sampling import Choice
@@ -70,14 +70,10 @@ class TritonPythonModel:
         engine = self.model.engine
         stage = io.stage_input(request, self.seal, engine.context_length, engine.vocab_size)
         ids, params, handle = stage.prompt_token_ids, stage.params, stage.kv_handle
-        if handle is not None:
-            first = Choice(handle.first_token_id, handle.first_token_logprobs)
-        else:
-            token = io.input_scalar(request, tensors.FIRST_TOKEN_ID)
-            first = None if token is None else Choice(int(token), io.input_logprobs(request))
-        kv = io.input_array(request, tensors.KV_CACHE)
-        # Own the KV: the request's input buffers are not ours once execute() returns.
-        kv = None if kv is None else np.array(kv, dtype=np.float32, copy=True)
+        # Prefill's KV and first token come only inside a sealed handle; without one decode prefills.
+        first = None if handle is None else Choice(handle.first_token_id, handle.first_token_logprobs)
+        if first is not None and not 0 <= first.token_id < engine.vocab_size:
+            raise InvalidRequest(f"the KV handle's first token {first.token_id} is not in this model's vocabulary")
         assembler = self.model.assembler(ids, params)
         started = False  # admitted: counted in pdchat_decode_active until it ends
 
@@ -85,7 +81,7 @@ class TritonPythonModel:
             nonlocal started
             started = True
             self.metrics.started()
-            kv_cache = kv if handle is None else self._pull(handle, params.request_id)
+            kv_cache = None if handle is None else self._pull(handle, params.request_id)
             released = None if handle is None or kv_cache is None else (lambda: self.connectors.done(handle))
             return self.model.generation(ids, params, first=first, kv_cache=kv_cache, on_kv_released=released,
                                          prefill_chunk=self.options.prefill_chunk)
@@ -97,7 +93,7 @@ class TritonPythonModel:
                 self.metrics.ended("finished", started)
 
         def fail(exc):
-            sender.send(io.error_response(exc), flags=FINAL)
+            sender.send(io.failed_response(exc), flags=FINAL)
             self.metrics.ended("failed", started)
 
         def on_cancel():

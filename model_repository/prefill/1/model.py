@@ -15,6 +15,7 @@ from pdchat.core.kv.connector import Connectors
 from pdchat.core.settings import kv_options
 from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
+from pdchat.registry import SHM
 from pdchat.triton import io
 from pdchat.triton.metrics import KVHeldMetrics
 
@@ -39,14 +40,14 @@ class TritonPythonModel:
         try:
             engine = self.model.engine
             stage = io.stage_input(request, self.seal, engine.context_length, engine.vocab_size)
-            destination = io.input_text(request, tensors.KV_DESTINATION)
+            destination = io.input_text(request, tensors.KV_DESTINATION) or SHM
             choice, kv = self.model.prefill(stage.prompt_token_ids, stage.params)
-            first = io.int32_tensor(tensors.FIRST_TOKEN_ID, [choice.token_id])
-            if destination is None:
-                return pb_utils.InferenceResponse(output_tensors=[first, io.logprobs_tensor(choice.logprobs),
-                                                                  pb_utils.Tensor(tensors.KV_CACHE, kv)])
             published = self.connectors.get(destination).publish(kv, choice.token_id)
-            handle = replace(published, first_token_logprobs=choice.logprobs)
+            handle = replace(published, first_token_logprobs=choice.logprobs).to_json()
         except Exception as exc:  # noqa: BLE001 - KVBudgetExceeded becomes UNAVAILABLE
             return io.error_response(exc)
-        return pb_utils.InferenceResponse(output_tensors=[first, io.string_tensor(tensors.KV_HANDLE, handle.to_json())])
+        # Decode takes this KV only with prefill's seal over it and the prompt it belongs to.
+        seal = self.seal.seal_prompt(stage.prompt_token_ids, stage.params_text, handle)
+        return pb_utils.InferenceResponse(output_tensors=[io.int32_tensor(tensors.FIRST_TOKEN_ID, [choice.token_id]),
+                                                          io.string_tensor(tensors.KV_HANDLE, handle),
+                                                          io.string_tensor(tensors.STAGE_SEAL, seal)])

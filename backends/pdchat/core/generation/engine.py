@@ -63,11 +63,16 @@ class CausalLM:
         out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         return PrefillResult(out.logits[0, -1], out.cache)
 
-    def kv_bytes_per_token(self) -> int:
+    def kv_shape(self, tokens: int) -> tuple[int, ...]:
+        """The wire layout of `tokens` tokens of this model's KV."""
         config = self.model.config
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return 2 * self.num_layers * heads * head_dim * self.model.dtype.itemsize
+        return (self.num_layers, 2, heads, tokens, head_dim)
+
+    def kv_bytes_per_token(self) -> int:
+        layers, pair, heads, _, head_dim = self.kv_shape(1)
+        return layers * pair * heads * head_dim * self.model.dtype.itemsize
 
     @torch.inference_mode()
     def step(self, token_id: int, cache: object) -> torch.Tensor:
@@ -112,11 +117,11 @@ class CausalLM:
         return self.prefill_chunk(prompt_token_ids[-1:], cache)
 
     def _check_kv(self, kv: np.ndarray, prompt_tokens: int) -> None:
-        if kv.ndim != 5 or kv.shape[0] != self.num_layers or kv.shape[1] != 2 or kv.shape[KV_TOKEN_AXIS] != prompt_tokens:
-            raise InvalidRequest(
-                f"kv_cache of shape {list(kv.shape)} does not fit this model ({self.num_layers} layers) "
-                f"and a prompt of {prompt_tokens} tokens"
-            )
+        """A KV from another server must be this model's, for this prompt (a prefill server
+        running another model would otherwise fail the whole batch's step)."""
+        if tuple(kv.shape) != self.kv_shape(prompt_tokens):
+            raise InvalidRequest(f"the KV has shape {list(kv.shape)}; this model and a prompt of {prompt_tokens} tokens "
+                                 f"need {list(self.kv_shape(prompt_tokens))} (are prefill and decode serving the same model?)")
 
 
 class DecodeBatch:

@@ -258,7 +258,13 @@ class DecodeScheduler:
                 entry.job.fail(exc)
                 ended.append(row)
                 continue
-            entry.job.emit(delta)
+            try:
+                entry.job.emit(delta)
+            except Exception as exc:  # noqa: BLE001 - one request's failure to send ends it, not the scheduler
+                log.exception("sending a response failed")
+                entry.job.fail(exc)
+                ended.append(row)
+                continue
             if entry.decoding.finished:
                 ended.append(row)
         self._leave(ended)

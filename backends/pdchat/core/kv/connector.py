@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from pdchat.core.errors import InvalidRequest
 from pdchat.core.kv.base import KVConnector, KVHandle, KVUnavailable, OncePerKey
 from pdchat.core.kv.nixl import NixlConnector
 from pdchat.core.kv.shm import ShmConnector
@@ -25,7 +26,7 @@ _sweep_failures = OncePerKey()
 
 def make_connector(name: str, **options: Any) -> KVConnector:
     if name not in CONNECTORS:
-        raise ValueError(f"unknown KV connector {name!r}; expected one of {', '.join(CONNECTORS)}")
+        raise InvalidRequest(f"unknown KV connector {name!r}; expected one of {', '.join(CONNECTORS)}")
     return CONNECTORS[name](**options)
 
 

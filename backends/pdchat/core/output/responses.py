@@ -19,6 +19,8 @@ from pdchat.core.output.parsing import OutputParser, ParsedDelta
 from pdchat.core.request.protocol import GenerationParams
 
 FINISH_TOOL_CALLS = "tool_calls"
+# finish_reason of a stream that failed after it started; `response` carries {"error": ...}.
+FAILED = "error"
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import secrets
 import time
 import uuid
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+import orjson
 
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.request.grammar import check_spec, response_format_spec, tool_choice_spec
@@ -38,9 +39,6 @@ MAX_TOP_LOGPROBS = 20
 _TUPLE_FIELDS = ("stop", "stop_token_ids")
 # Generous but finite: the default when a request names no max_tokens.
 DEFAULT_MAX_TOKENS = 256
-# A JSON escape of a UTF-16 surrogate: the only way a body that decodes can still hold
-# text no stage can encode (a lone surrogate).
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,15 +174,15 @@ class ChatRequest(SamplingOptions):
 
 
 def parse_chat_json(body: str | bytes) -> ChatRequest:
-    """Parse an OpenAI chat-completions body into a ChatRequest."""
+    """Parse an OpenAI chat-completions body into a ChatRequest. orjson: several times faster
+    than json on long conversations, and it refuses what no stage could use (lone UTF-16
+    surrogates, NaN, infinities, nesting past 1024) as invalid JSON, not as a crash."""
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"'request' is not valid JSON: {exc}") from exc
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"'request' is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidRequest(f"'request' must be a JSON object, got {type(data).__name__}")
-    if _SURROGATE_ESCAPE.search(body if isinstance(body, str) else body.decode("utf-8", "replace")):
-        utf8_json(data)
     return chat_request_from_body(data)
 
 

@@ -46,6 +46,10 @@ class RenderedPrompt:
     params: GenerationParams
 
 
+# Characters per token a prompt may average before it is refused unread (16x the usual).
+MAX_CHARS_PER_TOKEN = 16
+
+
 class ChatRenderer:
     """Chat template + tokenizer of one model directory."""
 
@@ -71,9 +75,10 @@ class ChatRenderer:
         self.allow_request_templates = allow_request_templates
         self.render_timeout_s = render_timeout_s
         self.reserved_kwargs = reserved_template_kwargs(self.tokenizer)
-        # No token spells more characters than the vocabulary's longest entry (bytes, for
-        # byte-level BPE), so a longer text cannot fit the context: refuse it untokenized.
-        self.max_prompt_chars = self.context_length * max(map(len, self.tokenizer.get_vocab()))
+        # Refused untokenized: text longer than the context times MAX_CHARS_PER_TOKEN. Real
+        # prompts average 3-5 characters a token; the bound keeps a hostile body from costing
+        # seconds of tokenizer time (which no alarm can interrupt) on the renderer's one lane.
+        self.max_prompt_chars = self.context_length * MAX_CHARS_PER_TOKEN
 
     def check_size(self, request: ChatRequest) -> None:
         """Refuse, before any template or tokenizer work, messages that cannot fit the context
