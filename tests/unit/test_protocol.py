@@ -98,6 +98,14 @@ def test_token_ids_are_checked_against_the_vocabulary_and_min_tokens_against_the
         parse_chat_json(body(min_tokens=300)).generation_params(10, 100, 1000, "m")
 
 
+def test_router_switches_are_honoured_at_this_server_s_behaviour_and_refused_otherwise():
+    body = {"messages": [{"role": "user", "content": "x"}], "skip_special_tokens": True, "include_reasoning": True,
+            "separate_reasoning": True, "stream_reasoning": True, "no_stop_trim": False, "return_hidden_states": False}
+    parse_chat_json(json.dumps(body))
+    with pytest.raises(InvalidRequest, match="'no_stop_trim' can only be false"):
+        parse_chat_json(json.dumps({**body, "no_stop_trim": True}))
+
+
 def test_known_no_op_fields_are_accepted_and_ignored():
     request = parse_chat_json(json.dumps({"messages": [{"role": "user", "content": "x"}], "user": "u1", "metadata": {"a": "b"},
                                           "store": False, "service_tier": "auto"}))

@@ -87,6 +87,14 @@ class _KVName:
         return cls(match["prefix"], match["engine"], int(match["expires_ms"]), match["id"], match["puller"] or "")
 
 
+def expired_files(directory: Path | None = None, now: float | None = None) -> list[Path]:
+    """KV files past their expiry in `directory`: what a sweep must have freed (whoever's)."""
+    now_ms = (time.time() if now is None else now) * 1000
+    directory = directory or kv_directory()
+    return sorted(path for path in directory.glob("*pdchat_kv*")
+                  if (name := _KVName.parse(path.name)) is not None and name.expires_ms < now_ms)
+
+
 def _why_not_private(info: os.stat_result) -> str | None:
     """What makes a directory unfit to hold KV, or None if only this user can use it."""
     if not stat.S_ISDIR(info.st_mode):

@@ -23,6 +23,10 @@ from pdchat.core.request.grammar import check_spec, response_format_spec, tool_c
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Request fields accepted and ignored, as OpenAI-compatible servers do (they change no output).
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
+# vLLM/SGLang switches routers such as vllm-router add to every request: honoured at the value
+# that is this server's behaviour, refused at any other.
+FIXED_FIELDS = {"skip_special_tokens": True, "include_reasoning": True, "separate_reasoning": True, "stream_reasoning": True,
+                "no_stop_trim": False, "return_hidden_states": False}
 # Every other field this server honours; anything else is refused by name.
 HONOURED_FIELDS = frozenset({
     "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream",
@@ -199,7 +203,10 @@ def chat_request_from_body(data: dict[str, Any], *, check_grammar: bool = True) 
     """Validate an already parsed OpenAI chat-completions body (the router parsed it once).
     `check_grammar=False` leaves schemas to the servers: xgrammar imports torch, which the
     router does without."""
-    unknown = sorted(set(data) - HONOURED_FIELDS - IGNORED_FIELDS)
+    unknown = sorted(set(data) - HONOURED_FIELDS - IGNORED_FIELDS - set(FIXED_FIELDS))
+    for key in sorted(set(data) & set(FIXED_FIELDS)):
+        if data[key] is not None and data[key] != FIXED_FIELDS[key]:
+            raise InvalidRequest(f"'{key}' can only be {str(FIXED_FIELDS[key]).lower()} on this server, got {data[key]!r}")
     if unknown:
         raise InvalidRequest(f"Unrecognized request argument supplied: {', '.join(unknown)} (this server honours "
                              f"{', '.join(sorted(HONOURED_FIELDS))}; see the README's field table)")
