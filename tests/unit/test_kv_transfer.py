@@ -20,8 +20,10 @@ def kv(tokens=16, seed=0):
 
 
 def named(name):
-    """A handle naming `name`, as a forged or stale one would."""
-    return KVHandle("shm", (1,), time.time() + 60, 0, {"name": name})
+    """A handle naming `name` on this host, as a forged or stale one would."""
+    from pdchat.core.kv.shm import HOST_ID
+
+    return KVHandle("shm", (1,), time.time() + 60, 0, {"name": name, "host": HOST_ID})
 
 
 def mode(path):
@@ -251,3 +253,18 @@ def test_the_background_sweeper_survives_a_failing_sweep(directory):
         time.sleep(0.05)
     connectors.close()
     assert len(seen) >= 3
+
+
+def test_shm_kv_from_another_host_is_refused_not_mapped(tmp_path):
+    from dataclasses import replace
+
+    from pdchat.core.kv.shm import HOST_ID
+
+    prefill, decode = ShmConnector(tmp_path), ShmConnector(tmp_path)
+    handle = prefill.publish(kv(), 3)
+    assert handle.location["host"] == HOST_ID
+    elsewhere = replace(handle, location={**handle.location, "host": "another-boot:4026531993"})
+    with pytest.raises(KVUnavailable, match="from another host"):
+        decode.pull(elsewhere)
+    assert np.array_equal(decode.pull(handle), kv())  # the genuine handle still pulls
+    prefill.close()

@@ -58,6 +58,21 @@ class KVDirectoryRefused(PermissionError):
     """The KV directory is not private to this user: others could read KV there, or plant it."""
 
 
+def _host_id() -> str:
+    """What shares /dev/shm: this boot of this machine, and this network namespace (a
+    container or pod of its own has both its own namespace and its own /dev/shm)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return "unknown"
+    return f"{boot}:{netns}"
+
+
+# In the handle prefill signs: decode maps shm KV only on the host that wrote it.
+HOST_ID = _host_id()
+
+
 def kv_directory() -> Path:
     """Where ShmConnector keeps KV unless told otherwise: this user's own directory in /dev/shm."""
     return SHM_ROOT / f"pdchat-{os.getuid()}"
@@ -209,7 +224,7 @@ class ShmConnector:
                 with suppress(FileNotFoundError):
                     os.unlink(staging, dir_fd=dir_fd)
                 raise
-        return KVHandle(self.name, tuple(kv.shape), round(expires_at, 3), first_token_id, {"name": str(published)})
+        return KVHandle(self.name, tuple(kv.shape), round(expires_at, 3), first_token_id, {"name": str(published), "host": HOST_ID})
 
     def pull(self, handle: KVHandle) -> np.ndarray:
         """Claim the KV, then map it (no copy). A handle pulls once: a second pull, or the
@@ -301,7 +316,10 @@ class ShmConnector:
         return os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, _FILE_MODE, dir_fd=dir_fd)
 
     def _published(self, handle: KVHandle) -> _KVName:
-        """The published KV a handle names; never a claimed or free file, nor a path."""
+        """The published KV a handle names; never a claimed or free file, nor a path, nor
+        KV published on another host (its name could match a file here by chance)."""
+        if handle.location.get("host") != HOST_ID:
+            raise KVUnavailable(f"shm KV from another host ({handle.location.get('host')!r}; this is {HOST_ID!r}): use nixl across hosts")
         name = _KVName.parse(str(handle.location.get("name", "")))
         if name is None or name.prefix != SHM_PREFIX:
             raise KVUnavailable(f"not a shm KV name: {handle.location.get('name')!r}")
