@@ -37,6 +37,7 @@ def bench_reuse(args: argparse.Namespace) -> None:
 
     model_dir = embedded.ensure_model(args.model)
     renderer = ChatRenderer(model_dir, model_dir.name)
+    renderer.max_prompt_chars = sys.maxsize  # lengths past this model's context: the cost is what is measured
     key = b"k" * 32
     gate = Gate(Policy.SIGNED, key, vocab_size=len(renderer.tokenizer), context_length=1 << 20)
     rows, xs, series = [], [], {"parse + render + tokenize (naive decode)": [], "gate, binary ids (pdchat)": [],

@@ -225,11 +225,20 @@ def bench_e2e(args: argparse.Namespace) -> None:
                           "bls_overhead_ms": [{"tokens": r[0], "through_chat": r[1], "decode_directly": r[2]} for r in bls],
                           "saved_vs_render": [dict(zip(["prompt_tokens", "concurrency", "saved_ms", "render_ms", "ratio"], s, strict=True))
                                               for s in savings]})
-    for concurrency in args.concurrency:
+    plot_e2e(rows)
+
+
+def plot_e2e(rows: list[dict]) -> None:
+    """Per concurrency: TTFT end to end, and the decode leg's (where the reuse shows), by prompt length."""
+    for concurrency in sorted({r["concurrency"] for r in rows}):
+        cell = [r for r in rows if r["concurrency"] == concurrency]
+        series = {}
+        for mode in MODES:
+            mine = [r for r in cell if r["mode"] == mode]
+            series[f"{mode}: end to end"] = ([r["prompt_tokens"] for r in mine], [r["ttft_p50_ms"] for r in mine])
+            series[f"{mode}: decode leg"] = ([r["prompt_tokens"] for r in mine], [r["decode_ttft_p50_ms"] for r in mine])
         plot(f"e2e_ttft_c{concurrency}", f"Time to first token through a P/D pair (concurrency {concurrency})", "prompt tokens",
-             "TTFT p50 (ms)", {mode: ([r["prompt_tokens"] for r in rows if r["mode"] == mode and r["concurrency"] == concurrency],
-                                      [r["ttft_p50_ms"] for r in rows if r["mode"] == mode and r["concurrency"] == concurrency])
-                               for mode in MODES}, logx=True)
+             "TTFT p50 (ms, log)", series, logx=True, logy=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

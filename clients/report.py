@@ -27,7 +27,8 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
-def plot(name: str, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list, list]], logx: bool = False) -> None:
+def plot(name: str, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list, list]], logx: bool = False,
+         logy: bool = False) -> None:
     try:
         import matplotlib
 
@@ -42,6 +43,8 @@ def plot(name: str, title: str, xlabel: str, ylabel: str, series: dict[str, tupl
         axis.plot(xs, ys, marker="o", label=label)
     if logx:
         axis.set_xscale("log")
+    if logy:
+        axis.set_yscale("log")
     axis.set(title=title, xlabel=xlabel, ylabel=ylabel)
     axis.grid(alpha=0.3)
     axis.legend()

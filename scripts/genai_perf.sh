@@ -15,11 +15,14 @@ if [ ! -x "$GP/bin/genai-perf" ]; then
 fi
 MODEL=${PDCHAT_MODEL:-tiny}
 TOKENIZER=$(.venv/bin/pdchat prepare "$MODEL")
-export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# perf_analyzer loads libcudart.so.12 even on CPU: the PyPI runtime's directory, as clients/perf.py does.
+LD_LIBRARY_PATH=$(.venv/bin/python -c 'from pdchat.clients.perf import perf_analyzer_env; print(perf_analyzer_env()["LD_LIBRARY_PATH"])')
+export PATH="$PWD/.venv/bin:$PATH" LD_LIBRARY_PATH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 common=(--tokenizer "$TOKENIZER" --streaming --synthetic-input-tokens-mean 256 --output-tokens-mean 64
-        --extra-inputs ignore_eos:true --request-count 32 --warmup-request-count 4 --artifact-dir bench-results/genai-perf-"$mode")
+        --request-count 32 --warmup-request-count 4 --artifact-dir bench-results/genai-perf-"$mode")
 if [ "$mode" = triton ]; then
   exec "$GP/bin/genai-perf" profile -m chat --endpoint-type kserve --backend tensorrtllm --url "$url" "${common[@]}" "$@"
 fi
 served=$(curl -s "$url/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
-exec "$GP/bin/genai-perf" profile -m "$served" --endpoint-type chat --url "$url" "${common[@]}" "$@"
+# (The text_input convention has no ignore_eos; the OpenAI body does.)
+exec "$GP/bin/genai-perf" profile -m "$served" --endpoint-type chat --url "$url" --extra-inputs ignore_eos:true "${common[@]}" "$@"
