@@ -93,8 +93,23 @@ class SamplingOptions:
         _min_tokens_fit(self.min_tokens, max_tokens)
 
 
+class _WireForm:
+    """JSON across process boundaries for the frozen dataclasses below. from_json does not
+    validate again: what crosses is sealed, or checked where it is used (params.check())."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, text: str):
+        try:
+            return cls(**_tuples(json.loads(text)))
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequest(f"not valid {cls.__name__} JSON: {exc}") from exc
+
+
 @dataclass(frozen=True, kw_only=True)
-class GenerationParams(SamplingOptions):
+class GenerationParams(SamplingOptions, _WireForm):
     """Everything prefill and decode need beyond the prompt ids; travels as JSON."""
 
     max_tokens: int
@@ -103,16 +118,6 @@ class GenerationParams(SamplingOptions):
     request_id: str = ""
     model: str = ""
     created: int = 0
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), ensure_ascii=False)
-
-    @classmethod
-    def from_json(cls, text: str) -> GenerationParams:
-        try:
-            return cls(**_tuples(json.loads(text)))
-        except (ValueError, TypeError) as exc:
-            raise InvalidRequest(f"generation_params is not valid GenerationParams JSON: {exc}") from exc
 
     def check(self, prompt_tokens: int, context_length: int, vocab_size: int) -> None:
         """What a stage model verifies before any work, whoever sent the params."""
@@ -127,8 +132,9 @@ class GenerationParams(SamplingOptions):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ChatRequest(SamplingOptions):
-    """A validated chat request: the render inputs plus the sampling wishes."""
+class ChatRequest(SamplingOptions, _WireForm):
+    """A validated chat request: the render inputs plus the sampling wishes. Its JSON is the
+    canonical form `chat` hands the renderer, parsed and validated once."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
@@ -145,18 +151,6 @@ class ChatRequest(SamplingOptions):
     @property
     def parse_tool_calls(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
-
-    def to_json(self) -> str:
-        """The canonical form `chat` hands the renderer: parsed and validated once."""
-        return json.dumps(asdict(self), ensure_ascii=False)
-
-    @classmethod
-    def from_json(cls, text: str) -> ChatRequest:
-        """Back from to_json(), without validating again (the caller checks its seal)."""
-        try:
-            return cls(**_tuples(json.loads(text)))
-        except (ValueError, TypeError) as exc:
-            raise InvalidRequest(f"chat_request is not valid ChatRequest JSON: {exc}") from exc
 
     def generation_params(self, prompt_tokens: int, context_length: int, vocab_size: int, served_model: str) -> GenerationParams:
         """Freeze the sampling side once the prompt's length is known (it bounds max_tokens)
