@@ -6,6 +6,7 @@
     python -m pdchat.clients.bench soak     # N streams at concurrency C through a P/D pair
     python -m pdchat.clients.bench batching # throughput and latency by concurrency (batched decode)
     python -m pdchat.clients.bench e2e      # TTFT with and without forwarded ids, by prompt length (clients/e2e.py)
+    python -m pdchat.clients.bench vllm-router  # 2 prefill x 2 decode behind vllm-router, one decode killed (clients/scaleout.py)
 
 Ratios are measured side by side in one run; these machines are noisy.
 """
@@ -21,7 +22,7 @@ import time
 
 import numpy as np
 
-from pdchat.clients import e2e
+from pdchat.clients import e2e, scaleout
 from pdchat.clients.report import plot, table, timed, write_results
 
 
@@ -318,9 +319,10 @@ def main(argv: list[str] | None = None) -> None:
     batching.add_argument("--max-tokens", type=int, default=64)
     batching.add_argument("--long-prompt", type=int, default=16000)
     e2e.add_arguments(commands.add_parser("e2e"))
+    scaleout.add_arguments(commands.add_parser("vllm-router"))
     args = parser.parse_args(argv)
     benches = {"reuse": bench_reuse, "kv": bench_kv, "router": bench_router, "soak": bench_soak, "batching": bench_batching,
-               "e2e": e2e.bench_e2e}
+               "e2e": e2e.bench_e2e, "vllm-router": scaleout.bench_vllm_router}
     benches[args.bench](args)
 
 

@@ -97,6 +97,19 @@ def wait_healthy(process: subprocess.Popen, url: str, timeout: float, what: str,
     raise ServerError(f"{what} not ready after {timeout:.0f} s; its log: {log_path}")
 
 
+def start_service(command: list[str], health_url: str, log_path: Path, timeout: float = 120.0) -> subprocess.Popen:
+    """A helper process (a front, a router) in its own process group, once `health_url` answers."""
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(process, health_url, timeout, Path(command[0]).name, log_path)
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    return process
+
+
 def _stub_library_dirs() -> list[Path]:
     """This interpreter's libpython first: a distro libpython of the same minor version
     would otherwise load and break this interpreter's extension modules (e.g. _ssl)."""

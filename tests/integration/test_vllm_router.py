@@ -11,40 +11,25 @@ worker is tested by killing its front, without four tritonservers on a 2-core ma
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 
 import pytest
 
-from pdchat.launcher import free_port, wait_healthy
+from pdchat.clients.scaleout import start_front, vllm_router_command
+from pdchat.launcher import free_port, start_service
 from tests.conversations import PARITY_CASES
 from tests.integration.helpers import ask, executions, metric
 
 pytestmark = pytest.mark.skipif(shutil.which("vllm-router", path=f"{sys.prefix}/bin") is None, reason="vllm-router not installed")
 
 
-def start(command: list[str], port: int, log_path, health: str = "/health"):
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    wait_healthy(process, f"http://127.0.0.1:{port}{health}", 120, command[0], log_path)
-    return process
-
-
 @pytest.fixture(scope="module")
 def deployment(decode_server, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-router-logs")
-    fronts = {}
-    for name in ("prefill-a", "prefill-b", "decode-a", "decode-b"):
-        port = free_port()
-        command = [sys.executable, "-m", "pdchat.cli", "openai", "--server", decode_server.grpc_url, "--port", str(port)]
-        fronts[name] = (start(command, port, logs / f"{name}.log"), port)
+    fronts = {name: start_front(decode_server.grpc_url, logs / f"{name}.log") for name in ("prefill-a", "prefill-b", "decode-a", "decode-b")}
     router_port = free_port()
-    command = [f"{sys.prefix}/bin/vllm-router", "--vllm-pd-disaggregation", "--port", str(router_port),
-               # Each --prefill takes one URL (a second word would be its bootstrap port).
-               "--prefill", f"http://127.0.0.1:{fronts['prefill-a'][1]}", "--prefill", f"http://127.0.0.1:{fronts['prefill-b'][1]}",
-               "--decode", f"http://127.0.0.1:{fronts['decode-a'][1]}", "--decode", f"http://127.0.0.1:{fronts['decode-b'][1]}",
-               "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--worker-startup-timeout-secs", "60"]
-    router = start(command, router_port, logs / "vllm-router.log")
+    command = vllm_router_command([fronts["prefill-a"][1], fronts["prefill-b"][1]], [fronts["decode-a"][1], fronts["decode-b"][1]], router_port)
+    router = start_service(command, f"http://127.0.0.1:{router_port}/health", logs / "vllm-router.log")
     yield {"url": f"http://127.0.0.1:{router_port}/v1", "fronts": fronts, "logs": logs}
     for process in [router, *(p for p, _ in fronts.values())]:
         process.terminate()
