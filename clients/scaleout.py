@@ -2,8 +2,9 @@
 
 Each pdchat server's `chat` gets `pdchat openai` (a vLLM-compatible front); vllm-router
 drives P/D across them as it drives vLLM. `bench vllm-router` runs 2 prefill x 2 decode
-servers behind it, streams requests through it, and kills one decode server's front half
-way: req/s, TTFT p50/p99 and errors, before and after.
+servers behind it and streams requests through it: with both decode workers, right after
+one decode server's front is killed, and once vllm-router has ejected it (req/s, TTFT
+p50/p99, errors each).
 """
 
 from __future__ import annotations
@@ -66,15 +67,18 @@ def bench_vllm_router(args: argparse.Namespace) -> None:
                     "messages": [{"role": "user", "content": f"Request {i}: " + "tell me more " * (i % 7)}]}
 
         load.run(send, body, args.concurrency * 2, args.concurrency)  # warm-up
-        phases = {}
-        for phase in ("2 decode workers", "one decode front killed"):
-            if phase != "2 decode workers":
+        phases, first_errors = {}, {}
+        for phase in ("2 decode workers", "a decode front just killed", "after its ejection (3 s on)"):
+            if phase == "a decode front just killed":
                 fronts[3][0].kill()
                 fronts[3][0].wait()
+            if phase.startswith("after"):
+                time.sleep(3)  # vllm-router's health check: every second, out after one failure
             started = time.perf_counter()
             outcomes = load.run(send, body, args.requests, args.concurrency)
             phases[phase] = load.summary(outcomes, time.perf_counter() - started)
-            print(f"  {phase}: {phases[phase]['errors']} errors", file=sys.stderr, flush=True)
+            first_errors[phase] = load.first_errors(outcomes)
+            print(f"  {phase}: {phases[phase]['errors']} errors {first_errors[phase][:1]}", file=sys.stderr, flush=True)
     finally:
         for process in processes:
             if process.poll() is None:
@@ -86,7 +90,8 @@ def bench_vllm_router(args: argparse.Namespace) -> None:
     print(f"\nvllm-router over 2 prefill x 2 decode pdchat servers ({args.model}, {args.requests} streamed requests "
           f"per phase at concurrency {args.concurrency}, {args.max_tokens} tokens each):")
     print(table(["phase", *columns], [[phase, *[s[c] for c in columns]] for phase, s in phases.items()]))
-    write_results("vllm_router", {"model": args.model, "concurrency": args.concurrency, "max_tokens": args.max_tokens, "phases": phases})
+    write_results("vllm_router", {"model": args.model, "concurrency": args.concurrency, "max_tokens": args.max_tokens, "phases": phases,
+                                  "first_errors": first_errors})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
