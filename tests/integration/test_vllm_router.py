@@ -26,14 +26,21 @@ pytestmark = pytest.mark.skipif(shutil.which("vllm-router", path=f"{sys.prefix}/
 @pytest.fixture(scope="module")
 def deployment(decode_server, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-router-logs")
-    fronts = {name: start_front(decode_server.grpc_url, logs / f"{name}.log") for name in ("prefill-a", "prefill-b", "decode-a", "decode-b")}
-    router_port = free_port()
-    command = vllm_router_command([fronts["prefill-a"][1], fronts["prefill-b"][1]], [fronts["decode-a"][1], fronts["decode-b"][1]], router_port)
-    router = start_service(command, f"http://127.0.0.1:{router_port}/health", logs / "vllm-router.log")
-    yield {"url": f"http://127.0.0.1:{router_port}/v1", "fronts": fronts, "logs": logs}
-    for process in [router, *(p for p, _ in fronts.values())]:
-        process.terminate()
-        process.wait(10)
+    fronts, started = {}, []
+    try:  # whatever started is stopped, also when a later start fails
+        for name in ("prefill-a", "prefill-b", "decode-a", "decode-b"):
+            fronts[name] = start_front(decode_server.grpc_url, logs / f"{name}.log")
+            started.append(fronts[name][0])
+        router_port = free_port()
+        command = vllm_router_command([fronts["prefill-a"][1], fronts["prefill-b"][1]], [fronts["decode-a"][1], fronts["decode-b"][1]],
+                                      router_port)
+        started.append(start_service(command, f"http://127.0.0.1:{router_port}/health", logs / "vllm-router.log"))
+        yield {"url": f"http://127.0.0.1:{router_port}/v1", "fronts": fronts, "logs": logs}
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.terminate()
+                process.wait(10)
 
 
 def test_vllm_router_drives_a_pdchat_pair_with_the_gate_in_force(deployment, decode_server):
