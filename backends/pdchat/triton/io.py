@@ -67,9 +67,11 @@ def input_scalar(request, name: str) -> Any:
     return array.reshape(-1)[0].item()
 
 
-def input_token_ids(request, name: str) -> list[int] | None:
+def input_token_ids(request, name: str) -> np.ndarray | None:
+    """The ids as the tensor's own 1-D array (INT32 by the configs): hashed, range-checked and
+    forwarded without a Python list on the way."""
     array = input_array(request, name)
-    return None if array is None else array.reshape(-1).astype(np.int64).tolist()
+    return None if array is None else array.reshape(-1)
 
 
 def chat_request(request, max_bytes: int) -> tuple[ChatRequest, str]:
@@ -123,9 +125,9 @@ def stage_inputs(ids: list[int], params_text: str, seal: str, kv_handle: str = "
 
 def required_token_ids(request, name: str = tensors.PROMPT_TOKEN_IDS) -> list[int]:
     ids = input_token_ids(request, name)
-    if not ids:
+    if ids is None or ids.size == 0:
         raise InvalidRequest(f"'{name}' is required and must not be empty")
-    return ids
+    return ids.tolist()  # the engine's generation keeps a Python list it appends to
 
 
 def string_tensor(name: str, value: str) -> pb_utils.Tensor:

@@ -17,7 +17,6 @@ the python backend at once is what crashed the server under load.
 
 import time
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
@@ -124,14 +123,15 @@ class TritonPythonModel:
             await self._stream_decode(request, sender, params, inputs)
             return
         if plan.route is Route.REMOTE_PREFILL:
-            handle, _ = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params_text, seal, self.kv_connector)
+            handle_text, _ = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params_text, seal, self.kv_connector)
+            handle = KVHandle.from_json(handle_text)  # signed into the handoff, with its first token shown
             handoff = self.planner.sign_handoff(chat, ids, kv_handle=handle)
-            output = remote_prefill_output(params, ids, self._first_delta(handle), self.speller, handoff.to_params())
+            output = remote_prefill_output(params, ids.tolist(), self._first_delta(handle), self.speller, handoff.to_params())
             sender.send(pb_utils.InferenceResponse(output_tensors=io.client_tensors(output) + [
                 io.string_tensor(tensors.KV_TRANSFER_PARAMS, handoff.to_json())]), flags=FINAL)
             return
-        handle, decode_seal = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params_text, seal, SHM)
-        await self._stream_decode(request, sender, params, io.stage_inputs(ids, params_text, decode_seal, handle.to_json()))
+        handle_text, decode_seal = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params_text, seal, SHM)
+        await self._stream_decode(request, sender, params, io.stage_inputs(ids, params_text, decode_seal, handle_text))
 
     def _render(self, request, canonical):
         """The renderer's (ids, generation params JSON, seal) for the request chat parsed."""
@@ -142,17 +142,17 @@ class TritonPythonModel:
         self.render_rate.observe(time.perf_counter() - started, len(ids))
         params, seal = (pb_utils.get_output_tensor_by_name(response, name).as_numpy()[0].decode()
                         for name in (tensors.GENERATION_PARAMS, tensors.STAGE_SEAL))
-        return ids.astype(np.int32).tolist(), params, seal
+        return ids, params, seal  # INT32 as the renderer answered: no list on the way to prefill and decode
 
     def _prefill(self, request, ids, params, seal, destination):
         """Prefill with the KV published through `destination` (shm for this server's decode,
-        the configured connector for another's): its handle (first token inside) and
-        prefill's seal that opens decode with it."""
+        the configured connector for another's): its handle's JSON (first token inside), as
+        prefill sealed it, and that seal, which opens decode with it."""
         inputs = io.stage_inputs(ids, params, seal) + [io.string_tensor(tensors.KV_DESTINATION, destination)]
         response = _exec(request, PREFILL, inputs, [tensors.KV_HANDLE, tensors.STAGE_SEAL])
         handle, decode_seal = (pb_utils.get_output_tensor_by_name(response, name).as_numpy()[0].decode()
                                for name in (tensors.KV_HANDLE, tensors.STAGE_SEAL))
-        return KVHandle.from_json(handle), decode_seal
+        return handle, decode_seal
 
     def _first_delta(self, handle):
         """Prefill's first token as the prefill leg's answer shows it."""
