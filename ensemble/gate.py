@@ -12,6 +12,7 @@ chat template. Here a server accepts forwarded ids only under a configured polic
 from __future__ import annotations
 
 import enum
+import heapq
 import hmac
 import threading
 import time
@@ -71,7 +72,8 @@ class Gate:
     key: bytes | None
     vocab_size: int
     context_length: int
-    _admitted: dict[str, float] = field(default_factory=dict, compare=False, repr=False)
+    _admitted: set[str] = field(default_factory=set, compare=False, repr=False)
+    _by_expiry: list[tuple[float, str]] = field(default_factory=list, compare=False, repr=False)  # heap
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -107,11 +109,13 @@ class Gate:
 
     def _admit_once(self, handoff: Handoff, now: float) -> None:
         with self._lock:
-            for signature in [s for s, expires_at in self._admitted.items() if expires_at < now]:
-                del self._admitted[signature]
+            # Forget what has expired (it is refused as expired anyway): O(log n) per request.
+            while self._by_expiry and self._by_expiry[0][0] < now:
+                self._admitted.discard(heapq.heappop(self._by_expiry)[1])
             if handoff.signature in self._admitted:
                 raise ForwardedIdsRejected(Rejection.REPLAYED, "this handoff was used already; send the request to prefill again")
-            self._admitted[handoff.signature] = handoff.expires_at
+            self._admitted.add(handoff.signature)
+            heapq.heappush(self._by_expiry, (handoff.expires_at, handoff.signature))
 
     def _check_ids(self, ids: list[int] | np.ndarray) -> None:
         if len(ids) == 0:
