@@ -2,6 +2,11 @@
 
 Prefill and decode run in different processes (and later on different servers), so
 the KV cache leaves the process as one numpy array and comes back bit-identical.
+
+Caches are plain `DynamicCache()`s, full-length in every layer, also in sliding-window
+layers (GPT-OSS): the attention mask applies the window, so every layer has one layout
+on the wire and in the decode batch. That spends memory on sliding layers, not
+correctness (tested against a cache-free forward).
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ class CausalLM:
         if cache is None:
             from transformers import DynamicCache
 
-            cache = DynamicCache(config=self.model.config)
+            cache = DynamicCache()
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         # logits_to_keep=1: full-prompt logits would be vocab x tokens floats for nothing.
         out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
@@ -102,7 +107,7 @@ class CausalLM:
         from transformers import DynamicCache
 
         self._check_kv(kv, prompt_tokens)
-        cache = DynamicCache(config=self.model.config)
+        cache = DynamicCache()
         tensor = torch.from_numpy(np.ascontiguousarray(kv, dtype=np.float32)).to(self.device)
         for index in range(self.num_layers):
             cache.update(tensor[index, 0].unsqueeze(0), tensor[index, 1].unsqueeze(0), index)
