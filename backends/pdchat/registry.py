@@ -15,6 +15,6 @@ SHM, NIXL = "shm", "nixl"
 KV_CONNECTORS = (SHM, NIXL)
 
 # Embedded models (built offline into the cache): name -> directory and served model name.
-TINY, SMOLLM2 = "tiny", "smollm2"
-EMBEDDED_MODELS = {TINY: "tiny-llama", SMOLLM2: "SmolLM2-135M-Instruct"}
+TINY, SMOLLM2, TINY_GPTOSS = "tiny", "smollm2", "tiny-gptoss"
+EMBEDDED_MODELS = {TINY: "tiny-llama", SMOLLM2: "SmolLM2-135M-Instruct", TINY_GPTOSS: "tiny-gptoss"}
 DEFAULT_MODEL = SMOLLM2
