@@ -49,11 +49,14 @@ def load_key(environ: dict[str, str] | os._Environ | None = None) -> bytes | Non
     return key
 
 
-def render_fingerprint(request: ChatRequest, served_model: str) -> str:
-    """Canonical hash of everything the rendered prompt depends on. Sampling and streaming
+def render_fingerprint(request: ChatRequest, served_model: str, render_defaults: dict[str, Any] | None = None) -> str:
+    """Canonical hash of everything the rendered prompt depends on: the request's render
+    inputs and the server's (`render_defaults`: Harmony's date). Sampling and streaming
     fields are outside it: the router may change them between the legs."""
     inputs = {
         "model": served_model,
+        "defaults": render_defaults or {},
+        "reasoning_effort": request.reasoning_effort,
         "messages": request.messages,
         "tools": request.tools,
         "tool_choice": request.tool_choice,

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.kv.base import KVHandle
@@ -46,10 +48,15 @@ class RoutePlan:
 
 
 class RoutePlanner:
-    def __init__(self, gate: Gate, served_name: str, ttl_s: float = DEFAULT_TTL_S):
+    def __init__(self, gate: Gate, served_name: str, ttl_s: float = DEFAULT_TTL_S,
+                 render_defaults: Callable[[], dict[str, Any]] = dict):
         self.gate = gate
         self.served_name = served_name
         self.ttl_s = ttl_s
+        self.render_defaults = render_defaults  # the renderer's server-side inputs, as of now
+
+    def fingerprint(self, chat: ChatRequest) -> str:
+        return render_fingerprint(chat, self.served_name, self.render_defaults())
 
     def plan(self, chat: ChatRequest, binary_ids: list[int] | None, kv_transfer_params: str | None) -> RoutePlan:
         """Decide the path; refusals raise InvalidRequest (ForwardedIdsRejected for the gate's).
@@ -58,7 +65,7 @@ class RoutePlanner:
             raise ForwardedIdsRejected(Rejection.MALFORMED, "give kv_transfer_params once: as the tensor or in the request JSON")
         ids, params = forwarded_ids(binary_ids, kv_transfer_params if kv_transfer_params is not None else chat.kv_transfer_params)
         if ids is not None:
-            handle = self.gate.admit(ids, params, render_fingerprint(chat, self.served_name))
+            handle = self.gate.admit(ids, params, self.fingerprint(chat))
             generation = chat.generation_params(len(ids), self.gate.context_length, self.gate.vocab_size, self.served_name)
             return RoutePlan(Route.REUSE, chat, ids, generation, handle)
         if "signature" in params:
@@ -74,12 +81,12 @@ class RoutePlanner:
     def admit_rendered(self, plan: RoutePlan, rendered_ids: list[int]) -> KVHandle | None:
         """RENDER_VERIFIED: the transferred KV, if the ids rendered here are the ones prefill
         signed (same checks as forwarded ids: signature, expiry, fingerprint, once)."""
-        return self.gate.admit(rendered_ids, plan.signed_params or {}, render_fingerprint(plan.chat, self.served_name))
+        return self.gate.admit(rendered_ids, plan.signed_params or {}, self.fingerprint(plan.chat))
 
     def sign_handoff(self, chat: ChatRequest, prompt_token_ids: list[int], kv_handle: KVHandle | None = None,
                      now: float | None = None) -> Handoff:
         """The signed handoff for the decode leg. The ids travel beside it as the binary
         prompt_token_ids tensor (a router may also list them inside, vLLM-style)."""
         assert self.gate.key is not None  # plan() refused REMOTE_PREFILL without a key
-        return sign(self.gate.key, prompt_token_ids, render_fingerprint(chat, self.served_name),
+        return sign(self.gate.key, prompt_token_ids, self.fingerprint(chat),
                     kv_handle=kv_handle, ttl_s=self.ttl_s, now=now or time.time())

@@ -10,12 +10,12 @@ from pdchat.core.generation.generation import Generation, TextModel
 from pdchat.core.generation.scheduler import DecodeJob, DecodeScheduler
 from pdchat.core.output.responses import ClientOutput, ResponseAssembler
 from pdchat.core.request.protocol import ChatRequest
-from pdchat.core.request.rendering import ChatRenderer
+from pdchat.core.request.renderers import load_renderer
 
 
 class LocalPipeline:
     def __init__(self, model_dir: Path, device: str = "cpu"):
-        self.renderer = ChatRenderer(model_dir, model_dir.name)
+        self.renderer = load_renderer(model_dir, model_dir.name)
         self.model = TextModel(model_dir, device)
 
     def run(self, request: ChatRequest, *, handoff: bool = True) -> list[ClientOutput]:

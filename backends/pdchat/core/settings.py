@@ -152,3 +152,14 @@ def render_timeout_s(parameters: dict[str, str], environ: os._Environ | dict | N
     """The bound on one chat template render: `render_timeout_s`, then PDCHAT_RENDER_TIMEOUT_S, then 2 s."""
     value = setting(parameters, PARAM_RENDER_TIMEOUT_S, ENV_RENDER_TIMEOUT_S, str(DEFAULT_RENDER_TIMEOUT_S), environ)
     return _positive(value, "render timeout")
+
+
+# Harmony (GPT-OSS) render inputs the server supplies (core.request.harmony).
+PARAM_CURRENT_DATE = "current_date"  # renderer, chat: the conversation date Harmony's system message states
+ENV_CURRENT_DATE = "PDCHAT_CURRENT_DATE"
+
+
+def current_date(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> str | None:
+    """Harmony's conversation date: `current_date`, then PDCHAT_CURRENT_DATE, else None (today, UTC).
+    Set it alike for `renderer` and `chat` (the environment does both): chat fingerprints it."""
+    return setting(parameters, PARAM_CURRENT_DATE, ENV_CURRENT_DATE, "", environ) or None

@@ -23,9 +23,9 @@ from pdchat import tensors
 from pdchat.core.kv.base import KVHandle
 from pdchat.core.output.logprobs import TokenSpeller
 from pdchat.core.output.responses import FAILED, Delta, remote_prefill_output
-from pdchat.core.request.protocol import GenerationParams
+from pdchat.core.request.protocol import ChatRequest, GenerationParams
 from pdchat.core.request.render_cost import RenderRate
-from pdchat.core.request.rendering import ChatRenderer
+from pdchat.core.request.renderers import load_renderer
 from pdchat.core.settings import forwarded_ids_policy, handoff_ttl_s, kv_connector, max_request_bytes
 from pdchat.ensemble.gate import ForwardedIdsRejected, Gate, parse_policy
 from pdchat.ensemble.handoff import load_key
@@ -57,7 +57,7 @@ class TritonPythonModel:
         parameters = io.model_parameters(args)
         settings = resolve_model(parameters)
         # The tokenizer here only calibrates the render rate and spells prefill's first token.
-        self.renderer = ChatRenderer(settings.path, settings.served_name)
+        self.renderer = load_renderer(settings.path, settings.served_name, parameters)
         self.speller = TokenSpeller(self.renderer.tokenizer)
         gate = Gate(
             policy=parse_policy(forwarded_ids_policy(parameters)),
@@ -65,12 +65,11 @@ class TritonPythonModel:
             vocab_size=len(self.renderer.tokenizer),
             context_length=self.renderer.context_length,
         )
-        self.planner = RoutePlanner(gate, settings.served_name, handoff_ttl_s(parameters))
+        self.planner = RoutePlanner(gate, settings.served_name, handoff_ttl_s(parameters), self.renderer.render_defaults)
         self.kv_connector = kv_connector(parameters)
         self.max_request_bytes = max_request_bytes(parameters)
         self.seal = StageSeal.for_this_server()
-        self.render_rate = RenderRate.calibrate(lambda messages: self.renderer.tokenizer.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+        self.render_rate = RenderRate.calibrate(lambda messages: self.renderer.token_ids(ChatRequest(messages=messages)))
         self.metrics = HandoffMetrics(args["model_name"])
         self.parses = ParseMetrics(args["model_name"])
         self.loop = ModelEventLoop("pdchat-chat", MAX_CONCURRENT_REQUESTS)

@@ -1,4 +1,4 @@
-"""renderer: chat request -> prompt token ids (chat template + tokenizer), sealed.
+"""renderer: chat request -> prompt token ids (chat template + tokenizer, or Harmony), sealed.
 
 Takes the client contract (chat_ensemble's first step, or a client calling it directly)
 or, from `chat`, the ChatRequest chat parsed already (`chat_request`, sealed by chat),
@@ -10,8 +10,8 @@ import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
 from pdchat.core.request.protocol import ChatRequest
-from pdchat.core.request.rendering import ChatRenderer
-from pdchat.core.settings import allow_request_templates, max_request_bytes, render_timeout_s
+from pdchat.core.request.renderers import load_renderer
+from pdchat.core.settings import max_request_bytes
 from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
 from pdchat.triton import io
@@ -22,12 +22,7 @@ class TritonPythonModel:
     def initialize(self, args):
         parameters = io.model_parameters(args)
         settings = resolve_model(parameters)
-        self.renderer = ChatRenderer(
-            settings.path,
-            settings.served_name,
-            allow_request_templates=allow_request_templates(parameters),
-            render_timeout_s=render_timeout_s(parameters),
-        )
+        self.renderer = load_renderer(settings.path, settings.served_name, parameters)
         self.max_request_bytes = max_request_bytes(parameters)
         self.seal = StageSeal.for_this_server()
         self.parses = ParseMetrics(args["model_name"])

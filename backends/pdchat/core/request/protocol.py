@@ -33,8 +33,9 @@ HONOURED_FIELDS = frozenset({
     "stream_options", "n", "tools", "tool_choice", "response_format", "chat_template_kwargs", "add_generation_prompt",
     "continue_final_message", "ignore_eos", "return_token_ids", "kv_transfer_params",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "top_k",
-    "min_p", "logprobs", "top_logprobs", "parallel_tool_calls",
+    "min_p", "logprobs", "top_logprobs", "parallel_tool_calls", "reasoning_effort",
 })
+REASONING_EFFORTS = ("low", "medium", "high")
 # OpenAI's bounds: penalties in [-2, 2], biases in [-100, 100], up to 20 alternatives per token.
 PENALTY_BOUND = 2.0
 LOGIT_BIAS_BOUND = 100.0
@@ -142,6 +143,8 @@ class ChatRequest(SamplingOptions, _WireForm):
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # OpenAI's reasoning_effort (low | medium | high): a render input (Harmony's system message).
+    reasoning_effort: str | None = None
     model: str | None = None
     max_tokens: int | None = None
     seed: int | None = None
@@ -220,6 +223,7 @@ def chat_request_from_body(data: dict[str, Any], *, check_grammar: bool = True) 
         chat_template_kwargs=_typed(data, "chat_template_kwargs", dict, {}),
         add_generation_prompt=_typed(data, "add_generation_prompt", bool, True),
         continue_final_message=_typed(data, "continue_final_message", bool, False),
+        reasoning_effort=_reasoning_effort(data.get("reasoning_effort")),
         model=_typed(data, "model", str, None),
         max_tokens=max_tokens,
         temperature=_number("temperature", data.get("temperature"), 1.0, 0.0, 2.0),
@@ -477,6 +481,12 @@ def _token_ids(key: str, value: Any) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
         raise InvalidRequest(f"'{key}' must be a list of token ids (non-negative integers), got {value!r}")
     return tuple(value)
+
+
+def _reasoning_effort(value: Any) -> str | None:
+    if value is not None and value not in REASONING_EFFORTS:
+        raise InvalidRequest(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {value!r}")
+    return value
 
 
 def _seed(value: Any) -> int | None:

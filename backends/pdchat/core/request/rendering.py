@@ -50,31 +50,18 @@ class RenderedPrompt:
 MAX_CHARS_PER_TOKEN = 16
 
 
-class ChatRenderer:
-    """Chat template + tokenizer of one model directory."""
+class PromptRenderer:
+    """What every render format shares: the model's tokenizer, context and vocabulary, the
+    early size bound, and `render()` = prompt ids + the generation params they bound."""
 
-    def __init__(
-        self,
-        model_dir: Path,
-        served_name: str,
-        *,
-        allow_request_templates: bool = False,
-        render_timeout_s: float = DEFAULT_RENDER_TIMEOUT_S,
-    ):
+    def __init__(self, model_dir: Path, served_name: str):
         from transformers import AutoConfig, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        if not self.tokenizer.chat_template:
-            raise ModelUnavailable(f"the tokenizer in {model_dir} has no chat template")
         config = AutoConfig.from_pretrained(model_dir)
         self.context_length = int(config.max_position_embeddings)
         self.vocab_size = int(config.vocab_size)  # the logits' width: bounds logit_bias and stop_token_ids
         self.served_name = served_name
-        # Templates that never mention tools would drop them silently; refuse instead.
-        self.supports_tools = "tools" in self.tokenizer.chat_template
-        self.allow_request_templates = allow_request_templates
-        self.render_timeout_s = render_timeout_s
-        self.reserved_kwargs = reserved_template_kwargs(self.tokenizer)
         # Refused untokenized: text longer than the context times MAX_CHARS_PER_TOKEN. Real
         # prompts average 3-5 characters a token; the bound keeps a hostile body from costing
         # seconds of tokenizer time (which no alarm can interrupt) on the renderer's one lane.
@@ -90,16 +77,51 @@ class ChatRenderer:
 
     def render(self, request: ChatRequest) -> RenderedPrompt:
         self.check_size(request)
-        if request.tools and not self.supports_tools:
-            raise InvalidRequest(f"the chat template of '{self.served_name}' does not support tools")
         ids = self.token_ids(request)
         return RenderedPrompt(ids, request.generation_params(len(ids), self.context_length, self.vocab_size, self.served_name))
 
     def token_ids(self, request: ChatRequest) -> list[int]:
+        raise NotImplementedError
+
+    def render_defaults(self) -> dict[str, Any]:
+        """Render inputs the server supplies (not the request) as of now: part of the gate's
+        fingerprint, so a prefill server rendering with other defaults is not trusted."""
+        return {}
+
+
+class ChatRenderer(PromptRenderer):
+    """Chat template + tokenizer of one model directory."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        served_name: str,
+        *,
+        allow_request_templates: bool = False,
+        render_timeout_s: float = DEFAULT_RENDER_TIMEOUT_S,
+    ):
+        super().__init__(model_dir, served_name)
+        if not self.tokenizer.chat_template:
+            raise ModelUnavailable(f"the tokenizer in {model_dir} has no chat template")
+        # Templates that never mention tools would drop them silently; refuse instead.
+        self.supports_tools = "tools" in self.tokenizer.chat_template
+        self.supports_reasoning_effort = "reasoning_effort" in self.tokenizer.chat_template
+        self.allow_request_templates = allow_request_templates
+        self.render_timeout_s = render_timeout_s
+        self.reserved_kwargs = reserved_template_kwargs(self.tokenizer)
+
+    def token_ids(self, request: ChatRequest) -> list[int]:
         """Apply the chat template and tokenize, as prefill and the reference both need."""
+        if request.tools and not self.supports_tools:
+            raise InvalidRequest(f"the chat template of '{self.served_name}' does not support tools")
         if request.continue_final_message and request.messages[-1]["role"] != "assistant":
             raise InvalidRequest("continue_final_message needs the last message to be from the assistant")
-        text = self._render_text(request, self.template_kwargs(request.chat_template_kwargs))
+        kwargs = self.template_kwargs(request.chat_template_kwargs)
+        if request.reasoning_effort is not None:
+            if not self.supports_reasoning_effort:
+                raise InvalidRequest(f"'reasoning_effort' is not used by the chat template of '{self.served_name}'")
+            kwargs = {**kwargs, "reasoning_effort": request.reasoning_effort}
+        text = self._render_text(request, kwargs)
         if len(text) > self.max_prompt_chars:
             raise InvalidRequest(
                 f"the chat template rendered {len(text)} characters; no prompt over {self.max_prompt_chars} "
