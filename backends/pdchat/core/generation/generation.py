@@ -12,14 +12,17 @@ from pathlib import Path
 
 import numpy as np
 
+from pdchat.core.errors import InvalidRequest
 from pdchat.core.generation.constraints import ConstraintCompiler
 from pdchat.core.generation.engine import CausalLM
 from pdchat.core.generation.sampling import Choice, LogitsShaper, TokenChooser, token_logprobs
 from pdchat.core.output.detokenizer import IncrementalDetokenizer
+from pdchat.core.output.harmony import HarmonyOutputParser
 from pdchat.core.output.logprobs import TokenSpeller
 from pdchat.core.output.parsing import THINK_OPEN, OutputParser, starts_in_reasoning
 from pdchat.core.output.responses import Delta, ResponseAssembler
 from pdchat.core.output.stopping import StopStringMatcher
+from pdchat.core.request.harmony_vocab import harmony_encoding, uses_harmony
 from pdchat.core.request.protocol import GenerationParams
 
 FINISH_STOP = "stop"
@@ -38,6 +41,7 @@ class TextModel:
         self.constraints = ConstraintCompiler(self.tokenizer, self.engine.vocab_size)
         self.reasoning = THINK_OPEN in (self.tokenizer.chat_template or "")
         self.speller = TokenSpeller(self.tokenizer)
+        self.harmony = harmony_encoding() if uses_harmony(model_dir) else None
 
     def prefill(self, prompt_token_ids: list[int], params: GenerationParams) -> tuple[Choice, np.ndarray]:
         """Prefill's whole job: the first output token (with its logprobs, if asked) and the
@@ -64,6 +68,9 @@ class TextModel:
 
     def chooser(self, prompt_token_ids: list[int], params: GenerationParams) -> TokenChooser:
         """One request's token choice: its grammar, penalties and biases, its seeded draw."""
+        if self.harmony is not None and params.constraint is not None:
+            raise InvalidRequest("response_format and a forced tool_choice ('required' or a named function) are not "
+                                 "supported with the Harmony format (GPT-OSS) yet; use tool_choice 'auto'")
         shaper = LogitsShaper(params, prompt_token_ids, self.engine.vocab_size, self.stop_ids(params))
         return TokenChooser(params, shaper, self.constraints.constraint(params.constraint))
 
@@ -71,12 +78,18 @@ class TextModel:
         """Tokens that end an answer: EOS (unless ignore_eos) and the request's stop_token_ids."""
         return (frozenset() if params.ignore_eos else self.eos_ids) | frozenset(params.stop_token_ids)
 
-    def output_parser(self, prompt_token_ids: list[int], params: GenerationParams) -> OutputParser:
-        """Splits the answer's text into content, reasoning and tool calls (at most one
-        with parallel_tool_calls false)."""
+    def output_parser(self, prompt_token_ids: list[int], params: GenerationParams) -> OutputParser | HarmonyOutputParser:
+        """Splits the answer into content, reasoning and tool calls (at most one with
+        parallel_tool_calls false): by Harmony's tokens, or by the text's markers."""
+        max_tool_calls = None if params.parallel_tool_calls else 1
+        if self.harmony is not None:
+            return HarmonyOutputParser(self.harmony, self._decode, tools=params.parse_tool_calls, max_tool_calls=max_tool_calls)
         tail = self.tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:])
         return OutputParser(reasoning=self.reasoning, tools=params.parse_tool_calls, in_reasoning=starts_in_reasoning(tail),
-                            max_tool_calls=None if params.parallel_tool_calls else 1)
+                            max_tool_calls=max_tool_calls)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def assembler(self, prompt_token_ids: list[int], params: GenerationParams) -> ResponseAssembler:
         return ResponseAssembler(params, prompt_token_ids, self.output_parser(prompt_token_ids, params), self.speller)
@@ -182,7 +195,7 @@ class Generation:
     def _finish(self, stopped: bool, text: str) -> str | None:
         if stopped:
             return FINISH_STOP
-        if self._tool_call_watch is not None and self._tool_call_watch.feed(text).tool_calls:
+        if self._tool_call_watch is not None and self._tool_call_watch.feed(text, [self.output_token_ids[-1]]).tool_calls:
             return FINISH_STOP  # the first complete tool call (the client sees finish_reason tool_calls)
         if len(self.output_token_ids) >= self.params.max_tokens:
             return FINISH_LENGTH

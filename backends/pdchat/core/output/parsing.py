@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +49,8 @@ class OutputParser:
         self._tool_count = 0
         self._after_think = False  # drop the blank line the template puts after </think>
 
-    def feed(self, text: str) -> ParsedDelta:
+    def feed(self, text: str, token_ids: Sequence[int] = ()) -> ParsedDelta:
+        """The text one step added (its token ids are for parsers that read ids: Harmony's)."""
         out = ParsedDelta()
         if self._state == DONE:
             return out

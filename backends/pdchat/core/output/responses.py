@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pdchat.core.output.harmony import HarmonyOutputParser
 from pdchat.core.output.logprobs import TokenLogprobs, TokenSpeller
 from pdchat.core.output.parsing import OutputParser, ParsedDelta
 from pdchat.core.request.protocol import GenerationParams
@@ -49,7 +50,8 @@ class ClientOutput:
 
 
 class ResponseAssembler:
-    def __init__(self, params: GenerationParams, prompt_token_ids: list[int], parser: OutputParser, speller: TokenSpeller):
+    def __init__(self, params: GenerationParams, prompt_token_ids: list[int], parser: OutputParser | HarmonyOutputParser,
+                 speller: TokenSpeller):
         self._params = params
         self._prompt_token_ids = prompt_token_ids
         self._parser = parser
@@ -66,7 +68,7 @@ class ResponseAssembler:
         self._text.append(delta.text)
         self._token_ids.extend(delta.token_ids)
         self._logprobs.extend(delta.logprobs)
-        parsed = self._parser.feed(delta.text)
+        parsed = self._parser.feed(delta.text, delta.token_ids)
         if delta.finish_reason:
             parsed.extend(self._parser.finish())
         self._parsed.extend(parsed)
