@@ -73,3 +73,38 @@ def wait_for(condition, timeout: float = 30.0, interval: float = 0.2) -> bool:
             return False
         time.sleep(interval)
     return True
+
+
+def post(stack, body, headers=None):
+    """POST a chat completion to a PDStack's router."""
+    request = urllib.request.Request(f"{stack.router_url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    return urllib.request.urlopen(request, timeout=300)
+
+
+def router_responses(stack, body) -> list[dict]:
+    """The router's answer as response JSONs: the SSE chunks, or the one completion."""
+    with post(stack, body) as reply:
+        if not body.get("stream"):
+            return [json.loads(reply.read())]
+        return [json.loads(line[6:]) for line in reply if line.startswith(b"data: ") and line.strip() != b"data: [DONE]"]
+
+
+def router_answer(stack, body) -> dict:
+    """The answer through the router, assembled the same way streamed or not."""
+    answers = router_responses(stack, body)
+    if not body.get("stream"):
+        message = answers[0]["choices"][0]
+        return {"content": message["message"]["content"] or "", "reasoning": message["message"].get("reasoning_content") or "",
+                "tool_calls": [(c["function"]["name"], c["function"]["arguments"]) for c in message["message"].get("tool_calls") or []],
+                "finish_reason": message["finish_reason"], "ids": message.get("token_ids")}
+    content, reasoning, calls, finish, ids = "", "", [], None, []
+    for answer in answers:
+        for choice in answer["choices"]:
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            reasoning += delta.get("reasoning_content") or ""
+            calls += [(c["function"]["name"], c["function"]["arguments"]) for c in delta.get("tool_calls") or []]
+            finish = choice["finish_reason"] or finish
+            ids += choice.get("token_ids") or []
+    return {"content": content, "reasoning": reasoning, "tool_calls": calls, "finish_reason": finish, "ids": ids}

@@ -13,6 +13,7 @@ import pytest
 
 from pdchat.clients.chat import GrpcChat, HttpChat, chat_inputs
 from tests.conversations import PARITY_CASES, SAMPLING_CASES, chat_body
+from tests.integration.adversarial import ADVERSARIAL
 from tests.integration.conftest import SHORT_TTL_S
 from tests.integration.helpers import answers_of, ask, executions, metric, refusal, responses, summary
 from tests.logprobs import assert_logprobs_close, logprobs_of
@@ -123,27 +124,6 @@ def test_reuse_skips_the_renderer_and_the_render_path_runs_it(decode_server, cli
     assert executions(decode_server, "renderer") == before
     ask(clients["grpc"], body)
     assert executions(decode_server, "renderer") == before + 1
-
-
-def tampered(handed, **changes):
-    return {**handed.kv_transfer_params, **changes}
-
-
-ADVERSARIAL = {
-    "unsigned": (lambda h: {"prompt_token_ids": h.prompt_token_ids}, "unsigned"),
-    "forged_signature": (lambda h: {"prompt_token_ids": h.prompt_token_ids, "kv_transfer_params": tampered(h, signature="ab" * 32)}, "bad_signature"),
-    "ids_altered": (lambda h: {"prompt_token_ids": h.prompt_token_ids[:-1] + [42], "kv_transfer_params": h.kv_transfer_params}, "bad_signature"),
-    "expiry_extended": (lambda h: {"prompt_token_ids": h.prompt_token_ids, "kv_transfer_params": tampered(h, expires_at=h.kv_transfer_params["expires_at"] + 3600)}, "bad_signature"),
-    "peer_injected": (lambda h: {"prompt_token_ids": h.prompt_token_ids, "kv_transfer_params": tampered(h, kv_handle={**h.kv_transfer_params["kv_handle"], "connector": "nixl", "location": {"agent": "evil", "metadata": "", "id": "1", "addr": 4096}})}, "bad_signature"),
-    "handle_malformed": (lambda h: {"prompt_token_ids": h.prompt_token_ids, "kv_transfer_params": tampered(h, kv_handle={"host": "203.0.113.7", "port": 1})}, "malformed"),
-    "non_ascii_signature": (lambda h: {"prompt_token_ids": h.prompt_token_ids, "kv_transfer_params": tampered(h, signature="é" * 64)}, "bad_signature"),
-    "out_of_vocabulary": (lambda h: {"prompt_token_ids": [1, 2, 10**6]}, "out_of_vocabulary"),
-    "negative_ids": (lambda h: {"prompt_token_ids": [1, -5, 3]}, "out_of_vocabulary"),
-    "empty_list": (lambda h: {"prompt_token_ids": []}, "empty"),
-    "longer_than_context": (lambda h: {"prompt_token_ids": [7] * 16384}, "too_long"),
-    "malformed_params": (lambda h: {"prompt_token_ids": h.prompt_token_ids, "kv_transfer_params": "{broken"}, "malformed"),
-    "ids_twice": (lambda h: {"prompt_token_ids": h.prompt_token_ids, "kv_transfer_params": tampered(h, prompt_token_ids=h.prompt_token_ids)}, "malformed"),
-}
 
 
 @pytest.mark.parametrize("case", sorted(ADVERSARIAL))
