@@ -68,10 +68,10 @@ def input_scalar(request, name: str) -> Any:
 
 
 def input_token_ids(request, name: str) -> np.ndarray | None:
-    """The ids as the tensor's own 1-D array (INT32 by the configs): hashed, range-checked and
-    forwarded without a Python list on the way."""
+    """The ids as a 1-D INT32 array (hashed, range-checked and forwarded without a Python list
+    on the way), copied out of the request's shared memory, which it may outlive."""
     array = input_array(request, name)
-    return None if array is None else array.reshape(-1)
+    return None if array is None else array.reshape(-1).copy()
 
 
 def chat_request(request, max_bytes: int) -> tuple[ChatRequest, str]:

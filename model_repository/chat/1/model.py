@@ -137,7 +137,9 @@ class TritonPythonModel:
         inputs = [io.string_tensor(tensors.CHAT_REQUEST, canonical), io.string_tensor(tensors.STAGE_SEAL, self.seal.seal_request(canonical))]
         started = time.perf_counter()
         response = _exec(request, RENDERER, inputs, [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.STAGE_SEAL])
-        ids = pb_utils.get_output_tensor_by_name(response, tensors.PROMPT_TOKEN_IDS).as_numpy()
+        # A copy: as_numpy() maps the response's shared memory, which is freed with the response
+        # (a view kept past it and handed to prefill and decode corrupted the stub's heap).
+        ids = pb_utils.get_output_tensor_by_name(response, tensors.PROMPT_TOKEN_IDS).as_numpy().copy()
         self.render_rate.observe(time.perf_counter() - started, len(ids))
         params, seal = (pb_utils.get_output_tensor_by_name(response, name).as_numpy()[0].decode()
                         for name in (tensors.GENERATION_PARAMS, tensors.STAGE_SEAL))
