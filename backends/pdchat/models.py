@@ -10,6 +10,9 @@ from pdchat import embedded, registry
 from pdchat.core import settings
 from pdchat.core.errors import ModelUnavailable
 
+# The dtypes a model may run in: `auto` is bfloat16 on CUDA, float32 on CPU.
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
 
 @dataclass(frozen=True)
 class ModelSettings:
@@ -17,6 +20,7 @@ class ModelSettings:
 
     path: Path
     device: str
+    dtype: str = "auto"
 
     @property
     def served_name(self) -> str:
@@ -32,8 +36,11 @@ def resolve_model(parameters: dict[str, str], environ: os._Environ | dict | None
     """
     spec = settings.setting(parameters, settings.PARAM_MODEL, settings.ENV_MODEL, registry.DEFAULT_MODEL, environ)
     device = settings.setting(parameters, settings.PARAM_DEVICE, settings.ENV_DEVICE, "auto", environ)
+    dtype = settings.setting(parameters, settings.PARAM_DTYPE, settings.ENV_DTYPE, "auto", environ)
+    if dtype not in MODEL_DTYPES:
+        raise ModelUnavailable(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {dtype!r}")
     if spec in registry.EMBEDDED_MODELS:
-        return ModelSettings(embedded.ensure_model(spec), device)
+        return ModelSettings(embedded.ensure_model(spec), device, dtype)
     path = Path(spec).expanduser()
     if not (path / "config.json").is_file():
         known = ", ".join(sorted(registry.EMBEDDED_MODELS))
@@ -41,4 +48,4 @@ def resolve_model(parameters: dict[str, str], environ: os._Environ | dict | None
             f"model path '{spec}' is not a Hugging Face model directory (no config.json there); "
             f"give a directory or one of the embedded models: {known}"
         )
-    return ModelSettings(path, device)
+    return ModelSettings(path, device, dtype)

@@ -18,6 +18,7 @@ from pdchat.core.errors import ModelUnavailable
 # Model config parameters (config.pbtxt `parameters`).
 PARAM_MODEL = "model"  # embedded model name or HF model directory
 PARAM_DEVICE = "device"  # "auto" (CUDA when present), "cpu" or "cuda"
+PARAM_DTYPE = "dtype"  # "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16", "float16"
 PARAM_FORWARDED_IDS = "forwarded_ids"  # chat: off | signed | trusted
 PARAM_HANDOFF_TTL_S = "handoff_ttl_s"  # chat: seconds a signed handoff stays valid
 PARAM_KV_CONNECTOR = "kv_connector"  # chat (prefill role): shm | nixl
@@ -38,6 +39,7 @@ ENV_STAGE_KEY = "PDCHAT_STAGE_KEY"
 ENV_KV_PULL_TIMEOUT_S = "PDCHAT_KV_PULL_TIMEOUT_S"  # decode: longest NIXL READ before recomputing (30 s)
 ENV_API_KEY = "PDCHAT_API_KEY"  # the router's bearer token (pdchat router --api-key)
 ENV_DEVICE = "PDCHAT_DEVICE"
+ENV_DTYPE = "PDCHAT_DTYPE"
 ENV_CACHE_DIR = "PDCHAT_CACHE_DIR"
 ENV_FORWARDED_IDS = "PDCHAT_FORWARDED_IDS"
 ENV_HANDOFF_TTL_S = "PDCHAT_HANDOFF_TTL_S"

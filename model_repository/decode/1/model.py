@@ -34,7 +34,7 @@ class TritonPythonModel:
     def initialize(self, args):
         parameters = io.model_parameters(args)
         settings = resolve_model(parameters)
-        self.model = TextModel(settings.path, settings.device)
+        self.model = TextModel(settings.path, settings.device, settings.dtype)
         self.seal = StageSeal.for_this_server()
         self.connectors = Connectors(**kv_options(parameters))
         self.metrics = DecodeMetrics(args["model_name"])

@@ -24,7 +24,7 @@ class TritonPythonModel:
     def initialize(self, args):
         parameters = io.model_parameters(args)
         settings = resolve_model(parameters)
-        self.model = TextModel(settings.path, settings.device)
+        self.model = TextModel(settings.path, settings.device, settings.dtype)
         self.seal = StageSeal.for_this_server()
         self.metrics = KVHeldMetrics(args["model_name"])
         self.connectors = Connectors(on_sweep=self.metrics.update, **kv_options(parameters))

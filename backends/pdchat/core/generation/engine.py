@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from pdchat.core.errors import InvalidRequest
+from pdchat.core.kv.base import KV_WIRE_TYPES, kv_dtype_name
 
 # KV layout on the wire: [layers, 2 (key, value), kv_heads, tokens, head_dim].
 KV_TOKEN_AXIS = 3
@@ -29,6 +30,14 @@ def pick_device(preference: str) -> str:
     return preference
 
 
+def pick_dtype(preference: str, device: str) -> torch.dtype:
+    """`auto`: bfloat16 on CUDA, float32 on CPU (where bf16 matmuls are slow and greedy
+    outputs are compared token for token)."""
+    if preference == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, preference)
+
+
 @dataclass
 class PrefillResult:
     last_logits: torch.Tensor  # [vocab], for the first output token
@@ -38,11 +47,14 @@ class PrefillResult:
 class CausalLM:
     """One causal LM: prefill a prompt, step one token, move KV in and out."""
 
-    def __init__(self, model_dir: Path, device: str = "auto"):
+    def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto"):
         from transformers import AutoModelForCausalLM
 
         self.device = pick_device(device)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.dtype = pick_dtype(dtype, self.device)
+        self.dtype_name = str(self.dtype).removeprefix("torch.")
+        self.wire_type = KV_WIRE_TYPES[self.dtype_name]
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
         self.model = model.to(self.device).eval()
         config = self.model.config
         self.context_length = int(config.max_position_embeddings)
@@ -66,7 +78,7 @@ class CausalLM:
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         # logits_to_keep=1: full-prompt logits would be vocab x tokens floats for nothing.
         out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        return PrefillResult(out.logits[0, -1], out.cache)
+        return PrefillResult(out.logits[0, -1].float(), out.cache)
 
     def kv_shape(self, tokens: int) -> tuple[int, ...]:
         """The wire layout of `tokens` tokens of this model's KV."""
@@ -84,7 +96,7 @@ class CausalLM:
         """Feed one token after `cache`; return the next token's logits (the cache grows)."""
         ids = torch.tensor([[token_id]], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, cache=cache, use_cache=True)
-        return out.logits[0, -1]
+        return out.logits[0, -1].float()
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -98,9 +110,11 @@ class CausalLM:
             raise InvalidRequest(f"prompt token ids must lie in [0, {self.vocab_size}); got values from {low} to {high}")
 
     def export_kv(self, cache: object) -> np.ndarray:
-        """The cache as one contiguous fp32 array (see KV layout above)."""
+        """The cache as one contiguous array in the model's dtype (see KV layout above;
+        bfloat16's bits as uint16, numpy having no bfloat16)."""
         layers = [torch.stack((layer.keys[0], layer.values[0])) for layer in cache.layers]
-        return torch.stack(layers).to("cpu", torch.float32).numpy()
+        kv = torch.stack(layers).to("cpu").contiguous()
+        return kv.view(torch.int16).numpy().view(np.uint16) if self.dtype == torch.bfloat16 else kv.numpy()
 
     def import_kv(self, kv: np.ndarray, prompt_tokens: int) -> object:
         """Rebuild a cache from export_kv's array, checking it fits this model and prompt."""
@@ -108,7 +122,10 @@ class CausalLM:
 
         self._check_kv(kv, prompt_tokens)
         cache = DynamicCache()
-        tensor = torch.from_numpy(np.ascontiguousarray(kv, dtype=np.float32)).to(self.device)
+        tensor = torch.from_numpy(np.ascontiguousarray(kv))
+        if self.dtype == torch.bfloat16:
+            tensor = tensor.view(torch.int16).view(torch.bfloat16)
+        tensor = tensor.to(self.device)
         for index in range(self.num_layers):
             cache.update(tensor[index, 0].unsqueeze(0), tensor[index, 1].unsqueeze(0), index)
         return cache
@@ -122,8 +139,11 @@ class CausalLM:
         return self.prefill_chunk(prompt_token_ids[-1:], cache)
 
     def _check_kv(self, kv: np.ndarray, prompt_tokens: int) -> None:
-        """A KV from another server must be this model's, for this prompt (a prefill server
-        running another model would otherwise fail the whole batch's step)."""
+        """A KV from another server must be this model's, in its dtype, for this prompt (a
+        prefill server running another model would otherwise fail the whole batch's step)."""
+        if kv.dtype != self.wire_type:
+            raise InvalidRequest(f"the KV is {kv_dtype_name(kv)}; this server's model runs in {self.dtype_name} "
+                                 "(prefill and decode servers must run the model in one dtype: parameter dtype / PDCHAT_DTYPE)")
         if tuple(kv.shape) != self.kv_shape(prompt_tokens):
             raise InvalidRequest(f"the KV has shape {list(kv.shape)}; this model and a prompt of {prompt_tokens} tokens "
                                  f"need {list(self.kv_shape(prompt_tokens))} (are prefill and decode serving the same model?)")
@@ -200,7 +220,7 @@ class DecodeBatch:
         positions = (columns - pads).view(rows, 1)  # each row's own length: where its new token sits
         out = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self._cache, use_cache=True)
         self._cache = out.cache
-        return out.logits[:, -1]
+        return out.logits[:, -1].float()
 
 
 def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:

@@ -13,6 +13,18 @@ from pdchat.core.errors import Unavailable
 from pdchat.core.output.logprobs import TokenLogprobs
 
 DEFAULT_BUDGET_BYTES = 2 << 30
+# KV dtypes on the wire: the model's own dtype, by name -> the numpy type carrying its bytes
+# (numpy has no bfloat16: its 16 bits travel as uint16 and become bfloat16 again in torch).
+KV_WIRE_TYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
+_WIRE_NAMES = {carrier: name for name, carrier in KV_WIRE_TYPES.items()}
+
+
+def kv_dtype_name(kv: np.ndarray) -> str:
+    """The dtype an exported KV array carries (engine.export_kv's arrays only)."""
+    try:
+        return _WIRE_NAMES[kv.dtype]
+    except KeyError:
+        raise ValueError(f"KV arrays travel as {', '.join(KV_WIRE_TYPES)}; got numpy {kv.dtype}") from None
 DEFAULT_KV_TTL_S = 60.0
 
 log = logging.getLogger("pdchat.kv")
@@ -43,14 +55,19 @@ class KVHandle:
     first_token_id: int
     location: dict[str, Any] = field(default_factory=dict)
     first_token_logprobs: TokenLogprobs | None = None
+    dtype: str = "float32"  # the prefill model's dtype (KV_WIRE_TYPES)
+
+    @property
+    def wire_type(self) -> np.dtype:
+        return KV_WIRE_TYPES[self.dtype]
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * 4  # FP32 KV
+        return int(np.prod(self.shape)) * self.wire_type.itemsize
 
     def to_dict(self) -> dict[str, Any]:
         """The handle as JSON values; `first_token_logprobs` only when there are some."""
-        value = {"connector": self.connector, "shape": list(self.shape), "expires_at": self.expires_at,
+        value = {"connector": self.connector, "shape": list(self.shape), "dtype": self.dtype, "expires_at": self.expires_at,
                  "first_token_id": self.first_token_id, "location": self.location}
         if self.first_token_logprobs is not None:
             value["first_token_logprobs"] = self.first_token_logprobs.to_dict()
@@ -73,7 +90,10 @@ class KVHandle:
             logprobs = None if logprobs is None else TokenLogprobs.from_dict(logprobs)
             if logprobs is not None and logprobs.token_id != first_token_id:
                 raise ValueError("first_token_logprobs are not those of first_token_id")
-            return cls(str(value["connector"]), shape, float(value["expires_at"]), first_token_id, value["location"], logprobs)
+            dtype = str(value.get("dtype", "float32"))
+            if dtype not in KV_WIRE_TYPES:
+                raise ValueError(f"dtype {dtype!r} is none of {', '.join(KV_WIRE_TYPES)}")
+            return cls(str(value["connector"]), shape, float(value["expires_at"]), first_token_id, value["location"], logprobs, dtype)
         except (KeyError, TypeError, ValueError) as exc:
             raise KVUnavailable(f"malformed KV handle: {exc!r}") from None
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from pdchat.core.kv.base import DEFAULT_BUDGET_BYTES, DEFAULT_KV_TTL_S, KVBudgetExceeded, KVHandle, KVUnavailable
+from pdchat.core.kv.base import DEFAULT_BUDGET_BYTES, DEFAULT_KV_TTL_S, KVBudgetExceeded, KVHandle, KVUnavailable, kv_dtype_name
 from pdchat.core.settings import ENV_KV_PULL_TIMEOUT_S
 from pdchat.registry import NIXL
 
@@ -50,7 +50,7 @@ class NixlConnector:
 
     def publish(self, kv: np.ndarray, first_token_id: int) -> KVHandle:
         self.sweep()
-        kv = np.ascontiguousarray(kv, dtype=np.float32)
+        dtype, kv = kv_dtype_name(kv), np.ascontiguousarray(kv)
         with self._lock:
             if self._held_bytes() + kv.nbytes > self.budget_bytes:
                 raise KVBudgetExceeded(
@@ -64,7 +64,7 @@ class NixlConnector:
             expires_at = time.time() + self.ttl_s
             self._held[kv_id] = (kv, registration, expires_at)
         location = {"agent": self.agent_name, "metadata": base64.b64encode(metadata).decode(), "id": kv_id, "addr": kv.ctypes.data}
-        return KVHandle(self.name, tuple(kv.shape), round(expires_at, 3), first_token_id, location)
+        return KVHandle(self.name, tuple(kv.shape), round(expires_at, 3), first_token_id, location, dtype=dtype)
 
     def pull(self, handle: KVHandle) -> np.ndarray:
         location = handle.location
@@ -74,7 +74,7 @@ class NixlConnector:
             raise KVUnavailable(f"malformed nixl KV handle: {exc!r}") from exc
         if time.time() > handle.expires_at:
             raise KVUnavailable(f"KV {kv_id} expired before it was pulled")
-        kv = np.empty(handle.shape, dtype=np.float32)
+        kv = np.empty(handle.shape, dtype=handle.wire_type)
         nbytes = kv.nbytes
         with self._lock:
             try:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdchat.core.kv.base import DEFAULT_BUDGET_BYTES, DEFAULT_KV_TTL_S, KVBudgetExceeded, KVHandle, KVUnavailable, OncePerKey
+from pdchat.core.kv.base import DEFAULT_BUDGET_BYTES, DEFAULT_KV_TTL_S, KVBudgetExceeded, KVHandle, KVUnavailable, OncePerKey, kv_dtype_name
 from pdchat.registry import SHM
 
 SHM_ROOT = Path("/dev/shm")
@@ -167,7 +167,7 @@ def _kv_files(dir_fd: int, directory: Path) -> list[tuple[_KVName, int]]:
     return files
 
 
-def _map(dir_fd: int, name: str, shape: tuple[int, ...], nbytes: int) -> np.ndarray:
+def _map(dir_fd: int, name: str, handle: KVHandle) -> np.ndarray:
     """Copy-on-write map of a claimed KV file: writable for torch, yet nothing is copied
     unless written."""
     try:
@@ -178,12 +178,12 @@ def _map(dir_fd: int, name: str, shape: tuple[int, ...], nbytes: int) -> np.ndar
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise KVUnavailable(f"KV {name} is not a regular file")
-        if info.st_size < nbytes:  # a reused file may be larger than this KV
-            raise KVUnavailable(f"KV {name} has {info.st_size} bytes, its handle says {list(shape)}")
-        mapping = mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY)
+        if info.st_size < handle.nbytes:  # a reused file may be larger than this KV
+            raise KVUnavailable(f"KV {name} has {info.st_size} bytes, its handle says {list(handle.shape)} {handle.dtype}")
+        mapping = mmap.mmap(fd, handle.nbytes, access=mmap.ACCESS_COPY)
     finally:
         os.close(fd)
-    return np.frombuffer(mapping, dtype=np.float32).reshape(shape)
+    return np.frombuffer(mapping, dtype=handle.wire_type).reshape(handle.shape)
 
 
 class ShmConnector:
@@ -201,7 +201,7 @@ class ShmConnector:
         os.close(_open_private(self.directory))
 
     def publish(self, kv: np.ndarray, first_token_id: int) -> KVHandle:
-        kv = np.ascontiguousarray(kv, dtype=np.float32)
+        dtype, kv = kv_dtype_name(kv), np.ascontiguousarray(kv)
         expires_at = time.time() + self.ttl_s
         published = _KVName(SHM_PREFIX, self.engine_id, int(expires_at * 1000), uuid.uuid4().hex)
         staging = str(replace(published, prefix=STAGING_PREFIX))
@@ -224,7 +224,8 @@ class ShmConnector:
                 with suppress(FileNotFoundError):
                     os.unlink(staging, dir_fd=dir_fd)
                 raise
-        return KVHandle(self.name, tuple(kv.shape), round(expires_at, 3), first_token_id, {"name": str(published), "host": HOST_ID})
+        return KVHandle(self.name, tuple(kv.shape), round(expires_at, 3), first_token_id, {"name": str(published), "host": HOST_ID},
+                        dtype=dtype)
 
     def pull(self, handle: KVHandle) -> np.ndarray:
         """Claim the KV, then map it (no copy). A handle pulls once: a second pull, or the
@@ -242,7 +243,7 @@ class ShmConnector:
                 raise KVUnavailable(f"KV {published} already pulled or gone (expired, or its prefill server restarted)") from None
             except OSError as exc:
                 raise KVUnavailable(f"KV {published} cannot be claimed: {exc.strerror}") from None
-            return _map(dir_fd, claimed, handle.shape, handle.nbytes)
+            return _map(dir_fd, claimed, handle)
         finally:
             os.close(dir_fd)
 

@@ -1,0 +1,104 @@
+"""Model dtypes: the KV leaves prefill and reaches decode in the model's own dtype, through
+both connectors, bit for bit; a decode server running another dtype refuses it by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from pdchat.core.errors import InvalidRequest
+from pdchat.core.generation.engine import CausalLM, DecodeBatch, pick_dtype
+from pdchat.core.kv.base import KVHandle, KVUnavailable
+from pdchat.core.kv.shm import ShmConnector
+from pdchat.models import resolve_model
+
+PROMPT = list(range(100, 160))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    return {name: CausalLM(tiny_model_dir, "cpu", name) for name in ("float32", "bfloat16", "float16")}
+
+
+def test_auto_is_bfloat16_on_cuda_and_float32_on_cpu():
+    assert pick_dtype("auto", "cpu") is torch.float32
+    assert pick_dtype("auto", "cuda") is torch.bfloat16
+    assert pick_dtype("float16", "cpu") is torch.float16
+
+
+def test_an_unknown_dtype_is_refused_at_load(tiny_model_dir):
+    from pdchat.core.errors import ModelUnavailable
+
+    with pytest.raises(ModelUnavailable, match="dtype must be one of auto, float32, bfloat16, float16"):
+        resolve_model({"model": str(tiny_model_dir), "dtype": "int8"})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_kv_travels_in_the_models_dtype_through_shm_bit_for_bit(engines, tmp_path, dtype):
+    engine = engines[dtype]
+    assert engine.model.dtype == getattr(torch, dtype)
+    result = engine.prefill(PROMPT)
+    kv = engine.export_kv(result.cache)
+    assert kv.nbytes == len(PROMPT) * engine.kv_bytes_per_token(), "2 bytes a value in 16-bit dtypes, not 4"
+    prefill, decode = ShmConnector(tmp_path / "kv"), ShmConnector(tmp_path / "kv")
+    try:
+        handle = prefill.publish(kv, int(result.last_logits.argmax()))
+        assert handle.dtype == dtype
+        handle = KVHandle.from_json(handle.to_json())  # as decode receives it
+        pulled = decode.pull(handle)
+        assert pulled.dtype == kv.dtype and np.array_equal(pulled.view(np.uint8), kv.view(np.uint8))
+        cache = engine.import_kv(pulled, len(PROMPT))
+        for mine, theirs in zip(cache.layers, result.cache.layers, strict=True):
+            assert mine.keys.dtype == engine.dtype and torch.equal(mine.keys, theirs.keys)
+        decode.done(handle)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_16_bit_batch_decodes_and_its_logits_are_float32_for_sampling(engines):
+    engine = engines["bfloat16"]
+    batch = DecodeBatch(engine)
+    for prompt in (PROMPT, PROMPT[:17]):
+        batch.join(engine.prefill(prompt).cache)
+    logits = batch.step([5, 6])
+    assert logits.shape == (2, engine.vocab_size) and logits.dtype == torch.float32
+    assert batch.kv_bytes() == 2 * (len(PROMPT) + 1) * engine.kv_bytes_per_token()
+
+
+@pytest.mark.parametrize(("prefill_dtype", "decode_dtype"), [("bfloat16", "float32"), ("float32", "float16"), ("float16", "bfloat16")])
+def test_kv_in_another_dtype_is_refused_by_name(engines, prefill_dtype, decode_dtype):
+    kv = engines[prefill_dtype].export_kv(engines[prefill_dtype].prefill(PROMPT).cache)
+    with pytest.raises(InvalidRequest, match=f"the KV is {prefill_dtype}; this server's model runs in {decode_dtype}"):
+        engines[decode_dtype].import_kv(kv, len(PROMPT))
+
+
+def test_a_handle_naming_an_unknown_dtype_is_malformed():
+    handle = KVHandle("shm", (1, 2, 1, 3, 4), time.time() + 60, 0, {"name": "x"})
+    assert KVHandle.from_json(handle.to_json()).dtype == "float32"
+    forged = {**handle.to_dict(), "dtype": "int8"}
+    with pytest.raises(KVUnavailable, match="dtype 'int8' is none of float32, float16, bfloat16"):
+        KVHandle.from_dict(forged)
+    assert dataclasses.replace(handle, dtype="bfloat16").nbytes == 1 * 2 * 1 * 3 * 4 * 2
+
+
+def test_kv_travels_in_bfloat16_through_nixl_bit_for_bit(engines):
+    pytest.importorskip("nixl_cu12")
+    from pdchat.core.kv.nixl import NixlConnector
+
+    engine = engines["bfloat16"]
+    kv = engine.export_kv(engine.prefill(PROMPT).cache)
+    prefill, decode = NixlConnector(ttl_s=60), NixlConnector()
+    try:
+        handle = KVHandle.from_json(prefill.publish(kv, 1).to_json())
+        assert handle.dtype == "bfloat16"
+        pulled = decode.pull(handle)
+        assert pulled.dtype == np.uint16 and np.array_equal(pulled, kv)
+        engine.import_kv(pulled, len(PROMPT))
+    finally:
+        prefill.close()
+        decode.close()
