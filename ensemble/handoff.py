@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from pdchat.core.errors import ModelUnavailable
+from pdchat.core.errors import InvalidRequest, ModelUnavailable
 from pdchat.core.kv.base import KVHandle, KVUnavailable
 from pdchat.core.request.protocol import ChatRequest
 from pdchat.core.settings import ENV_HANDOFF_KEY, ENV_HANDOFF_KEY_FILE
@@ -124,5 +124,9 @@ def same_mac(given: str, expected: str) -> bool:
 
 
 def canonical_json(value: Any) -> bytes:
-    """Sorted keys, no whitespace, UTF-8: the same bytes for the same value on every server."""
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    """Sorted keys, no whitespace, UTF-8: the same bytes for the same value on every server.
+    What it cannot write exactly (an integer past 64 bits) is refused, never hashed as something else."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except TypeError as exc:
+        raise InvalidRequest(f"the request holds a value this server cannot fingerprint: {exc}") from None

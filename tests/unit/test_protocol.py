@@ -121,6 +121,15 @@ def test_stream_options_and_kv_transfer_params_in_the_body():
     assert parse_chat_json(json.dumps({**body, "kv_transfer_params": {"do_remote_decode": True}})).kv_transfer_params == {"do_remote_decode": True}
 
 
+def with_turns(*messages):
+    return json.dumps({"messages": [{"role": "user", "content": "hi"}, *messages]})
+
+
+def with_call(arguments, name="f"):
+    return with_turns({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": name, "arguments": arguments}}]})
+
+
 @pytest.mark.parametrize(
     ("raw", "needle"),
     [
@@ -145,6 +154,17 @@ def test_stream_options_and_kv_transfer_params_in_the_body():
         (body(chat_template_kwargs=[1]), "'chat_template_kwargs' must be a dict"),
         ('{"messages": [{"role": "user", "content": "a \\ud800 b"}]}', "no low surrogate"),
         ("[" * 5000 + "]" * 5000, "depth limit exceeded"),
+        (body(tools=[{"type": "function", "function": {"name": "f", "description": 5}}]), "description must be a string"),
+        (body(tools=[{"type": "function", "function": {"name": "a.b c"}}]), "tools[0].function.name must be 1-64 letters"),
+        (with_turns({"role": "tool", "tool_call_id": ["a"], "content": "1"}), "messages[1].tool_call_id must be a string"),
+        (with_turns({"role": "user", "content": "a", "name": "bob"}), "messages[1].name is only taken on tool messages"),
+        (with_turns({"role": "assistant", "content": "a", "reasoning_content": ["x"]}), "reasoning_content must be a string"),
+        (with_turns({"role": "user", "content": "a", "reasoning_content": "x"}), "reasoning_content is only taken on assistant"),
+        (with_call('{"x": NaN}'), "arguments is not valid JSON: NaN is not JSON"),
+        (with_call('{"x": Infinity}'), "Infinity is not JSON"),
+        (with_call('{"x": 1e400}'), "out of range"),
+        (with_call('{"x": 123456789012345678901234567890}'), "does not fit 64 bits"),
+        (with_call('{}', name="x y"), "function.name must be 1-64 letters"),
     ],
 )
 def test_bad_requests_are_refused_with_the_reason(raw, needle):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import secrets
 import time
 import uuid
@@ -352,6 +353,15 @@ def _message(index: int, message: Any) -> dict[str, Any]:
         raise InvalidRequest(f"{where}.role is {role!r}; expected one of {', '.join(ROLES)}")
     normalized = dict(message)
     normalized["content"] = _content(where, message.get("content"), allow_empty=role == "assistant")
+    for key, allowed in (("reasoning_content", ("assistant",)), ("reasoning", ("assistant",)),
+                         ("tool_call_id", ("tool",)), ("name", ("tool",))):
+        value = message.get(key)
+        if value is None:
+            continue
+        if role not in allowed:
+            raise InvalidRequest(f"{where}.{key} is only taken on {' or '.join(allowed)} messages")
+        if not isinstance(value, str):
+            raise InvalidRequest(f"{where}.{key} must be a string, got {type(value).__name__}")
     tool_calls = message.get("tool_calls")
     if tool_calls is not None:
         if role != "assistant" or not isinstance(tool_calls, list):
@@ -382,13 +392,43 @@ def _tool_call(where: str, call: Any) -> dict[str, Any]:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise InvalidRequest(f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}")
+    _function_name(f"{where}.function.name", function["name"])
     arguments = function.get("arguments", "{}")
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = json.loads(arguments, parse_constant=_no_constant, parse_int=_int64, parse_float=_finite)
         except ValueError as exc:
-            raise InvalidRequest(f"{where}.function.arguments is not valid JSON: {exc}") from exc
+            raise InvalidRequest(f"{where}.function.arguments is not valid JSON: {exc}") from None
     return {**call, "function": {"name": function["name"], "arguments": arguments}}
+
+
+# Strict JSON numbers, as the body's parser (orjson) takes them: no NaN or infinities (which
+# canonical JSON cannot tell from null), no integers past 64 bits (which it cannot write).
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _int64(text: str) -> int:
+    value = int(text)
+    if not -(1 << 63) <= value < (1 << 64):
+        raise ValueError(f"the integer {text[:40]} does not fit 64 bits")
+    return value
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+# OpenAI's rule for function names; it also keeps Harmony's `functions.<name>` recipient unambiguous.
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _function_name(where: str, name: str) -> None:
+    if not _FUNCTION_NAME.fullmatch(name):
+        raise InvalidRequest(f"{where} must be 1-64 letters, digits, underscores or dashes, got {name[:80]!r}")
 
 
 def _tools(value: Any) -> list[dict[str, Any]] | None:
@@ -402,6 +442,9 @@ def _tools(value: Any) -> list[dict[str, Any]] | None:
             raise InvalidRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
         if not isinstance(function.get("name"), str) or not function["name"]:
             raise InvalidRequest(f"tools[{i}].function.name must be a non-empty string")
+        _function_name(f"tools[{i}].function.name", function["name"])
+        if not isinstance(function.get("description", ""), str):
+            raise InvalidRequest(f"tools[{i}].function.description must be a string")
         parameters = function.get("parameters", {})
         if not isinstance(parameters, dict):
             raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object")
