@@ -150,6 +150,10 @@ def test_quicktoks_binary_vocabulary_converts_line_by_line():
      "continue_final_message is not supported by the Harmony format"),
     ({"chat_template_kwargs": {"enable_thinking": True}}, "may only set 'current_date'"),
     ({"chat_template_kwargs": {"current_date": "30/11/2026"}}, "must be a date as YYYY-MM-DD"),
+    ({"chat_template_kwargs": {"current_date": "2025-13-45"}}, "must be a date as YYYY-MM-DD"),
+    ({"messages": [{"role": "user", "content": "a" * 5000}]}, "a run of 5000 characters that tokenizes as one piece"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": " " * 9000 + "x"}}]}, "tokenizes as one piece"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": "w " * 140000}}]}, "the messages and tools hold"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "tool", "tool_call_id": "nope", "content": "1"}]},
      "names no earlier tool call"),
 ])
@@ -241,11 +245,15 @@ def test_output_that_is_not_harmony_comes_back_as_content():
     assert merged.content.startswith("word word") and any(d.content for d in deltas), "a runaway header streams as content"
 
 
-def test_harmony_refuses_response_formats_and_forced_calls_at_the_stages(gptoss_dir):
+@pytest.mark.parametrize(("fields", "refused"), [
+    ({"response_format": {"type": "json_object"}}, "response_format and a forced tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required"}, "response_format and a forced tool_choice"),
+    ({"stop": ["Paris"]}, "'stop' strings are not supported"),
+])
+def test_harmony_refuses_what_it_cannot_honour_yet_at_the_stages(gptoss_dir, fields, refused):
     from pdchat.core.generation.generation import TextModel
 
     model = TextModel(gptoss_dir, "cpu")
-    chat = request(response_format={"type": "json_object"})
-    params = chat.generation_params(10, 1000, model.engine.vocab_size, "m")
-    with pytest.raises(InvalidRequest, match="not supported with the Harmony format"):
+    params = request(**fields).generation_params(10, 1000, model.engine.vocab_size, "m")
+    with pytest.raises(InvalidRequest, match=refused):
         model.chooser([1, 2, 3], params)

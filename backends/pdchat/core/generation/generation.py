@@ -68,11 +68,22 @@ class TextModel:
 
     def chooser(self, prompt_token_ids: list[int], params: GenerationParams) -> TokenChooser:
         """One request's token choice: its grammar, penalties and biases, its seeded draw."""
-        if self.harmony is not None and params.constraint is not None:
-            raise InvalidRequest("response_format and a forced tool_choice ('required' or a named function) are not "
-                                 "supported with the Harmony format (GPT-OSS) yet; use tool_choice 'auto'")
+        if self.harmony is not None:
+            self._check_harmony(params)
         shaper = LogitsShaper(params, prompt_token_ids, self.engine.vocab_size, self.stop_ids(params))
         return TokenChooser(params, shaper, self.constraints.constraint(params.constraint))
+
+    @staticmethod
+    def _check_harmony(params: GenerationParams) -> None:
+        """What the Harmony path cannot honour yet, refused here where both the render and the
+        reuse paths pass: a grammar would have to start after the `final` header, and stop
+        strings would match header words and leave the parsed content untrimmed."""
+        if params.constraint is not None:
+            raise InvalidRequest("response_format and a forced tool_choice ('required' or a named function) are not "
+                                 "supported with the Harmony format (GPT-OSS) yet; use tool_choice 'auto'")
+        if params.stop:
+            raise InvalidRequest("'stop' strings are not supported with the Harmony format (GPT-OSS) yet; "
+                                 "use stop_token_ids")
 
     def stop_ids(self, params: GenerationParams) -> frozenset[int]:
         """Tokens that end an answer: EOS (unless ignore_eos) and the request's stop_token_ids."""

@@ -22,6 +22,7 @@ There is no template here for a request to change, so `chat_template_kwargs` tak
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import time
@@ -31,11 +32,15 @@ from typing import Any
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.request.harmony_vocab import harmony_encoding
 from pdchat.core.request.protocol import ChatRequest
-from pdchat.core.request.rendering import PromptRenderer
+from pdchat.core.request.rendering import PromptRenderer, rendered_texts
 
 FUNCTIONS = "functions"
 DEFAULT_REASONING_EFFORT = "medium"
 CURRENT_DATE = "current_date"
+# openai-harmony's BPE takes time quadratic in the length of one pre-token piece (a run of
+# letters, of whitespace...) and holds the GIL, so no alarm bounds it: 160k characters of
+# "a" take 9 s. Pieces up to this length cost milliseconds; longer ones are refused.
+MAX_PIECE_CHARS = 4096
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 
@@ -57,12 +62,24 @@ class HarmonyRenderer(PromptRenderer):
 
         if request.continue_final_message:
             raise InvalidRequest("continue_final_message is not supported by the Harmony format (GPT-OSS)")
+        self._check_pieces(request)
         conversation = self.conversation(request)
         if request.add_generation_prompt:
             ids = self.encoding.render_conversation_for_completion(conversation, Role.ASSISTANT)
         else:
             ids = self.encoding.render_conversation(conversation)
         return [int(i) for i in ids]
+
+    def _check_pieces(self, request: ChatRequest) -> None:
+        """Refuse text Harmony's tokenizer would take seconds on, found by the (linear) fast
+        tokenizer's pre-tokenizer, which splits text as o200k does."""
+        split = self.tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str
+        for text in rendered_texts(request):
+            longest = max((end - start for _, (start, end) in split(text)), default=0)
+            if longest > MAX_PIECE_CHARS:
+                raise InvalidRequest(f"the request holds a run of {longest} characters that tokenizes as one piece "
+                                     f"(letters or whitespace without a break); at most {MAX_PIECE_CHARS} are accepted "
+                                     "with the Harmony format")
 
     def conversation(self, request: ChatRequest) -> Any:
         """The request as openai-harmony's Conversation (what its renderer takes)."""
@@ -145,6 +162,10 @@ class HarmonyRenderer(PromptRenderer):
 
 
 def _checked_date(where: str, value: Any) -> str:
-    if not isinstance(value, str) or not _DATE.fullmatch(value):
-        raise InvalidRequest(f"{where} must be a date as YYYY-MM-DD, got {value!r}")
+    try:
+        if not isinstance(value, str) or not _DATE.fullmatch(value):
+            raise ValueError
+        datetime.date.fromisoformat(value)
+    except ValueError:
+        raise InvalidRequest(f"{where} must be a date as YYYY-MM-DD, got {value!r}") from None
     return value

@@ -15,6 +15,7 @@ renderer or flood the tokenizer.
 from __future__ import annotations
 
 import inspect
+import json
 import signal
 import threading
 import time
@@ -68,11 +69,11 @@ class PromptRenderer:
         self.max_prompt_chars = self.context_length * MAX_CHARS_PER_TOKEN
 
     def check_size(self, request: ChatRequest) -> None:
-        """Refuse, before any template or tokenizer work, messages that cannot fit the context
-        (the template renders every message's content)."""
-        chars = sum(len(m["content"]) for m in request.messages)
+        """Refuse, before any template or tokenizer work, a request whose rendered text cannot
+        fit the context: every field a render writes counts (contents, reasoning, tool calls, tools)."""
+        chars = sum(len(text) for text in rendered_texts(request))
         if chars > self.max_prompt_chars:
-            raise InvalidRequest(f"the messages hold {chars} characters; no prompt over {self.max_prompt_chars} "
+            raise InvalidRequest(f"the messages and tools hold {chars} characters; no prompt over {self.max_prompt_chars} "
                                  f"fits this model's context of {self.context_length} tokens")
 
     def render(self, request: ChatRequest) -> RenderedPrompt:
@@ -172,6 +173,17 @@ class ChatRenderer(PromptRenderer):
             raise InvalidRequest(f"the chat template rejected the conversation: {exc}") from exc
         except TypeError as exc:
             raise InvalidRequest(f"chat_template_kwargs do not fit the template call: {exc}") from exc
+
+
+def rendered_texts(request: ChatRequest) -> Iterator[str]:
+    """The text of every request field a render writes into the prompt."""
+    for message in request.messages:
+        yield message["content"]
+        yield message.get("reasoning_content") or message.get("reasoning") or ""
+        for call in message.get("tool_calls") or []:
+            yield json.dumps(call["function"], ensure_ascii=False)
+    if request.tools:
+        yield json.dumps(request.tools, ensure_ascii=False)
 
 
 def reserved_template_kwargs(tokenizer: Any) -> frozenset[str]:
