@@ -8,6 +8,8 @@ The launcher SIGKILLs whatever is left of the process group after its stop timeo
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -35,3 +37,17 @@ def test_sigterm_with_streams_in_flight_stops_every_process_in_time(tmp_path_fac
     assert server.leaked_shm() == []
     streams.join(30)
     send.close()
+
+
+def test_kill_9_of_the_server_takes_its_model_processes_and_their_shm_with_it(tmp_path_factory, tiny_model_dir):
+    """Triton's python-backend stubs outlive a killed tritonserver; pdchat's models watch
+    for it (pdchat.triton.server_watch), free their shared memory and exit."""
+    server = running_server(tmp_path_factory, "killed")
+    group = server.process.pid
+    assert len(process_group(group)) >= 6, "the server and its five model processes"
+    os.kill(group, signal.SIGKILL)
+    try:
+        assert wait_for(lambda: process_group(group) == [], timeout=15), "model processes outlived their server"
+        assert server.leaked_shm() == []
+    finally:
+        server.stop()

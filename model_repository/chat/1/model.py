@@ -36,6 +36,7 @@ from pdchat.registry import SHM
 from pdchat.triton import io
 from pdchat.triton.event_loop import ModelEventLoop
 from pdchat.triton.metrics import HandoffMetrics, ParseMetrics
+from pdchat.triton.server_watch import exit_with_server
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 RENDERER, PREFILL, DECODE = "renderer", "prefill", "decode"
@@ -54,6 +55,7 @@ class TritonPythonModel:
         return io.declare_contract(config, tensors.CHAT_INPUTS, tensors.CHAT_OUTPUTS)
 
     def initialize(self, args):
+        exit_with_server()  # a stub outliving its server frees its memory and exits
         parameters = io.model_parameters(args)
         settings = resolve_model(parameters)
         # The tokenizer here only calibrates the render rate and spells prefill's first token.

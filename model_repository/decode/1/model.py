@@ -25,6 +25,7 @@ from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
 from pdchat.triton import io
 from pdchat.triton.metrics import DecodeMetrics
+from pdchat.triton.server_watch import exit_with_server
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("pdchat.decode")
@@ -32,6 +33,7 @@ log = logging.getLogger("pdchat.decode")
 
 class TritonPythonModel:
     def initialize(self, args):
+        exit_with_server()  # a stub outliving its server frees its memory and exits
         parameters = io.model_parameters(args)
         settings = resolve_model(parameters)
         self.model = TextModel(settings.path, settings.device, settings.dtype)

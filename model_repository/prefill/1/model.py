@@ -18,10 +18,12 @@ from pdchat.models import resolve_model
 from pdchat.registry import SHM
 from pdchat.triton import io
 from pdchat.triton.metrics import KVHeldMetrics
+from pdchat.triton.server_watch import exit_with_server
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        exit_with_server()  # a stub outliving its server frees its memory and exits
         parameters = io.model_parameters(args)
         settings = resolve_model(parameters)
         self.model = TextModel(settings.path, settings.device, settings.dtype)

@@ -16,10 +16,12 @@ from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
 from pdchat.triton import io
 from pdchat.triton.metrics import ParseMetrics
+from pdchat.triton.server_watch import exit_with_server
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        exit_with_server()  # a stub outliving its server frees its memory and exits
         parameters = io.model_parameters(args)
         settings = resolve_model(parameters)
         self.renderer = load_renderer(settings.path, settings.served_name, parameters)
