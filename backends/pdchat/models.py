@@ -21,6 +21,7 @@ class ModelSettings:
     path: Path
     device: str
     dtype: str = "auto"
+    threads: int | None = None  # torch's CPU threads (None: torch's default)
 
     @property
     def served_name(self) -> str:
@@ -39,8 +40,9 @@ def resolve_model(parameters: dict[str, str], environ: os._Environ | dict | None
     dtype = settings.setting(parameters, settings.PARAM_DTYPE, settings.ENV_DTYPE, "auto", environ)
     if dtype not in MODEL_DTYPES:
         raise ModelUnavailable(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {dtype!r}")
+    threads = settings.torch_threads(parameters, environ)
     if spec in registry.EMBEDDED_MODELS:
-        return ModelSettings(embedded.ensure_model(spec), device, dtype)
+        return ModelSettings(embedded.ensure_model(spec), device, dtype, threads)
     path = Path(spec).expanduser()
     if not (path / "config.json").is_file():
         known = ", ".join(sorted(registry.EMBEDDED_MODELS))
@@ -48,4 +50,4 @@ def resolve_model(parameters: dict[str, str], environ: os._Environ | dict | None
             f"model path '{spec}' is not a Hugging Face model directory (no config.json there); "
             f"give a directory or one of the embedded models: {known}"
         )
-    return ModelSettings(path, device, dtype)
+    return ModelSettings(path, device, dtype, threads)

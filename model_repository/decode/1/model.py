@@ -36,7 +36,7 @@ class TritonPythonModel:
         exit_with_server()  # a stub outliving its server frees its memory and exits
         parameters = io.model_parameters(args)
         settings = resolve_model(parameters)
-        self.model = TextModel(settings.path, settings.device, settings.dtype)
+        self.model = TextModel(settings.path, settings.device, settings.dtype, settings.threads)
         self.seal = StageSeal.for_this_server()
         self.connectors = Connectors(**kv_options(parameters))
         self.metrics = DecodeMetrics(args["model_name"])

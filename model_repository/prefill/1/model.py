@@ -26,7 +26,7 @@ class TritonPythonModel:
         exit_with_server()  # a stub outliving its server frees its memory and exits
         parameters = io.model_parameters(args)
         settings = resolve_model(parameters)
-        self.model = TextModel(settings.path, settings.device, settings.dtype)
+        self.model = TextModel(settings.path, settings.device, settings.dtype, settings.threads)
         self.seal = StageSeal.for_this_server()
         self.metrics = KVHeldMetrics(args["model_name"])
         self.connectors = Connectors(on_sweep=self.metrics.update, **kv_options(parameters))

@@ -47,9 +47,11 @@ class PrefillResult:
 class CausalLM:
     """One causal LM: prefill a prompt, step one token, move KV in and out."""
 
-    def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto"):
+    def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto", threads: int | None = None):
         from transformers import AutoModelForCausalLM
 
+        if threads is not None:
+            torch.set_num_threads(threads)  # process-wide: one stage model per process
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.dtype_name = str(self.dtype).removeprefix("torch.")

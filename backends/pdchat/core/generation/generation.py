@@ -32,10 +32,10 @@ PROMPT_TAIL_TOKENS = 16
 
 
 class TextModel:
-    def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto"):
+    def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto", threads: int | None = None):
         from transformers import AutoTokenizer
 
-        self.engine = CausalLM(model_dir, device, dtype)
+        self.engine = CausalLM(model_dir, device, dtype, threads)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.eos_ids = self._eos_ids()
         self.constraints = ConstraintCompiler(self.tokenizer, self.engine.vocab_size)
