@@ -57,7 +57,6 @@ def ensure_model(name: str) -> Path:
 
 def build_tiny(out: Path) -> None:
     """Seeded tiny Llama sharing SmolLM2's tokenizer; template with tools and reasoning."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = _smollm2_tokenizer()
@@ -78,10 +77,7 @@ def build_tiny(out: Path) -> None:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id,
     )
-    torch.manual_seed(TINY_SEED)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    _save_seeded(LlamaForCausalLM, config, tokenizer, out)
 
 
 def build_smollm2(out: Path) -> None:
@@ -117,7 +113,6 @@ GPTOSS_VOCAB_SIZE = 201088  # o200k_harmony: 199,998 ranks, then special and res
 
 def build_tiny_gptoss(out: Path) -> None:
     """Seeded 2-layer GPT-OSS with Harmony's vocabulary and tokenizer."""
-    import torch
     from transformers import GptOssConfig, GptOssForCausalLM
 
     from pdchat.core.request.harmony_vocab import harmony_encoding
@@ -145,9 +140,17 @@ def build_tiny_gptoss(out: Path) -> None:
         eos_token_id=stops,
         pad_token_id=199999,
     )
+    _save_seeded(GptOssForCausalLM, config, tokenizer, out)
+
+
+def _save_seeded(model_class, config, tokenizer, out: Path) -> None:
+    """A model initialized from TINY_SEED in fp32, saved with its tokenizer (byte for byte
+    the same on every build); it stops where its config's EOS ids say."""
+    import torch
+
     torch.manual_seed(TINY_SEED)
-    model = GptOssForCausalLM(config).to(torch.float32)
-    model.generation_config.eos_token_id = stops
+    model = model_class(config).to(torch.float32)
+    model.generation_config.eos_token_id = config.eos_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 

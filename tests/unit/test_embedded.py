@@ -1,4 +1,4 @@
-"""The tiny model is rebuilt byte for byte from its pinned inputs."""
+"""The embedded test models are rebuilt byte for byte from their pinned inputs."""
 
 import hashlib
 
@@ -13,3 +13,12 @@ def test_tiny_model_rebuilds_identically(tiny_model_dir, tmp_path):
     embedded.build_tiny(tmp_path)
     assert digests(tmp_path) == digests(tiny_model_dir)
     assert "model.safetensors" in digests(tmp_path) and "chat_template.jinja" in digests(tmp_path)
+
+
+def test_tiny_gptoss_rebuilds_identically(tmp_path):
+    from pdchat import embedded, registry
+
+    built = embedded.ensure_model(registry.TINY_GPTOSS)
+    embedded.build_tiny_gptoss(tmp_path)
+    assert digests(tmp_path) == digests(built)
+    assert {"model.safetensors", "tokenizer.json"} <= set(digests(tmp_path))
