@@ -132,8 +132,17 @@ def test_ids_rendered_with_other_harmony_inputs_are_refused(clients, change):
     assert "(fingerprint_mismatch)" in message
 
 
-def test_response_formats_are_refused_on_the_render_path_and_the_prefill_leg(clients):
-    body = {"max_tokens": 4, **CASES["tools"], "response_format": {"type": "json_object"}}
+@pytest.mark.parametrize("field", [{"response_format": {"type": "json_object"}}, {"stop": ["Paris"]}])
+def test_what_harmony_cannot_honour_yet_is_refused_on_the_render_path_and_the_prefill_leg(clients, field):
+    body = {"max_tokens": 4, **CASES["tools"], **field}
     assert "not supported with the Harmony format" in refusal(clients["grpc"], body)
     assert "not supported with the Harmony format" in refusal(clients["prefill"], body,
                                                                kv_transfer_params={"do_remote_decode": True})
+
+
+def test_a_render_that_would_take_seconds_is_refused_at_once_and_the_server_keeps_serving(clients):
+    """openai-harmony's tokenizer is quadratic in one unbroken piece (300 KB stalled a server
+    30 s); the bound refuses it before any tokenizer work, so only the bound says this."""
+    tools = [{"type": "function", "function": {"name": "f", "description": "a" * 200_000}}]
+    assert "tokenizes as one piece" in refusal(clients["grpc"], {"max_tokens": 1, **CASES["tools"], "tools": tools})
+    assert ask(clients["grpc"], {"max_tokens": 1, **CASES["tools"]}).finish_reason == "length"
