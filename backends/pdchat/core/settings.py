@@ -173,8 +173,9 @@ def torch_threads(parameters: dict[str, str], environ: os._Environ | dict | None
     """torch's CPU threads in a stage model: `torch_threads`, then PDCHAT_TORCH_THREADS, then
     half the cores (at least 1). Prefill and decode share a server's cores; each taking all
     of them makes their OpenMP threads spin against each other (on 2 cores, tokens/s at
-    concurrency 16 rose from about 200 to 360 with one thread each)."""
+    concurrency 16 were about 160 with two threads each, 300 to 360 with one). Cores are
+    those this process may run on (its affinity), not the host's."""
     value = setting(parameters, PARAM_TORCH_THREADS, ENV_TORCH_THREADS, "auto", environ)
     if value == "auto":
-        return max(1, (os.cpu_count() or 2) // 2)
+        return max(1, len(os.sched_getaffinity(0)) // 2)
     return int(_positive(value, "torch_threads"))

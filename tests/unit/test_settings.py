@@ -1,0 +1,24 @@
+"""Stage-model settings resolved from config parameters and the environment."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pdchat.core.errors import ModelUnavailable
+from pdchat.core.settings import current_date, torch_threads
+
+
+def test_torch_threads_default_to_half_the_cores_this_process_may_use():
+    assert torch_threads({}, {}) == max(1, len(os.sched_getaffinity(0)) // 2)
+    assert torch_threads({"torch_threads": "3"}, {"PDCHAT_TORCH_THREADS": "5"}) == 3, "the parameter comes first"
+    assert torch_threads({}, {"PDCHAT_TORCH_THREADS": "5"}) == 5
+    with pytest.raises(ModelUnavailable, match="torch_threads must be"):
+        torch_threads({"torch_threads": "many"}, {})
+
+
+def test_harmonys_date_comes_from_the_parameter_then_the_environment_else_today():
+    assert current_date({"current_date": "2026-01-02"}, {"PDCHAT_CURRENT_DATE": "2025-05-05"}) == "2026-01-02"
+    assert current_date({}, {"PDCHAT_CURRENT_DATE": "2025-05-05"}) == "2025-05-05"
+    assert current_date({}, {}) is None
