@@ -78,13 +78,15 @@ def test_iterate_yields_every_item_then_raises_the_iterators_error(loop):
 
 def test_close_does_not_wait_for_a_stream_that_never_ends():
     loop = ModelEventLoop("stuck", max_concurrent=1)
-    never = threading.Event()
+    never, streaming = threading.Event(), threading.Event()
 
     async def serve():
+        streaming.set()
         async for _ in loop.iterate(iter(never.wait, True)):
             pass
 
     loop.submit(serve())
+    assert streaming.wait(5), "the stream never started"  # a coroutine never started warns when collected
     started = time.monotonic()
     loop.close(timeout=1)
     assert time.monotonic() - started < 3
