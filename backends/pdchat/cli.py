@@ -80,7 +80,8 @@ def _http_options(parser: argparse.ArgumentParser) -> None:
 def _server_options(parser: argparse.ArgumentParser) -> None:
     from pdchat.launcher import DEFAULT_MODEL_REPOSITORY
 
-    parser.add_argument("--model", help="embedded model name (tiny, smollm2) or HF model directory; sets PDCHAT_MODEL")
+    parser.add_argument("--model", help=f"embedded model name ({', '.join(registry.EMBEDDED_MODELS)}) or HF model directory; "
+                        "sets PDCHAT_MODEL")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)

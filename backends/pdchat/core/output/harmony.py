@@ -19,8 +19,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdchat.core.output.parsing import ParsedDelta
+from pdchat.core.request.harmony_vocab import FUNCTIONS
 
-FUNCTIONS_PREFIX = "functions."
+FUNCTIONS_PREFIX = f"{FUNCTIONS}."
 # A header longer than this is not a header: the model is not writing Harmony.
 MAX_HEADER_TOKENS = 64
 
@@ -38,7 +39,7 @@ class HarmonyOutputParser:
         self._max_tool_calls = max_tool_calls
         self._tool_count = 0
         self._header: list[int] = []  # tokens of a header not yet closed by <|message|>
-        self._call: list[str] | None = None  # arguments of the tool call being written
+        self._held: list[str] = []  # a message to a recipient (a tool call's arguments), passed on at its end
         self._raw = False  # the output left Harmony: everything from here is content
         self._done = False
 
@@ -82,21 +83,19 @@ class HarmonyOutputParser:
         self._header = []
         delta = parser.last_content_delta or ""
         recipient = parser.current_recipient
-        if recipient is not None and self._is_call(recipient):
-            self._call = (self._call or []) + [delta]
+        if recipient is not None and (self._is_call(recipient) or parser.current_channel != "analysis"):
+            self._held.append(delta)
         elif parser.current_channel == "analysis":
             out.reasoning += delta
-        elif recipient is None:
-            out.content += delta
         else:
-            self._call = (self._call or []) + [delta]  # to another recipient: passed on whole at its end
+            out.content += delta
 
     def _message_done(self, message: Any, out: ParsedDelta) -> None:
         recipient = message.recipient
         if recipient is None:
             return  # its content has streamed already
-        arguments = "".join(self._call or [])
-        self._call = None
+        arguments = "".join(self._held)
+        self._held = []
         if not self._is_call(recipient):
             out.content += arguments
             return
@@ -118,5 +117,5 @@ class HarmonyOutputParser:
 
     def _leave_harmony(self, out: ParsedDelta) -> None:
         """Pass on what is held (an open header's text, an unfinished call) as content."""
-        out.content += "".join(self._call or []) + (self._decode(self._header) if self._header else "")
-        self._call, self._header, self._raw = None, [], True
+        out.content += "".join(self._held) + (self._decode(self._header) if self._header else "")
+        self._held, self._header, self._raw = [], [], True

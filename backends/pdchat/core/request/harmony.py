@@ -30,11 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from pdchat.core.errors import InvalidRequest
-from pdchat.core.request.harmony_vocab import harmony_encoding
-from pdchat.core.request.protocol import ChatRequest
+from pdchat.core.request.harmony_vocab import FUNCTIONS, harmony_encoding
+from pdchat.core.request.protocol import ChatRequest, reasoning_of
 from pdchat.core.request.rendering import PromptRenderer, rendered_texts
 
-FUNCTIONS = "functions"
 DEFAULT_REASONING_EFFORT = "medium"
 CURRENT_DATE = "current_date"
 # openai-harmony's BPE takes time quadratic in the length of one pre-token piece (a run of
@@ -46,8 +45,6 @@ _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 class HarmonyRenderer(PromptRenderer):
     """Harmony conversations rendered by openai-harmony, tokens from its o200k_harmony encoding."""
-
-    supports_tools = True
 
     def __init__(self, model_dir: Path, served_name: str, *, current_date: str | None = None):
         super().__init__(model_dir, served_name)
@@ -146,8 +143,8 @@ class HarmonyRenderer(PromptRenderer):
             return [Message.from_author_and_content(Author.new(Role.TOOL, f"{FUNCTIONS}.{name}"), content)
                     .with_channel("commentary").with_recipient("assistant")]
         turn = []
-        reasoning = message.get("reasoning_content") or message.get("reasoning")
-        if isinstance(reasoning, str) and reasoning:
+        reasoning = reasoning_of(message)
+        if reasoning:
             turn.append(Message.from_role_and_content(Role.ASSISTANT, reasoning).with_channel("analysis"))
         if content:
             turn.append(Message.from_role_and_content(Role.ASSISTANT, content).with_channel("final"))

@@ -32,6 +32,8 @@ QUICKTOK_VOCAB = ("data", "o200k.vocab")
 QUICKTOK_PIN = "quicktok-v1==0.4.0"
 # Model types whose prompts are Harmony conversations (config.json's model_type).
 HARMONY_MODEL_TYPES = frozenset({"gpt_oss"})
+# The namespace Harmony addresses a request's function tools in (`functions.<name>`).
+FUNCTIONS = "functions"
 
 
 def uses_harmony(model_dir: Path) -> bool:

@@ -370,6 +370,12 @@ def _message(index: int, message: Any) -> dict[str, Any]:
     return normalized
 
 
+def reasoning_of(message: dict[str, Any]) -> str:
+    """An assistant message's earlier reasoning: `reasoning_content`, or vLLM's `reasoning`
+    (both checked to be strings by _message)."""
+    return message.get("reasoning_content") or message.get("reasoning") or ""
+
+
 def _content(where: str, content: Any, *, allow_empty: bool) -> str:
     """Flatten text parts into one string, joined by newlines as vLLM's chat utils do (so a
     request tokenizes the same on both); refuse media, which no stage here can read."""

@@ -28,7 +28,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from pdchat.core.errors import InvalidRequest, ModelUnavailable
-from pdchat.core.request.protocol import ChatRequest, GenerationParams
+from pdchat.core.request.protocol import ChatRequest, GenerationParams, reasoning_of
 from pdchat.core.settings import DEFAULT_RENDER_TIMEOUT_S
 
 REQUEST_TEMPLATE = "chat_template"
@@ -179,7 +179,7 @@ def rendered_texts(request: ChatRequest) -> Iterator[str]:
     """The text of every request field a render writes into the prompt."""
     for message in request.messages:
         yield message["content"]
-        yield message.get("reasoning_content") or message.get("reasoning") or ""
+        yield reasoning_of(message)
         for call in message.get("tool_calls") or []:
             yield json.dumps(call["function"], ensure_ascii=False)
     if request.tools:
