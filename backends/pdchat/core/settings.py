@@ -172,8 +172,8 @@ def current_date(parameters: dict[str, str], environ: os._Environ | dict | None 
 def torch_threads(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> int:
     """torch's CPU threads in a stage model: `torch_threads`, then PDCHAT_TORCH_THREADS, then
     half the cores (at least 1). Prefill and decode share a server's cores; each taking all
-    of them makes their OpenMP threads spin against each other (on 2 cores, tokens/s at
-    concurrency 16 were about 160 with two threads each, 300 to 360 with one). Cores are
+    of them makes their OpenMP threads spin against each other (README, "Models": about
+    twice the tokens/s at concurrency 16 on 2 cores with one thread each). Cores are
     those this process may run on (its affinity), not the host's."""
     value = setting(parameters, PARAM_TORCH_THREADS, ENV_TORCH_THREADS, "auto", environ)
     if value == "auto":
