@@ -102,3 +102,17 @@ def test_kv_travels_in_bfloat16_through_nixl_bit_for_bit(engines):
     finally:
         prefill.close()
         decode.close()
+
+
+def test_refused_kv_is_handed_back_at_once_not_held_until_its_ttl(tiny_model_dir, engines):
+    from pdchat.core.generation.generation import TextModel
+    from pdchat.core.generation.sampling import Choice
+    from pdchat.core.request.protocol import ChatRequest
+
+    model = TextModel(tiny_model_dir, "cpu")  # float32
+    kv = engines["bfloat16"].export_kv(engines["bfloat16"].prefill(PROMPT).cache)
+    params = ChatRequest(messages=[{"role": "user", "content": "x"}]).generation_params(len(PROMPT), 16384, model.engine.vocab_size, "m")
+    released = []
+    with pytest.raises(InvalidRequest, match="the KV is bfloat16"):
+        model.generation(PROMPT, params, first=Choice(5, None), kv_cache=kv, on_kv_released=lambda: released.append(True))
+    assert released == [True]

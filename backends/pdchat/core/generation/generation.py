@@ -148,7 +148,11 @@ class Generation:
         self._pending: Choice | None = None
         engine.check_prompt(prompt_token_ids)
         if kv_cache is not None and first is not None:
-            self._pending = self._continue_from(first, kv_cache)
+            try:
+                self._pending = self._continue_from(first, kv_cache)
+            except BaseException:
+                self.kv_moved()  # refused (another model's or dtype's KV): hand it back now, not at its TTL
+                raise
         elif prefill_chunk is None:
             self.prefill_step()  # the whole prompt at once
 
