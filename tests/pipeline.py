@@ -48,7 +48,7 @@ class LocalPipeline:
                 ended[index].set()
 
             scheduler.submit(DecodeJob(key=str(index), start=lambda g=generation: g, emit=emit, fail=fail,
-                                       is_cancelled=lambda: False, on_cancel=ended[index].set))
+                                       on_cancel=ended[index].set))
         try:
             assert all(event.wait(timeout) for event in ended), "the batch did not finish"
         finally:

@@ -67,7 +67,7 @@ class Recorder:
     def __init__(self):
         self.events, self.done = [], threading.Event()
 
-    def job(self, generation, *, cancelled=lambda: False, expect_end=True):
+    def job(self, generation):
         def emit(delta):
             self.events.append(delta.text)
             if delta.finish_reason:
@@ -78,8 +78,7 @@ class Recorder:
 
         return DecodeJob(
             key=generation.name,
-            start=lambda: generation, emit=emit, fail=fail, is_cancelled=cancelled,
-            on_cancel=lambda: self.events.append(f"{generation.name}:cancelled"),
+            start=lambda: generation, emit=emit, fail=fail, on_cancel=lambda: self.events.append(f"{generation.name}:cancelled"),
         )
 
 
@@ -93,7 +92,7 @@ def run_jobs(recorder, jobs, expected_events, batch=None, limits=None):
 
     # Hold the loop until every job is queued, so they start together.
     scheduler.submit(DecodeJob(key="z", start=held_start, emit=lambda d: None,
-                               fail=lambda e: None, is_cancelled=lambda: False, on_cancel=lambda: None))
+                               fail=lambda e: None, on_cancel=lambda: None))
     for job in jobs:
         scheduler.submit(job)
     gate.set()
@@ -126,21 +125,30 @@ def test_a_request_whose_response_cannot_be_sent_fails_alone_and_the_scheduler_g
             raise RuntimeError("send failed")
         recorder.events.append(delta.text)
 
-    broken = DecodeJob(key="a", start=broken.start, emit=emit, fail=broken.fail, is_cancelled=broken.is_cancelled, on_cancel=broken.on_cancel)
+    broken = DecodeJob(key="a", start=broken.start, emit=emit, fail=broken.fail, on_cancel=broken.on_cancel)
     events = run_jobs(recorder, [broken, recorder.job(CountingGeneration("b", 3))], 6)
     assert events == ["a1", "b1", "error:send failed", "b2", "b3", "b:end"]
 
 
-def test_cancelled_request_is_closed_and_dropped():
+def test_a_request_cancelled_mid_stream_is_closed_at_the_next_turn():
     recorder = Recorder()
-    steps = {"n": 0}
+    scheduler = DecodeScheduler(RecordingBatch())
+    a = recorder.job(CountingGeneration("a", 10))
+    emit = a.emit
 
-    def cancelled():
-        steps["n"] += 1
-        return steps["n"] > 2
+    def emit_then_cancel(delta):
+        emit(delta)
+        if delta.text == "a2":
+            scheduler.cancel("a")
 
-    events = run_jobs(recorder, [recorder.job(CountingGeneration("a", 10), cancelled=cancelled)], 3, limits=Limits(cancel_poll_s=0.0))
-    assert events == ["a1", "a2", "a:cancelled"]
+    a.emit = emit_then_cancel
+    scheduler.submit(a)
+    for _ in range(300):
+        if "a:cancelled" in recorder.events:
+            break
+        threading.Event().wait(0.01)
+    scheduler.close()
+    assert recorder.events == ["a1", "a2", "a:cancelled"]
 
 
 def test_start_failure_is_reported():
@@ -150,7 +158,7 @@ def test_start_failure_is_reported():
         raise ValueError("bad kv")
 
     job = DecodeJob(key="x", start=broken_start, emit=lambda d: None, fail=lambda e: recorder.events.append(f"error:{e}"),
-                    is_cancelled=lambda: False, on_cancel=lambda: None)
+                    on_cancel=lambda: None)
     assert run_jobs(recorder, [job], 1) == ["error:bad kv"]
 
 

@@ -3,13 +3,16 @@
 Without KV it prefills locally, in chunks between decode steps; a KV handle it cannot
 pull (expired, prefill gone) is recomputed from the ids, never re-rendered. All running
 requests advance in one forward pass per step (continuous batching, core.scheduler);
-execute() only validates and queues, and every response, errors included, is sent from
-the scheduler thread (one thread calling into the python backend; see the chat model).
+execute() only validates and queues. Every call into the server (responses, errors,
+cancel acknowledgements, cancellation checks, metrics) runs on the outbox thread
+(pdchat.triton.outbox), in order, while the scheduler thread runs the next forward pass.
 A request carrying only `cancel_request_id` (sealed by chat) stops the named request instead.
 """
 
 import functools
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
@@ -25,10 +28,22 @@ from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
 from pdchat.triton import io
 from pdchat.triton.metrics import DecodeMetrics
+from pdchat.triton.outbox import Outbox
 from pdchat.triton.server_watch import exit_with_server
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("pdchat.decode")
+
+
+@dataclass(eq=False)  # hashed by identity: the outbox watches the stream itself
+class _Stream:
+    """One request's response stream; touched only on the outbox thread."""
+
+    key: str
+    sender: Any
+    assembler: Any
+    started: bool = False  # admitted: counted in pdchat_decode_active until it ends
+    open: bool = True
 
 
 class TritonPythonModel:
@@ -43,8 +58,9 @@ class TritonPythonModel:
         self.options = batching_options(parameters)
         limits = Limits(max_running=self.options.max_running, kv_budget_bytes=self.options.kv_budget_bytes,
                         kv_bytes_per_token=self.model.engine.kv_bytes_per_token(), max_wait_s=self.options.queue_timeout_s)
-        self.scheduler = DecodeScheduler(DecodeBatch(self.model.engine), limits,
-                                         on_state=lambda state: self.metrics.scheduler(state.waiting, state.kv_bytes))
+        # About one step's responses may wait for the outbox before the scheduler waits too.
+        self.outbox = Outbox("pdchat-decode-outbox", max_pending=2 * self.options.max_running)
+        self.scheduler = DecodeScheduler(DecodeBatch(self.model.engine), limits, on_state=self._on_state)
 
     def execute(self, requests):
         for request in requests:
@@ -54,17 +70,18 @@ class TritonPythonModel:
                 if cancel is not None:
                     self.seal.check_cancel(cancel, io.input_text(request, tensors.STAGE_SEAL))
                     self.scheduler.cancel(cancel)
-                    self.scheduler.post(functools.partial(sender.send, flags=FINAL))
+                    self.outbox.call(functools.partial(sender.send, flags=FINAL))
                     continue
                 job = self._job(request, sender)
             except Exception as exc:  # noqa: BLE001
-                self.scheduler.post(functools.partial(sender.send, io.error_response(exc), flags=FINAL))
+                self.outbox.call(functools.partial(sender.send, io.error_response(exc), flags=FINAL))
                 continue
             self.scheduler.submit(job)
         return None
 
     def finalize(self):
         self.scheduler.close()
+        self.outbox.close()
         self.connectors.close()
         self.metrics.close()
 
@@ -76,41 +93,63 @@ class TritonPythonModel:
         first = None if handle is None else Choice(handle.first_token_id, handle.first_token_logprobs)
         if first is not None and not 0 <= first.token_id < engine.vocab_size:
             raise InvalidRequest(f"the KV handle's first token {first.token_id} is not in this model's vocabulary")
-        assembler = self.model.assembler(ids, params)
-        started = False  # admitted: counted in pdchat_decode_active until it ends
+        stream = _Stream(params.request_id, sender, self.model.assembler(ids, params))
 
-        def start():
-            nonlocal started
-            started = True
-            self.metrics.started()
+        def start():  # on the scheduler thread, on admission
+            self.outbox.call(functools.partial(self._started, stream))
             kv_cache = None if handle is None else self._pull(handle, params.request_id)
             released = None if handle is None or kv_cache is None else (lambda: self.connectors.done(handle))
             return self.model.generation(ids, params, first=first, kv_cache=kv_cache, on_kv_released=released,
                                          prefill_chunk=self.options.prefill_chunk)
 
-        def emit(delta):
-            for output in assembler.on_delta(delta):
-                sender.send(io.client_response(output), flags=FINAL if output.final else 0)
-            if delta.finish_reason:
-                self.metrics.ended("finished", started)
-
-        def fail(exc):
-            sender.send(io.failed_response(exc), flags=FINAL)
-            self.metrics.ended("failed", started)
-
-        def on_cancel():
-            sender.send(flags=FINAL)
-            self.metrics.ended("cancelled", started)
-
+        self.outbox.watch(stream, sender.is_cancelled, functools.partial(self.scheduler.cancel, stream.key))
         return DecodeJob(
-            key=params.request_id,
+            key=stream.key,
             start=start,
-            emit=emit,
-            fail=fail,
-            is_cancelled=sender.is_cancelled,
-            on_cancel=on_cancel,
+            emit=lambda delta: self.outbox.call(functools.partial(self._send_delta, stream, delta)),
+            fail=lambda exc: self.outbox.call(lambda: self._close(stream, "failed", io.failed_tensors(exc))),
+            on_cancel=lambda: self.outbox.call(functools.partial(self._close, stream, "cancelled")),
             tokens=len(ids) + params.max_tokens,
         )
+
+    # On the outbox thread:
+
+    def _started(self, stream: _Stream) -> None:
+        stream.started = True
+        self.metrics.started()
+
+    def _send_delta(self, stream: _Stream, delta) -> None:
+        if not stream.open:
+            return
+        try:
+            for output in stream.assembler.on_delta(delta):
+                io.send_tensors(stream.sender, io.client_tensors(output), flags=FINAL if output.final else 0)
+        except Exception as exc:  # noqa: BLE001 - this stream ends; the batch goes on
+            log.exception("request %s: sending a response failed", stream.key)
+            self.scheduler.cancel(stream.key)
+            self._close(stream, "failed", io.failed_tensors(exc))
+            return
+        if delta.finish_reason:
+            self._close(stream, "finished", send=False)  # its last output was sent FINAL
+
+    def _close(self, stream: _Stream, outcome: str, output_tensors=None, *, send: bool = True) -> None:
+        """End the stream once: a last response of `output_tensors`, or a bare final flag."""
+        if not stream.open:
+            return
+        stream.open = False
+        self.outbox.unwatch(stream)
+        self.metrics.ended(outcome, stream.started)
+        if send:
+            try:
+                if output_tensors is None:
+                    stream.sender.send(flags=FINAL)
+                else:
+                    io.send_tensors(stream.sender, output_tensors, flags=FINAL)
+            except Exception:  # noqa: BLE001 - a client already gone
+                log.exception("request %s: closing its stream failed", stream.key)
+
+    def _on_state(self, state) -> None:
+        self.outbox.call(lambda: self.metrics.scheduler(state.waiting, state.kv_bytes))
 
     def _pull(self, handle, request_id):
         """The KV a handle names, or None (decode then recomputes it from the ids)."""
@@ -118,7 +157,7 @@ class TritonPythonModel:
             kv = self.connectors.pull(handle)
         except KVUnavailable as exc:
             log.warning("request %s: KV pull failed, recomputing prefill from the forwarded ids: %s", request_id, exc)
-            self.metrics.kv_pull("recomputed")
+            self.outbox.call(functools.partial(self.metrics.kv_pull, "recomputed"))
             return None
-        self.metrics.kv_pull("pulled")
+        self.outbox.call(functools.partial(self.metrics.kv_pull, "pulled"))
         return kv

@@ -9,8 +9,11 @@ One thread owns the model. Each turn of its loop it
 4. emits each running request's pending token (requests that finish leave the batch
    at once, freeing their KV), then runs one forward pass for all the others.
 
-Requests join between steps, after their KV import or local prefill. Cancellation takes
-effect at the next turn, within one step.
+Requests join between steps, after their KV import or local prefill. Cancellation
+(`cancel(key)`, from any thread: whoever watches the client calls it) takes effect at the
+next turn, within one step. The callbacks of a job run on this thread; one that talks to
+a server should hand that work to another thread (decode's outbox), so the forward pass
+does not wait on it.
 """
 
 from __future__ import annotations
@@ -72,8 +75,7 @@ class DecodeJob:
     start: Callable[[], Decoding]  # builds the decode state (KV import, or a local prefill to run)
     emit: Callable[[Delta], None]  # called per token; the last delta has a finish_reason
     fail: Callable[[Exception], None]  # the request ends with this error
-    is_cancelled: Callable[[], bool]
-    on_cancel: Callable[[], None]  # the client went away: close the stream, drop the state
+    on_cancel: Callable[[], None]  # cancel(key) was called: close the stream; its state is dropped
     tokens: int = 0  # prompt + max_tokens: the KV it may come to hold, reserved on admission
 
 
@@ -83,9 +85,6 @@ class Limits:
     kv_budget_bytes: int = 1 << 30  # KV reserved by admitted requests (prompt + max_tokens each)
     kv_bytes_per_token: int = 0  # 0: reserve nothing (no KV budget check)
     max_wait_s: float = 30.0  # in the queue, before UNAVAILABLE
-    # How often a job's is_cancelled() is asked (a round trip to the server in Triton);
-    # cancel(key) takes effect at the next step regardless.
-    cancel_poll_s: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,6 @@ class _Entry:
     job: DecodeJob
     queued_at: float
     decoding: Decoding | None = None
-    polled_at: float = float("-inf")  # when is_cancelled() was last asked
 
 
 class DecodeScheduler:
@@ -128,8 +126,8 @@ class DecodeScheduler:
         self._incoming.put(call)
 
     def cancel(self, key: str) -> None:
-        """Stop the job with this key (from any thread): for callers whose own client left
-        but whose cancellation Triton does not pass on (BLS and ensembles in 2.51)."""
+        """Stop the job with this key (from any thread), at the next turn; unknown keys
+        (a job already ended) are ignored."""
         self._cancel_requests.put(key)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -173,13 +171,11 @@ class DecodeScheduler:
             except queue.Empty:
                 break
 
-        now = self._clock()
+        if not keys:
+            return
 
         def cancelled(entry: _Entry) -> bool:
-            polled = now - entry.polled_at >= self._limits.cancel_poll_s
-            if polled:
-                entry.polled_at = now
-            if entry.job.key in keys or (polled and entry.job.is_cancelled()):
+            if entry.job.key in keys:
                 entry.job.on_cancel()
                 return True
             return False
