@@ -1,10 +1,12 @@
 """ModelEventLoop: coroutines on one thread, blocking calls serialized, iterators read aside."""
 
+import gc
 import threading
 import time
 
 import pytest
 
+from pdchat.triton import event_loop
 from pdchat.triton.event_loop import ModelEventLoop
 
 
@@ -90,3 +92,33 @@ def test_close_does_not_wait_for_a_stream_that_never_ends():
     started = time.monotonic()
     loop.close(timeout=1)
     assert time.monotonic() - started < 3
+
+
+def test_a_finished_stream_is_kept_a_while_then_released_on_the_loop_thread(loop, monkeypatch):
+    """Triton's stub must not be the one to free a finished BLS stream (event_loop._retire)."""
+    monkeypatch.setattr(event_loop, "RETIRE_S", 0.2)
+    released_on = []
+
+    class Stream:
+        def __init__(self, count):
+            self.items = iter(range(count))
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return next(self.items)
+
+        def __del__(self):
+            released_on.append(threading.current_thread().name)
+
+    async def consume(count):
+        return [item async for item in loop.iterate(Stream(count))]
+
+    assert loop.submit(consume(2)).result(5) == [0, 1]
+    gc.collect()
+    assert released_on == [], "dropped as soon as it ended"
+    time.sleep(0.3)
+    assert loop.submit(consume(1)).result(5) == [0]  # retiring the next one lets the old one go
+    gc.collect()
+    assert released_on == ["test-loop"]

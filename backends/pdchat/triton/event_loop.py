@@ -10,7 +10,8 @@ what blocks runs elsewhere and only hands results back to the loop:
 - `call_blocking`: a blocking call (a BLS `exec()` to another model), one at a time per
   lane (a worker thread per lane, e.g. one per called model), in arrival order;
 - `iterate`: a blocking iterator (a decoupled BLS response stream), read by a thread of
-  its own that only waits for the next item.
+  its own that only waits for the next item. Once it is done, the loop keeps it for
+  `RETIRE_S` before letting it go (see `_retire`).
 
 All threads are daemons: a stub asked to stop never waits for a stream that cannot end.
 No Triton import here, so it is tested without a server.
@@ -19,6 +20,7 @@ No Triton import here, so it is tested without a server.
 from __future__ import annotations
 
 import asyncio
+import collections
 import queue
 import threading
 import time
@@ -28,6 +30,8 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 _END = object()
+# How long a finished BLS response stream is kept alive (see ModelEventLoop._retire).
+RETIRE_S = 5.0
 
 
 class ModelEventLoop:
@@ -35,6 +39,7 @@ class ModelEventLoop:
         self.loop = asyncio.new_event_loop()
         self._slots = asyncio.Semaphore(max_concurrent)  # bound to the loop on first use
         self._lanes: dict[str, queue.SimpleQueue[tuple[Callable[[], Any], Future] | None]] = {}
+        self._retired: collections.deque[tuple[float, Iterator[Any]]] = collections.deque()  # loop thread only
         self._name = name
         self._threads = [threading.Thread(target=self.loop.run_forever, name=f"{name}-loop", daemon=True)]
         self._threads[0].start()
@@ -65,6 +70,7 @@ class ModelEventLoop:
                     loop.call_soon_threadsafe(arrived.put_nowait, item)
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                 loop.call_soon_threadsafe(arrived.put_nowait, exc)
+            loop.call_soon_threadsafe(self._retire, items)
             loop.call_soon_threadsafe(arrived.put_nowait, _END)
 
         threading.Thread(target=read, name=f"{self._name}-read", daemon=True).start()
@@ -82,6 +88,22 @@ class ModelEventLoop:
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _retire(self, items: Iterator[Any]) -> None:
+        """Hold a finished stream for RETIRE_S, then drop it on this thread.
+
+        Why: in Triton 2.51's stub a decoupled BLS stream (`ResponseIterator`, holding
+        every response it yielded) is also held by the stub's own map, which its cleanup
+        thread empties without the GIL once the stream is done. If that map held the last
+        reference, the stream's tensors free their numpy arrays there, without the GIL,
+        racing every Python thread's allocator: the heap corruption `chat` died of under
+        load (python_backend r25.01 takes the GIL there). Letting go of the stream only
+        well after the stub's cleanup makes Python's reference the last one, so it is
+        freed here, under the GIL."""
+        now = time.monotonic()
+        self._retired.append((now, items))
+        while self._retired and now - self._retired[0][0] > RETIRE_S:
+            self._retired.popleft()
 
     async def _in_slot(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
         async with self._slots:

@@ -148,21 +148,28 @@ def client_tensors(output: ClientOutput) -> list[pb_utils.Tensor]:
     ]
 
 
-def client_response(output: ClientOutput) -> pb_utils.InferenceResponse:
-    return pb_utils.InferenceResponse(output_tensors=client_tensors(output))
+def send_tensors(sender, output_tensors: list[pb_utils.Tensor], flags: int = 0) -> None:
+    """Send a response of these tensors, holding them until the send returns.
+
+    Why: Triton 2.51's stub drops the outputs a caller did not request inside send(),
+    without the GIL; were its reference to such a tensor the last, the tensor's numpy
+    array would be freed there, racing every Python thread's allocator (python_backend
+    r25.01 takes the GIL there). `output_tensors` outlives the call, so the last reference
+    is Python's, dropped under the GIL."""
+    sender.send(pb_utils.InferenceResponse(output_tensors=output_tensors), flags=flags)
 
 
-def failed_response(exc: Exception) -> pb_utils.InferenceResponse:
+def failed_tensors(exc: Exception) -> list[pb_utils.Tensor]:
     """A stream that fails after it started ends with this in-band failure, not a Triton
     error response: in Triton 2.51 an error response to a decoupled BLS caller never
     reaches it (chat's client would wait forever). `chat` turns it into a Triton error;
     other clients read finish_reason "error" and the message in `response`."""
     body = json.dumps({"error": {"message": tagged_message(exc), "type": error_class(exc)}}, ensure_ascii=False)
-    return client_response(ClientOutput("", body, finish_reason=FAILED))
+    return client_tensors(ClientOutput("", body, finish_reason=FAILED))
 
 
 def failure_as_error(response) -> pb_utils.InferenceResponse:
-    """A stage's in-band failure (see failed_response) as the Triton error it stands for."""
+    """A stage's in-band failure (see failed_tensors) as the Triton error it stands for."""
     error = json.loads(pb_utils.get_output_tensor_by_name(response, tensors.RESPONSE).as_numpy()[0])["error"]
     return pb_utils.InferenceResponse(error=_triton_error(error["message"], error["type"]))
 

@@ -128,8 +128,8 @@ class TritonPythonModel:
             handle = KVHandle.from_json(handle_text)  # signed into the handoff, with its first token shown
             handoff = self.planner.sign_handoff(chat, ids, kv_handle=handle)
             output = remote_prefill_output(params, ids.tolist(), self._first_delta(handle), self.speller, handoff.to_params())
-            sender.send(pb_utils.InferenceResponse(output_tensors=io.client_tensors(output) + [
-                io.string_tensor(tensors.KV_TRANSFER_PARAMS, handoff.to_json())]), flags=FINAL)
+            io.send_tensors(sender, io.client_tensors(output) + [io.string_tensor(tensors.KV_TRANSFER_PARAMS, handoff.to_json())],
+                            flags=FINAL)
             return
         handle_text, decode_seal = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params_text, seal, SHM)
         await self._stream_decode(request, sender, params, io.stage_inputs(ids, params_text, decode_seal, handle_text))
@@ -189,6 +189,7 @@ class TritonPythonModel:
                 sender.send(io.failure_as_error(response), flags=FINAL)
                 return
             finished = bool(finish)
+            # (`response` holds these tensors past the send: see io.send_tensors.)
             sender.send(pb_utils.InferenceResponse(output_tensors=response.output_tensors()), flags=FINAL if finished else 0)
         if not finished:
             sender.send(flags=FINAL)
