@@ -11,7 +11,7 @@ import pytest
 from pdchat.clients.chat import ChatError, GrpcChat, chat_inputs, collect
 from tests.conversations import CONVERSATIONS
 from tests.integration.conftest import running_server, stop_checked
-from tests.integration.helpers import metric, wait_for
+from tests.integration.helpers import executions, metric, wait_for
 
 
 def bodies() -> list[dict]:
@@ -83,3 +83,28 @@ def test_over_the_limit_a_request_waits_then_gets_unavailable_naming_it(one_slot
     assert collect(client.stream(chat_inputs({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))).finish_reason
     for c in (holder, client):
         c.close()
+
+
+def test_a_long_prompts_prefill_does_not_hold_up_the_next_prompt(server):
+    """chat has a lane per prefill instance: a short prompt sent while a long one prefills
+    gets its answer first (with one lane it would queue behind the long prefill)."""
+    long_body = {"messages": [{"role": "user", "content": "Summarize: " + "the quick brown fox " * 2500}],
+                 "max_tokens": 1, "temperature": 0, "stream": True}
+    short_body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0, "stream": True}
+    finished: list[str] = []
+    rendered = executions(server, "renderer")
+
+    def ask(name: str, body: dict) -> None:
+        client = GrpcChat(server.grpc_url)
+        try:
+            collect(client.stream(chat_inputs(body)))
+            finished.append(name)
+        finally:
+            client.close()
+
+    long_request = threading.Thread(target=ask, args=("long", long_body))
+    long_request.start()
+    assert wait_for(lambda: executions(server, "renderer") > rendered, timeout=60), "the long prompt was not rendered"
+    ask("short", short_body)  # the long prompt is now prefilling (or about to, in its lane)
+    long_request.join(300)
+    assert finished == ["short", "long"]

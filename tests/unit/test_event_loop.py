@@ -122,3 +122,22 @@ def test_a_finished_stream_is_kept_a_while_then_released_on_the_loop_thread(loop
     assert loop.submit(consume(1)).result(5) == [0]  # retiring the next one lets the old one go
     gc.collect()
     assert released_on == ["test-loop"]
+
+
+def test_a_pooled_call_takes_a_free_lane_while_a_long_one_holds_the_other(loop):
+    release, order = threading.Event(), []
+
+    def long_call():
+        release.wait(5)
+        order.append("long")
+
+    async def serve(name, function):
+        await loop.call_pooled("stages", 2, function)
+        return threading.current_thread().name
+
+    held = loop.submit(serve("long", long_call))
+    short = loop.submit(serve("short", lambda: order.append("short")))
+    assert short.result(5) == "test-loop" and order == ["short"], "the short call waited for the long one"
+    release.set()
+    held.result(5)
+    assert order == ["short", "long"]

@@ -8,7 +8,8 @@ so its sends, cancellation checks, BLS set-ups, logs and metric updates never ov
 what blocks runs elsewhere and only hands results back to the loop:
 
 - `call_blocking`: a blocking call (a BLS `exec()` to another model), one at a time per
-  lane (a worker thread per lane, e.g. one per called model), in arrival order;
+  lane (a worker thread per lane), in arrival order; `call_pooled` picks the least busy
+  of a pool's lanes (as many as the called models have instances);
 - `iterate`: a blocking iterator (a decoupled BLS response stream), read by a thread of
   its own that only waits for the next item. Once it is done, the loop keeps it for
   `RETIRE_S` before letting it go (see `_retire`).
@@ -39,6 +40,7 @@ class ModelEventLoop:
         self.loop = asyncio.new_event_loop()
         self._slots = asyncio.Semaphore(max_concurrent)  # bound to the loop on first use
         self._lanes: dict[str, queue.SimpleQueue[tuple[Callable[[], Any], Future] | None]] = {}
+        self._busy: collections.Counter[str] = collections.Counter()  # calls queued or running per lane
         self._retired: collections.deque[tuple[float, Iterator[Any]]] = collections.deque()  # loop thread only
         self._name = name
         self._threads = [threading.Thread(target=self.loop.run_forever, name=f"{name}-loop", daemon=True)]
@@ -58,6 +60,16 @@ class ModelEventLoop:
         future: Future = Future()
         self._lanes[lane].put((lambda: function(*args), future))
         return await asyncio.wrap_future(future)
+
+    async def call_pooled(self, pool: str, lanes: int, function: Callable[..., T], *args: Any) -> T:
+        """`function(*args)` on whichever of `pool`'s `lanes` lanes has the fewest calls
+        queued or running (the first, on a tie): one long call holds one lane, not all."""
+        lane = min((f"{pool}-{index}" for index in range(lanes)), key=lambda name: self._busy[name])
+        self._busy[lane] += 1
+        try:
+            return await self.call_blocking(lane, function, *args)
+        finally:
+            self._busy[lane] -= 1
 
     async def iterate(self, items: Iterator[T]) -> AsyncIterator[T]:
         """The items of a blocking iterator, read on a thread of its own."""

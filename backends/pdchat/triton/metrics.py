@@ -133,19 +133,20 @@ class DecodeMetrics:
 
 
 class KVHeldMetrics:
-    """Bytes of KV a prefill server holds for pulls, per connector (0 when all were pulled)."""
+    """Bytes of KV a prefill instance holds for pulls, per connector (0 when all were pulled);
+    one series per instance, each set by its own process."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, instance_name: str):
         self._family = pb_utils.MetricFamily(
             name="pdchat_kv_held_bytes", description="KV held for decode servers to pull", kind=pb_utils.MetricFamily.GAUGE
         )
-        self._model = model_name
+        self._labels = {"model": model_name, "instance": instance_name}
         self._by_connector: dict[str, object] = {}
 
     def update(self, held: dict[str, int]) -> None:
         for connector, size in held.items():
             if connector not in self._by_connector:
-                self._by_connector[connector] = _Metric(self._family, {"model": self._model, "connector": connector})
+                self._by_connector[connector] = _Metric(self._family, {**self._labels, "connector": connector})
             self._by_connector[connector].set(size)
 
     def close(self) -> None:

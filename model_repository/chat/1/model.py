@@ -10,9 +10,9 @@ Its inputs and outputs come from tensors.py (auto-complete), one contract for ev
 Each request is a coroutine on the model's one event loop (pdchat.triton.event_loop):
 every call that talks to the server process (response sends, cancellation checks,
 decoupled BLS set-up, logs, metrics) happens on that thread; blocking BLS calls to
-renderer and prefill run one at a time on one worker thread. (Two threads making blocking
-BLS calls at once corrupted the stub's heap at concurrency 16: keep it one.) Many threads calling into
-the python backend at once is what crashed the server under load.
+renderer and prefill run on two worker threads (lanes), one per instance of those models.
+Many threads calling into the python backend at once is what crashed the server under
+load (a metric bumped from many threads; README, "Concurrency in the python backend").
 """
 
 import time
@@ -40,7 +40,10 @@ from pdchat.triton.server_watch import exit_with_server
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 RENDERER, PREFILL, DECODE = "renderer", "prefill", "decode"
-STAGES = "stages"  # the one lane for blocking BLS calls
+STAGES = "stages"  # the pool of lanes for blocking BLS calls to renderer and prefill
+# Blocking BLS calls at once: as many as renderer and prefill have instances (2 each), so a
+# long prompt's prefill holds one lane and the next prompts go by on the other.
+STAGE_LANES = 2
 # Requests served at once; more wait (as coroutines, holding nothing) for a slot.
 MAX_CONCURRENT_REQUESTS = 64
 # How often a stream asks whether its client left (each ask is a round trip to the server).
@@ -115,7 +118,7 @@ class TritonPythonModel:
             return
         self.renderer.check_size(chat)  # before the text crosses to the renderer
         canonical = chat.to_json()
-        ids, params_text, seal = await self.loop.call_blocking(STAGES, self._render, request, canonical)
+        ids, params_text, seal = await self.loop.call_pooled(STAGES, STAGE_LANES, self._render, request, canonical)
         params = GenerationParams.from_json(params_text)
         if plan.route is Route.RENDER_VERIFIED:  # the benchmarks' baseline: decode rendered, then uses the KV
             handle = self.planner.admit_rendered(plan, ids)
@@ -124,14 +127,14 @@ class TritonPythonModel:
             await self._stream_decode(request, sender, params, inputs)
             return
         if plan.route is Route.REMOTE_PREFILL:
-            handle_text, _ = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params_text, seal, self.kv_connector)
+            handle_text, _ = await self.loop.call_pooled(STAGES, STAGE_LANES, self._prefill, request, ids, params_text, seal, self.kv_connector)
             handle = KVHandle.from_json(handle_text)  # signed into the handoff, with its first token shown
             handoff = self.planner.sign_handoff(chat, ids, kv_handle=handle)
             output = remote_prefill_output(params, ids.tolist(), self._first_delta(handle), self.speller, handoff.to_params())
             io.send_tensors(sender, io.client_tensors(output) + [io.string_tensor(tensors.KV_TRANSFER_PARAMS, handoff.to_json())],
                             flags=FINAL)
             return
-        handle_text, decode_seal = await self.loop.call_blocking(STAGES, self._prefill, request, ids, params_text, seal, SHM)
+        handle_text, decode_seal = await self.loop.call_pooled(STAGES, STAGE_LANES, self._prefill, request, ids, params_text, seal, SHM)
         await self._stream_decode(request, sender, params, io.stage_inputs(ids, params_text, decode_seal, handle_text))
 
     def _render(self, request, canonical):

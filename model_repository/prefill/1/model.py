@@ -28,7 +28,7 @@ class TritonPythonModel:
         settings = resolve_model(parameters)
         self.model = TextModel(settings.path, settings.device, settings.dtype, settings.threads)
         self.seal = StageSeal.for_this_server()
-        self.metrics = KVHeldMetrics(args["model_name"])
+        self.metrics = KVHeldMetrics(args["model_name"], args["model_instance_name"])
         self.connectors = Connectors(on_sweep=self.metrics.update, **kv_options(parameters))
 
     def execute(self, requests):
