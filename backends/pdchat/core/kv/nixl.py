@@ -27,6 +27,10 @@ PULL_TIMEOUT_S = float(os.environ.get(ENV_KV_PULL_TIMEOUT_S) or 30.0)
 # UCX's own progress thread busy-spins a core; polling notifications drives the
 # worker too, so a light loop serves peers' READs at a fraction of the CPU.
 PROGRESS_INTERVAL_S = 0.002
+# TCP SYN retransmits before a connection to a peer is given up (UCX's default is the
+# kernel's, 6: about 2 minutes, during which decode's pull blocks its scheduler); 2 gives
+# up after about 7 s, and decode recomputes. Set UCX_TCP_SYN_CNT to choose otherwise.
+UCX_TCP_SYN_CNT = "2"
 
 
 class NixlConnector:
@@ -40,6 +44,7 @@ class NixlConnector:
         self.budget_bytes = budget_bytes
         self.ttl_s = ttl_s
         self.agent_name = f"pdchat-{engine_id or uuid.uuid4().hex[:12]}"
+        os.environ.setdefault("UCX_TCP_SYN_CNT", UCX_TCP_SYN_CNT)  # read by UCX when the agent starts
         self._agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False))
         self._held: dict[str, tuple[np.ndarray, Any, float]] = {}  # id -> (buffer, registration, expires_at)
         self._pulled: list[str] = []  # ids peers notified as read
