@@ -28,8 +28,8 @@ PULL_TIMEOUT_S = float(os.environ.get(ENV_KV_PULL_TIMEOUT_S) or 30.0)
 # worker too, so a light loop serves peers' READs at a fraction of the CPU.
 PROGRESS_INTERVAL_S = 0.002
 # TCP SYN retransmits before a connection to a peer is given up (UCX's default is the
-# kernel's, 6: about 2 minutes, during which that request and the pulls queued behind it
-# wait); 2 gives up after about 7 s, and decode recomputes. Set UCX_TCP_SYN_CNT to choose otherwise.
+# kernel's, 6: about 2 minutes, during which decode's pull blocks its scheduler); 2 gives
+# up after about 7 s, and decode recomputes. Set UCX_TCP_SYN_CNT to choose otherwise.
 UCX_TCP_SYN_CNT = "2"
 
 
