@@ -1,9 +1,8 @@
 """The decode scheduler batches requests, reports failures, honours cancellation and limits."""
 
 import threading
-from concurrent.futures import Future
 
-from pdchat.core.generation.scheduler import DecodeJob, DecodeScheduler, Deferred, Limits
+from pdchat.core.generation.scheduler import DecodeJob, DecodeScheduler, Limits
 from pdchat.core.output.responses import Delta
 
 
@@ -214,57 +213,3 @@ def test_a_request_bigger_than_the_whole_kv_budget_is_refused_at_once():
     job.tokens = 2000
     events = run_jobs(recorder, [job], 1, limits=Limits(kv_budget_bytes=1 << 20, kv_bytes_per_token=4096))
     assert len(events) == 1 and "more than decode's whole KV budget of 1 MiB" in events[0]
-
-
-def test_a_deferred_start_holds_up_neither_the_batch_nor_local_prefills_and_runs_once_made():
-    recorder, pulled = Recorder(), Future()
-    waiting = recorder.job(CountingGeneration("w", 2))
-    waiting.start = lambda: Deferred(pulled)  # its KV is still being pulled
-    scheduler = DecodeScheduler(RecordingBatch())
-    for job in (waiting, recorder.job(CountingGeneration("a", 3)), recorder.job(CountingGeneration("p", 1, prefill_chunks=2))):
-        scheduler.submit(job)
-    for _ in range(300):
-        if "a:end" in recorder.events and "p:end" in recorder.events:
-            break
-        threading.Event().wait(0.01)
-    assert not any(event.startswith("w") for event in recorder.events), "nothing to emit before its start is made"
-    pulled.set_result(CountingGeneration("w", 2))
-    for _ in range(300):
-        if "w:end" in recorder.events:
-            break
-        threading.Event().wait(0.01)
-    scheduler.close()
-    assert "a:end" in recorder.events and "p:end" in recorder.events
-    assert [event for event in recorder.events if event.startswith("w")] == ["w1", "w2", "w:end"]
-
-
-def test_a_deferred_start_cancelled_before_it_is_made_releases_its_kv_once_made():
-    recorder, pulled, started = Recorder(), Future(), threading.Event()
-    job = recorder.job(CountingGeneration("w", 2))
-
-    def start():
-        started.set()
-        return Deferred(pulled)
-
-    job.start = start
-    scheduler = DecodeScheduler(RecordingBatch())
-    scheduler.submit(job)
-    assert started.wait(5)
-    scheduler.cancel("w")
-    for _ in range(300):
-        if "w:cancelled" in recorder.events:
-            break
-        threading.Event().wait(0.01)
-    made = CountingGeneration("w", 2)
-    pulled.set_result(made)
-    scheduler.close()
-    assert recorder.events == ["w:cancelled"] and made.moved, "the KV it imported was handed back"
-
-
-def test_a_deferred_start_that_fails_fails_its_request_alone():
-    recorder, pulled = Recorder(), Future()
-    job = recorder.job(CountingGeneration("w", 2))
-    job.start = lambda: Deferred(pulled)
-    pulled.set_exception(ValueError("the KV is bfloat16"))
-    events = run_jobs(recorder, [job, recorder.job(CountingGeneration("b", 1))], 3)
-    assert "error:the KV is bfloat16" in events and "b:end" in events

@@ -1,8 +1,7 @@
 """decode (decoupled): sealed prompt ids + prefill's KV and first token -> streamed answer.
 
 Without KV it prefills locally, in chunks between decode steps; a KV handle it cannot
-pull (expired, prefill gone) is recomputed from the ids, never re-rendered. Pulls run on a
-thread of their own, so a slow prefill host delays only the request it serves. All running
+pull (expired, prefill gone) is recomputed from the ids, never re-rendered. All running
 requests advance in one forward pass per step (continuous batching, core.scheduler);
 execute() only validates and queues. Every call into the server (responses, errors,
 cancel acknowledgements, cancellation checks, metrics) runs on the outbox thread
@@ -12,7 +11,6 @@ A request carrying only `cancel_request_id` (sealed by chat) stops the named req
 
 import functools
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +21,7 @@ from pdchat.core.errors import InvalidRequest
 from pdchat.core.generation.engine import DecodeBatch
 from pdchat.core.generation.generation import TextModel
 from pdchat.core.generation.sampling import Choice
-from pdchat.core.generation.scheduler import DecodeJob, DecodeScheduler, Deferred, Limits
+from pdchat.core.generation.scheduler import DecodeJob, DecodeScheduler, Limits
 from pdchat.core.kv.connector import Connectors, KVUnavailable
 from pdchat.core.settings import batching_options, kv_options
 from pdchat.ensemble.seal import StageSeal
@@ -62,7 +60,6 @@ class TritonPythonModel:
                         kv_bytes_per_token=self.model.engine.kv_bytes_per_token(), max_wait_s=self.options.queue_timeout_s)
         # About one step's responses may wait for the outbox before the scheduler waits too.
         self.outbox = Outbox("pdchat-decode-outbox", max_pending=2 * self.options.max_running)
-        self.pulls = ThreadPoolExecutor(1, thread_name_prefix="pdchat-kv-pull")  # one connector: pulls take turns
         self.scheduler = DecodeScheduler(DecodeBatch(self.model.engine), limits, on_state=self._on_state)
 
     def execute(self, requests):
@@ -84,7 +81,6 @@ class TritonPythonModel:
 
     def finalize(self):
         self.scheduler.close()
-        self.pulls.shutdown(wait=False, cancel_futures=True)
         self.outbox.close()
         self.connectors.close()
         self.metrics.close()
@@ -99,17 +95,12 @@ class TritonPythonModel:
             raise InvalidRequest(f"the KV handle's first token {first.token_id} is not in this model's vocabulary")
         stream = _Stream(params.request_id, sender, self.model.assembler(ids, params))
 
-        def generation(kv_cache):
-            released = None if kv_cache is None else (lambda: self.connectors.done(handle))
-            return self.model.generation(ids, params, first=first, kv_cache=kv_cache, on_kv_released=released,
-                                         prefill_chunk=self.options.prefill_chunk)
-
         def start():  # on the scheduler thread, on admission
             self.outbox.call(functools.partial(self._started, stream))
-            if handle is None:
-                return generation(None)
-            # The pull (and import) on a thread of its own: a slow prefill host delays this request only.
-            return Deferred(self.pulls.submit(lambda: generation(self._pull(handle, params.request_id))))
+            kv_cache = None if handle is None else self._pull(handle, params.request_id)
+            released = None if handle is None or kv_cache is None else (lambda: self.connectors.done(handle))
+            return self.model.generation(ids, params, first=first, kv_cache=kv_cache, on_kv_released=released,
+                                         prefill_chunk=self.options.prefill_chunk)
 
         self.outbox.watch(stream, sender.is_cancelled, functools.partial(self.scheduler.cancel, stream.key))
         return DecodeJob(

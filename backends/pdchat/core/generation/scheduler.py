@@ -5,9 +5,7 @@ One thread owns the model. Each turn of its loop it
 2. admits queued requests while the limits allow (running sequences, reserved KV);
    a request that waits longer than `max_wait_s` gets UNAVAILABLE naming the limit;
 3. computes one chunk of one local prefill (a request decode prefills itself), so a long
-   prompt shares the thread with the others' steps instead of freezing them; a request
-   whose start is `Deferred` (decode's KV pull, on a thread of its own) waits among the
-   prefilling ones without holding them up, and carries on once its state is made;
+   prompt shares the thread with the others' steps instead of freezing them;
 4. emits each running request's pending token (requests that finish leave the batch
    at once, freeing their KV), then runs one forward pass for all the others.
 
@@ -25,7 +23,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,8 +30,6 @@ from pdchat.core.errors import Unavailable
 from pdchat.core.output.responses import Delta
 
 log = logging.getLogger(__name__)
-# How often the scheduler looks again when all it has are deferred starts (KV pulls).
-DEFERRED_POLL_S = 0.005
 
 
 class Decoding(Protocol):
@@ -72,37 +67,12 @@ class Batch(Protocol):
     def kv_bytes(self) -> int: ...
 
 
-class Deferred:
-    """A start still being made on another thread (decode pulling a request's KV from a
-    prefill server, then importing it): a slow or unreachable prefill host then holds up
-    this request only, never the batch. Its future's result is the request's `Decoding`."""
-
-    def __init__(self, future: Future):
-        self._future = future
-
-    @property
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self) -> Decoding:
-        return self._future.result()
-
-    def abandon(self) -> None:
-        """The request ended while its start was being made: let the state go once made
-        (releasing whatever KV it imported)."""
-        def release(future: Future) -> None:
-            if future.exception() is None:
-                future.result().kv_moved()
-
-        self._future.add_done_callback(release)
-
-
 @dataclass
 class DecodeJob:
     """A request to decode, with the callbacks that reach its client."""
 
     key: str  # unique per request (GenerationParams.request_id): what cancel() names
-    start: Callable[[], Decoding | Deferred]  # builds the decode state (KV import, or a local prefill to run)
+    start: Callable[[], Decoding]  # builds the decode state (KV import, or a local prefill to run)
     emit: Callable[[Delta], None]  # called per token; the last delta has a finish_reason
     fail: Callable[[Exception], None]  # the request ends with this error
     on_cancel: Callable[[], None]  # cancel(key) was called: close the stream; its state is dropped
@@ -128,11 +98,7 @@ class SchedulerState:
 class _Entry:
     job: DecodeJob
     queued_at: float
-    decoding: Decoding | Deferred | None = None
-
-    @property
-    def waiting_on_start(self) -> bool:
-        return isinstance(self.decoding, Deferred) and not self.decoding.done
+    decoding: Decoding | None = None
 
 
 class DecodeScheduler:
@@ -170,7 +136,7 @@ class DecodeScheduler:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        while self._take_incoming(wait=self._idle_wait()):
+        while self._take_incoming(block=not (self._waiting or self._prefilling or self._running)):
             self._drop_cancelled()
             self._admit()
             self._prefill_chunk()
@@ -179,25 +145,16 @@ class DecodeScheduler:
         for entry in self._waiting + self._prefilling + self._running:
             entry.job.on_cancel()
 
-    def _idle_wait(self) -> float:
-        """How long the next turn may wait for something new: not at all while some request
-        can advance; a poll's length while the only ones that could wait on a deferred start
-        (or on room: queued requests expire); until anything arrives when there is nothing."""
-        if self._running or any(not entry.waiting_on_start for entry in self._prefilling):
-            return 0.0
-        return DEFERRED_POLL_S if self._waiting or self._prefilling else self._limits.max_wait_s
-
-    def _take_incoming(self, *, wait: float) -> bool:
-        """Queue new jobs, run posted calls (waiting up to `wait` s for the first); False
-        once close() was called."""
+    def _take_incoming(self, *, block: bool) -> bool:
+        """Queue new jobs, run posted calls; False once close() was called."""
         while True:
             try:
-                item = self._incoming.get(block=wait > 0, timeout=wait if wait > 0 else None)
+                item = self._incoming.get(block=block, timeout=self._limits.max_wait_s if block else None)
             except queue.Empty:
                 return True
             if item is None:
                 return False
-            wait = 0.0
+            block = False
             if isinstance(item, DecodeJob):
                 self._waiting.append(_Entry(item, self._clock()))
                 continue
@@ -224,9 +181,6 @@ class DecodeScheduler:
             return False
 
         self._waiting = [e for e in self._waiting if not cancelled(e)]
-        for entry in self._prefilling:
-            if isinstance(entry.decoding, Deferred) and entry.job.key in keys:
-                entry.decoding.abandon()
         self._prefilling = [e for e in self._prefilling if not cancelled(e)]
         self._leave([row for row, entry in enumerate(self._running) if cancelled(entry)])
 
@@ -252,7 +206,7 @@ class DecodeScheduler:
             except Exception as exc:  # noqa: BLE001 - every failure must reach its client
                 entry.job.fail(exc)
                 continue
-            if isinstance(entry.decoding, Deferred) or entry.decoding.prefilling:
+            if entry.decoding.prefilling:
                 self._prefilling.append(entry)
             else:
                 self._join(entry)
@@ -267,21 +221,17 @@ class DecodeScheduler:
         self._waiting = [e for e in self._waiting if e not in expired]
 
     def _prefill_chunk(self) -> None:
-        entry = next((e for e in self._prefilling if not e.waiting_on_start), None)
-        if entry is None:
+        if not self._prefilling:
             return
+        entry = self._prefilling[0]
         try:
-            if isinstance(entry.decoding, Deferred):
-                entry.decoding = entry.decoding.result()  # made: from now on a request like the others
-                done = not entry.decoding.prefilling or entry.decoding.prefill_step()
-            else:
-                done = entry.decoding.prefill_step()
+            done = entry.decoding.prefill_step()
         except Exception as exc:  # noqa: BLE001
-            self._prefilling.remove(entry)
+            self._prefilling.pop(0)
             entry.job.fail(exc)
             return
         if done:
-            self._prefilling.remove(entry)
+            self._prefilling.pop(0)
             self._join(entry)
 
     def _join(self, entry: _Entry) -> None:
