@@ -192,8 +192,7 @@ class TritonPythonModel:
                 sender.send(io.failure_as_error(response), flags=FINAL)
                 return
             finished = bool(finish)
-            # (`response` holds these tensors past the send: see io.send_tensors.)
-            sender.send(pb_utils.InferenceResponse(output_tensors=response.output_tensors()), flags=FINAL if finished else 0)
+            io.send_tensors(sender, response.output_tensors(), flags=FINAL if finished else 0)
         if not finished:
             sender.send(flags=FINAL)
 

@@ -109,7 +109,7 @@ class DecodeScheduler:
         self._on_state = on_state
         self._clock = clock
         self._state: SchedulerState | None = None
-        self._incoming: queue.SimpleQueue[DecodeJob | Callable[[], None] | None] = queue.SimpleQueue()
+        self._incoming: queue.SimpleQueue[DecodeJob | None] = queue.SimpleQueue()
         self._cancel_requests: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._waiting: list[_Entry] = []
         self._prefilling: list[_Entry] = []
@@ -119,11 +119,6 @@ class DecodeScheduler:
 
     def submit(self, job: DecodeJob) -> None:
         self._incoming.put(job)
-
-    def post(self, call: Callable[[], None]) -> None:
-        """Run `call` on the scheduler thread between steps: for answers that must not
-        come from another thread (in Triton, every send of a model from one thread)."""
-        self._incoming.put(call)
 
     def cancel(self, key: str) -> None:
         """Stop the job with this key (from any thread), at the next turn; unknown keys
@@ -146,22 +141,16 @@ class DecodeScheduler:
             entry.job.on_cancel()
 
     def _take_incoming(self, *, block: bool) -> bool:
-        """Queue new jobs, run posted calls; False once close() was called."""
+        """Queue new jobs; False once close() was called."""
         while True:
             try:
-                item = self._incoming.get(block=block, timeout=self._limits.max_wait_s if block else None)
+                job = self._incoming.get(block=block, timeout=self._limits.max_wait_s if block else None)
             except queue.Empty:
                 return True
-            if item is None:
+            if job is None:
                 return False
             block = False
-            if isinstance(item, DecodeJob):
-                self._waiting.append(_Entry(item, self._clock()))
-                continue
-            try:
-                item()
-            except Exception:  # noqa: BLE001 - a posted call's failure is its own
-                log.exception("posted call failed")
+            self._waiting.append(_Entry(job, self._clock()))
 
     def _drop_cancelled(self) -> None:
         keys = set()
