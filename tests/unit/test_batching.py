@@ -23,7 +23,9 @@ def alone(engine, prompt):
     return out
 
 
-def test_joining_and_leaving_rows_decode_what_each_would_alone(engine):
+@pytest.mark.parametrize("spare_columns", [DecodeBatch.SPARE_COLUMNS, 3])  # 3: the storage grows mid-way, often
+def test_joining_and_leaving_rows_decode_what_each_would_alone(engine, spare_columns, monkeypatch):
+    monkeypatch.setattr(DecodeBatch, "SPARE_COLUMNS", spare_columns)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, engine.vocab_size, (n,), generator=generator).tolist() for n in (5, 40, 17, 300, 2, 90, 64, 11)]
     expected = [alone(engine, p) for p in prompts]

@@ -194,7 +194,7 @@ class DecodeBatch:
             pairs = []
             for attribute in ("keys", "values"):
                 new = getattr(theirs, attribute)
-                stored = new.new_zeros((rows + 1, new.shape[1], width + self.SPARE_COLUMNS, new.shape[3]))
+                stored = _storage(new, rows + 1, width)
                 if mine is not None:
                     stored[:rows, :, width - columns:width] = getattr(mine, attribute)
                 stored[rows, :, width - length:width] = new[0]
@@ -251,7 +251,7 @@ class _RoomyLayer(DynamicLayer):
         new = key_states.shape[-2]
         end = self._start + self._length
         if end + new > self._stored[0].shape[-2]:
-            self._stored = tuple(_with_room(stored[:, :, self._start:end], new + DecodeBatch.SPARE_COLUMNS)
+            self._stored = tuple(_copied_into(_storage(stored, stored.shape[0], self._length + new), stored[:, :, self._start:end])
                                  for stored in self._stored)
             self._start, end = 0, self._length
         self._stored[0][:, :, end:end + new] = key_states
@@ -270,8 +270,12 @@ class _RoomyLayer(DynamicLayer):
         self.keys, self.values = (stored[:, :, self._start:end] for stored in self._stored)
 
 
-def _with_room(tensor: torch.Tensor, spare: int) -> torch.Tensor:
-    """A copy of a [rows, heads, tokens, dim] tensor in storage with `spare` more token columns."""
-    stored = tensor.new_zeros((tensor.shape[0], tensor.shape[1], tensor.shape[2] + spare, tensor.shape[3]))
+def _storage(like: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """Zeroed [rows, heads, columns + SPARE_COLUMNS, head_dim] storage for KV like `like`
+    (zeros: padding columns are masked, and must not hold NaNs that 0 * NaN would spread)."""
+    return like.new_zeros((rows, like.shape[1], columns + DecodeBatch.SPARE_COLUMNS, like.shape[3]))
+
+
+def _copied_into(stored: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     stored[:, :, :tensor.shape[2]] = tensor
     return stored
