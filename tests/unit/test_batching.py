@@ -3,6 +3,7 @@ tokens each would alone (greedy, fp32, CPU)."""
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from pdchat.core.generation.engine import CausalLM, DecodeBatch
 
@@ -56,3 +57,18 @@ def test_the_batch_drops_padding_once_the_longest_row_leaves(engine):
     assert batch.columns == 299
     batch.leave([0])
     assert batch.columns == 3 and batch.kv_bytes() == 3 * engine.kv_bytes_per_token()
+
+
+def test_the_cpu_vocab_projection_gives_nn_linears_logits(tiny_model_dir, engine):
+    """The row-major copy of the output weight (a faster GEMM on CPU) computes what the
+    model's own nn.Linear does, for one row and for a batch."""
+    linear = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).get_output_embeddings()
+    head = engine.model.get_output_embeddings()
+    assert type(head) is not torch.nn.Linear and type(linear) is torch.nn.Linear
+    for rows in (1, 16):
+        hidden = torch.randn(rows, 1, linear.in_features, generator=torch.Generator().manual_seed(rows))
+        with torch.inference_mode():
+            ours, theirs = head(hidden), linear(hidden)
+        assert ours.shape == theirs.shape
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-4)
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))

@@ -60,6 +60,8 @@ class CausalLM:
         self.wire_type = KV_WIRE_TYPES[self.dtype_name]
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
         self.model = model.to(self.device).eval()
+        if self.device == "cpu":
+            _project_vocab_row_major(self.model)
         config = self.model.config
         self.context_length = int(config.max_position_embeddings)
         self.vocab_size = int(config.vocab_size)
@@ -228,6 +230,32 @@ class DecodeBatch:
         out = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self._cache, use_cache=True)
         self._cache = out.cache
         return out.logits[:, -1].float()
+
+
+def _project_vocab_row_major(model: torch.nn.Module) -> None:
+    """Give a CPU model an output projection over a [hidden, vocab] copy of its weight.
+
+    Why: nn.Linear multiplies by its [vocab, hidden] weight transposed, and MKL's fp32
+    GEMM does that badly for the few rows a decode step has. On the tiny model (vocab
+    49k) the projection took 7 ms of a one-row step's 10.5 (2.4 ms over the copy) and
+    14 of a 16-row step's 23 (12 over the copy). The copy costs the projection's size
+    again when the weight is tied to the input embeddings; an untied weight is freed."""
+    head = model.get_output_embeddings()
+    if type(head) is torch.nn.Linear:
+        model.set_output_embeddings(_RowMajorLinear(head))
+
+
+class _RowMajorLinear(torch.nn.Module):
+    """nn.Linear's result, computed as x @ W^T with W^T stored contiguously."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.weight_t = torch.nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = hidden @ self.weight_t
+        return out if self.bias is None else out + self.bias
 
 
 def _cache_of(layers: list[_RoomyLayer]) -> DynamicCache:
