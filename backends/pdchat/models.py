@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pdchat import embedded, registry
@@ -27,6 +27,22 @@ class ModelSettings:
     def served_name(self) -> str:
         """Name clients use in the request's `model` field: the directory's name."""
         return self.path.name
+
+    def on_instance(self, kind: str, device_id: int) -> ModelSettings:
+        """Where a Triton model instance runs its model.
+
+        The configs leave the instance kind to Triton (KIND_AUTO): KIND_GPU, one instance
+        group per GPU, on a host whose tritonserver sees GPUs; KIND_CPU elsewhere. A
+        KIND_GPU instance runs on the GPU Triton gave it (`device` may say `auto` or
+        `cuda`, not another place); a KIND_CPU or KIND_MODEL instance goes where `device`
+        says (`auto`: CUDA when torch sees it)."""
+        if kind != "GPU":
+            return self
+        if self.device not in ("auto", "cuda"):
+            raise ModelUnavailable(f"Triton runs this instance on GPU {device_id} (instance_group kind KIND_GPU) "
+                                   f"but parameter device / PDCHAT_DEVICE says {self.device!r}; use auto or cuda, "
+                                   "or give the instance group kind KIND_CPU")
+        return replace(self, device=f"cuda:{device_id}")
 
 
 def resolve_model(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> ModelSettings:

@@ -8,6 +8,7 @@ import pytest
 
 from pdchat.core.errors import ModelUnavailable
 from pdchat.core.settings import current_date, torch_threads
+from pdchat.models import resolve_model
 
 
 def test_torch_threads_default_to_half_the_cores_this_process_may_use():
@@ -22,3 +23,13 @@ def test_harmonys_date_comes_from_the_parameter_then_the_environment_else_today(
     assert current_date({"current_date": "2026-01-02"}, {"PDCHAT_CURRENT_DATE": "2025-05-05"}) == "2026-01-02"
     assert current_date({}, {"PDCHAT_CURRENT_DATE": "2025-05-05"}) == "2025-05-05"
     assert current_date({}, {}) is None
+
+
+def test_a_kind_gpu_instance_runs_on_the_gpu_triton_gave_it(tiny_model_dir):
+    settings = resolve_model({"model": str(tiny_model_dir)}, {})
+    assert settings.on_instance("GPU", 1).device == "cuda:1"
+    assert settings.on_instance("CPU", 0) == settings, "KIND_CPU: where parameter device says (auto here)"
+    assert settings.on_instance("MODEL", 0) == settings
+    on_cpu = resolve_model({"model": str(tiny_model_dir), "device": "cpu"}, {})
+    with pytest.raises(ModelUnavailable, match="GPU 0 .*KIND_GPU.* says 'cpu'"):
+        on_cpu.on_instance("GPU", 0)

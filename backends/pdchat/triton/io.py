@@ -38,6 +38,11 @@ def model_parameters(args: dict) -> dict[str, str]:
     return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
 
 
+def instance_placement(args: dict) -> tuple[str, int]:
+    """This instance's kind as Triton resolved it ("CPU", "GPU" or "MODEL") and its device id."""
+    return args["model_instance_kind"], int(args["model_instance_device_id"])
+
+
 def input_array(request, name: str) -> np.ndarray | None:
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()

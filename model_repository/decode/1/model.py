@@ -50,7 +50,11 @@ class TritonPythonModel:
     def initialize(self, args):
         exit_with_server()  # a stub outliving its server frees its memory and exits
         parameters = io.model_parameters(args)
-        settings = resolve_model(parameters)
+        kind, device_id = io.instance_placement(args)
+        if kind == "GPU" and device_id > 0:
+            log.warning("decode runs an instance per GPU here; chat's cancellations reach the instance they land on, "
+                        "not always the request's: run a server per GPU (CUDA_VISIBLE_DEVICES)")
+        settings = resolve_model(parameters).on_instance(kind, device_id)
         self.model = TextModel(settings.path, settings.device, settings.dtype, settings.threads)
         self.seal = StageSeal.for_this_server()
         self.connectors = Connectors(**kv_options(parameters))

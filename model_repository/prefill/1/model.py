@@ -25,7 +25,7 @@ class TritonPythonModel:
     def initialize(self, args):
         exit_with_server()  # a stub outliving its server frees its memory and exits
         parameters = io.model_parameters(args)
-        settings = resolve_model(parameters)
+        settings = resolve_model(parameters).on_instance(*io.instance_placement(args))
         self.model = TextModel(settings.path, settings.device, settings.dtype, settings.threads)
         self.seal = StageSeal.for_this_server()
         self.metrics = KVHeldMetrics(args["model_name"], args["model_instance_name"])
