@@ -65,7 +65,7 @@ def test_the_cpu_vocab_projection_gives_nn_linears_logits(tiny_model_dir, engine
     linear = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).get_output_embeddings()
     head = engine.model.get_output_embeddings()
     assert type(head) is not torch.nn.Linear and type(linear) is torch.nn.Linear
-    for rows in (1, 16):
+    for rows in (1, 4, 16):
         hidden = torch.randn(rows, 1, linear.in_features, generator=torch.Generator().manual_seed(rows))
         with torch.inference_mode():
             ours, theirs = head(hidden), linear(hidden)
