@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -229,10 +230,14 @@ def bench_batching(args: argparse.Namespace) -> None:
 
     model_dir = embedded.ensure_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    os.environ.update(PDCHAT_DEVICE=args.device, PDCHAT_DTYPE=args.dtype)  # every server started below
+    results_name = "batching" if args.device == "cpu" else f"batching-{args.device}-{args.dtype}"
     words = 100
     prompt = perf.input_data(words, args.max_tokens)
     prompt_tokens = len(tokenizer.apply_chat_template(json.loads(prompt["data"][0]["request"][0])["messages"],
                                                       add_generation_prompt=True, return_dict=False))
+    print(f"decode's forward pass alone, in this process: {args.concurrency} rows", file=sys.stderr, flush=True)
+    engine_alone = _forward_alone(model_dir, prompt_tokens, args.concurrency, args.device, args.dtype)
     results: dict[str, dict[int, dict[str, float]]] = {}
     env = {"PDCHAT_MODEL": args.model, "PDCHAT_FORWARDED_IDS": "trusted"}
     with TritonServer(env=env, exit_timeout_s=5) as server:
@@ -251,7 +256,8 @@ def bench_batching(args: argparse.Namespace) -> None:
             outcomes = load.run(send, lambda i: body, max(8, 2 * concurrency), concurrency)
             pd[concurrency] = load.summary(outcomes, time.perf_counter() - started)
         results["P/D through the router"] = pd
-    print(f"\nBatched decode, model {args.model}, ~{prompt_tokens}-token prompts, {args.max_tokens} output tokens, ignore_eos:")
+    print(f"\nBatched decode, model {args.model} on {args.device} ({args.dtype}), ~{prompt_tokens}-token prompts, "
+          f"{args.max_tokens} output tokens, ignore_eos:")
     for name, by_concurrency in results.items():
         if name == "long local prefill":
             continue
@@ -260,13 +266,47 @@ def bench_batching(args: argparse.Namespace) -> None:
     [long] = results["long local prefill"].values()
     print(f"\nWhile decode prefills a {args.long_prompt}-token prompt itself (chunks of 512), the other streams:")
     print(table(["itl p50 ms", "itl p99 ms", "p99 / p50"], [[long["itl_p50_ms"], long["itl_p99_ms"], long["itl_p99_ms"] / long["itl_p50_ms"]]]))
+    print("\nDecode's forward pass alone (in this process, no server: the ceiling of the rows above):")
+    print(table(["rows", "ms per step", "output tokens/s"],
+                [[rows, r["ms_per_step"], r["output_tokens_per_s"]] for rows, r in engine_alone.items()]))
     mono = results["monolithic (perf_analyzer)"]
     if 1 in mono and 16 in mono:
         print(f"\nmonolithic: tokens/s at 16 / at 1 = {mono[16]['output_tokens_per_s'] / mono[1]['output_tokens_per_s']:.1f}x; "
               f"itl p50 at 16 / at 1 = {mono[16]['itl_p50_ms'] / mono[1]['itl_p50_ms']:.1f}x")
-    write_results("batching", {"model": args.model, "prompt_tokens": prompt_tokens, "max_tokens": args.max_tokens, "results": results})
-    plot("batching", "Batched decode: output tokens/s by concurrency", "concurrency", "output tokens/s",
+    if 1 in engine_alone and 16 in engine_alone:
+        print(f"forward pass alone: tokens/s at 16 rows / at 1 = "
+              f"{engine_alone[16]['output_tokens_per_s'] / engine_alone[1]['output_tokens_per_s']:.1f}x")
+    write_results(results_name, {"model": args.model, "device": args.device, "dtype": args.dtype, "prompt_tokens": prompt_tokens,
+                         "max_tokens": args.max_tokens, "results": results, "forward_pass_alone": engine_alone})
+    plot(results_name, f"Batched decode ({args.device}): output tokens/s by concurrency", "concurrency", "output tokens/s",
          {name: (list(r), [v["output_tokens_per_s"] for v in r.values()]) for name, r in results.items() if name != "long local prefill"})
+
+
+def _forward_alone(model_dir, prompt_tokens: int, row_counts: list[int], device: str, dtype: str,
+                   steps: int = 20, rounds: int = 3) -> dict[int, dict[str, float]]:
+    """decode's batched forward pass timed in this process, on the torch threads a stage
+    model gets: what a server's steps would cost with nothing else on the CPU (the best
+    of `rounds` rounds of `steps` steps, against a noisy neighbour's share)."""
+    from pdchat.core.generation.engine import CausalLM, DecodeBatch
+    from pdchat.core.settings import torch_threads
+
+    engine = CausalLM(model_dir, device, dtype, threads=torch_threads({}, {}))
+    prompt = [(7 * i) % engine.vocab_size for i in range(prompt_tokens)]
+    timed = {}
+    for rows in row_counts:
+        batch = DecodeBatch(engine)
+        for _ in range(rows):
+            batch.join(engine.prefill(prompt).cache)
+        batch.step([1] * rows)  # warm
+        per_step = float("inf")
+        for _ in range(rounds):
+            started = time.perf_counter()
+            for _ in range(steps):
+                logits = batch.step([1] * rows)
+            logits.cpu()  # on CUDA: wait for the steps queued
+            per_step = min(per_step, (time.perf_counter() - started) / steps)
+        timed[rows] = {"ms_per_step": 1000 * per_step, "output_tokens_per_s": rows / per_step}
+    return timed
 
 
 def _during_long_prefill(server, tokenizer, args: argparse.Namespace) -> dict[str, float]:
@@ -318,6 +358,8 @@ def main(argv: list[str] | None = None) -> None:
     batching.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     batching.add_argument("--max-tokens", type=int, default=64)
     batching.add_argument("--long-prompt", type=int, default=16000)
+    batching.add_argument("--device", default="cpu", help="where the servers run the model: cpu, cuda")
+    batching.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
     e2e.add_arguments(commands.add_parser("e2e"))
     scaleout.add_arguments(commands.add_parser("vllm-router"))
     args = parser.parse_args(argv)
