@@ -7,7 +7,7 @@ import os
 import pytest
 
 from pdchat.core.errors import ModelUnavailable
-from pdchat.core.settings import current_date, torch_threads
+from pdchat.core.settings import current_date, stage_lanes, torch_threads
 from pdchat.models import resolve_model
 
 
@@ -33,3 +33,11 @@ def test_a_kind_gpu_instance_runs_on_the_gpu_triton_gave_it(tiny_model_dir):
     on_cpu = resolve_model({"model": str(tiny_model_dir), "device": "cpu"}, {})
     with pytest.raises(ModelUnavailable, match="GPU 0 .*KIND_GPU.* says 'cpu'"):
         on_cpu.on_instance("GPU", 0)
+
+
+def test_chats_stage_lanes_come_from_the_parameter_then_the_environment_else_two():
+    assert stage_lanes({}, {}) == 2
+    assert stage_lanes({"stage_lanes": "4"}, {"PDCHAT_STAGE_LANES": "8"}) == 4
+    assert stage_lanes({}, {"PDCHAT_STAGE_LANES": "8"}) == 8
+    with pytest.raises(ModelUnavailable, match="stage_lanes must be positive"):
+        stage_lanes({"stage_lanes": "0"}, {})

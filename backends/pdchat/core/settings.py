@@ -30,6 +30,7 @@ PARAM_DECODE_KV_MB = "decode_kv_mb"  # decode: KV its running sequences may rese
 PARAM_QUEUE_TIMEOUT_S = "queue_timeout_s"  # decode: longest wait for room before UNAVAILABLE
 PARAM_PREFILL_CHUNK = "prefill_chunk"  # decode: prompt tokens per local prefill chunk
 PARAM_MAX_REQUEST_BYTES = "max_request_bytes"  # chat, renderer: largest request body taken
+PARAM_STAGE_LANES = "stage_lanes"  # chat: blocking calls to renderer and prefill at once
 
 # Environment variables, used where a config leaves the parameter out.
 ENV_MODEL = "PDCHAT_MODEL"
@@ -53,6 +54,7 @@ ENV_DECODE_KV_MB = "PDCHAT_DECODE_KV_MB"
 ENV_QUEUE_TIMEOUT_S = "PDCHAT_QUEUE_TIMEOUT_S"
 ENV_PREFILL_CHUNK = "PDCHAT_PREFILL_CHUNK"
 ENV_MAX_REQUEST_BYTES = "PDCHAT_MAX_REQUEST_BYTES"
+ENV_STAGE_LANES = "PDCHAT_STAGE_LANES"
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # the router's default body limit too
 
 
@@ -120,6 +122,14 @@ def batching_options(parameters: dict[str, str], environ: os._Environ | dict | N
         queue_timeout_s=number(PARAM_QUEUE_TIMEOUT_S, ENV_QUEUE_TIMEOUT_S, "30", "queue_timeout_s"),
         prefill_chunk=int(number(PARAM_PREFILL_CHUNK, ENV_PREFILL_CHUNK, "512", "prefill_chunk")),
     )
+
+
+def stage_lanes(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> int:
+    """chat's lanes for blocking BLS calls to renderer and prefill: `stage_lanes`, then
+    PDCHAT_STAGE_LANES, then 2, the instances prefill's config gives it on a CPU host. Match
+    prefill's instance count (on a GPU host: 2 per GPU), so that a long prompt's prefill
+    holds one lane and the prompts behind it take another."""
+    return int(_positive(setting(parameters, PARAM_STAGE_LANES, ENV_STAGE_LANES, "2", environ), "stage_lanes"))
 
 
 def _positive(value: str, what: str) -> float:

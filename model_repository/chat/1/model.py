@@ -26,7 +26,7 @@ from pdchat.core.output.responses import FAILED, Delta, remote_prefill_output
 from pdchat.core.request.protocol import ChatRequest, GenerationParams
 from pdchat.core.request.render_cost import RenderRate
 from pdchat.core.request.renderers import load_renderer
-from pdchat.core.settings import forwarded_ids_policy, handoff_ttl_s, kv_connector, max_request_bytes
+from pdchat.core.settings import forwarded_ids_policy, handoff_ttl_s, kv_connector, max_request_bytes, stage_lanes
 from pdchat.ensemble.gate import ForwardedIdsRejected, Gate, parse_policy
 from pdchat.ensemble.handoff import load_key
 from pdchat.ensemble.routing import Route, RoutePlanner
@@ -40,10 +40,7 @@ from pdchat.triton.server_watch import exit_with_server
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 RENDERER, PREFILL, DECODE = "renderer", "prefill", "decode"
-STAGES = "stages"  # the pool of lanes for blocking BLS calls to renderer and prefill
-# Blocking BLS calls at once: as many as renderer and prefill have instances (2 each), so a
-# long prompt's prefill holds one lane and the next prompts go by on the other.
-STAGE_LANES = 2
+STAGES = "stages"  # the pool of lanes for blocking BLS calls to renderer and prefill (settings.stage_lanes)
 # Requests served at once; more wait (as coroutines, holding nothing) for a slot.
 MAX_CONCURRENT_REQUESTS = 64
 # How often a stream asks whether its client left (each ask is a round trip to the server).
@@ -73,6 +70,7 @@ class TritonPythonModel:
         self.planner = RoutePlanner(gate, settings.served_name, handoff_ttl_s(parameters), self.renderer.render_defaults)
         self.kv_connector = kv_connector(parameters)
         self.max_request_bytes = max_request_bytes(parameters)
+        self.stage_lanes = stage_lanes(parameters)
         self.seal = StageSeal.for_this_server()
         self.render_rate = RenderRate.calibrate(lambda messages: self.renderer.token_ids(ChatRequest(messages=messages)))
         self.metrics = HandoffMetrics(args["model_name"])
@@ -118,7 +116,7 @@ class TritonPythonModel:
             return
         self.renderer.check_size(chat)  # before the text crosses to the renderer
         canonical = chat.to_json()
-        ids, params_text, seal = await self.loop.call_pooled(STAGES, STAGE_LANES, self._render, request, canonical)
+        ids, params_text, seal = await self.loop.call_pooled(STAGES, self.stage_lanes, self._render, request, canonical)
         params = GenerationParams.from_json(params_text)
         if plan.route is Route.RENDER_VERIFIED:  # the benchmarks' baseline: decode rendered, then uses the KV
             handle = self.planner.admit_rendered(plan, ids)
@@ -127,14 +125,14 @@ class TritonPythonModel:
             await self._stream_decode(request, sender, params, inputs)
             return
         if plan.route is Route.REMOTE_PREFILL:
-            handle_text, _ = await self.loop.call_pooled(STAGES, STAGE_LANES, self._prefill, request, ids, params_text, seal, self.kv_connector)
+            handle_text, _ = await self.loop.call_pooled(STAGES, self.stage_lanes, self._prefill, request, ids, params_text, seal, self.kv_connector)
             handle = KVHandle.from_json(handle_text)  # signed into the handoff, with its first token shown
             handoff = self.planner.sign_handoff(chat, ids, kv_handle=handle)
             output = remote_prefill_output(params, ids.tolist(), self._first_delta(handle), self.speller, handoff.to_params())
             io.send_tensors(sender, io.client_tensors(output) + [io.string_tensor(tensors.KV_TRANSFER_PARAMS, handoff.to_json())],
                             flags=FINAL)
             return
-        handle_text, decode_seal = await self.loop.call_pooled(STAGES, STAGE_LANES, self._prefill, request, ids, params_text, seal, SHM)
+        handle_text, decode_seal = await self.loop.call_pooled(STAGES, self.stage_lanes, self._prefill, request, ids, params_text, seal, SHM)
         await self._stream_decode(request, sender, params, io.stage_inputs(ids, params_text, decode_seal, handle_text))
 
     def _render(self, request, canonical):
