@@ -24,9 +24,11 @@ def alone(engine, prompt):
     return out
 
 
-@pytest.mark.parametrize("spare_columns", [DecodeBatch.SPARE_COLUMNS, 3])  # 3: the storage grows mid-way, often
-def test_joining_and_leaving_rows_decode_what_each_would_alone(engine, spare_columns, monkeypatch):
+# Small room: the storage grows (and shrinks) mid-way, often.
+@pytest.mark.parametrize(("spare_columns", "spare_rows"), [(DecodeBatch.SPARE_COLUMNS, DecodeBatch.SPARE_ROWS), (3, 0), (3, 1)])
+def test_joining_and_leaving_rows_decode_what_each_would_alone(engine, spare_columns, spare_rows, monkeypatch):
     monkeypatch.setattr(DecodeBatch, "SPARE_COLUMNS", spare_columns)
+    monkeypatch.setattr(DecodeBatch, "SPARE_ROWS", spare_rows)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, engine.vocab_size, (n,), generator=generator).tolist() for n in (5, 40, 17, 300, 2, 90, 64, 11)]
     expected = [alone(engine, p) for p in prompts]
@@ -72,3 +74,22 @@ def test_the_cpu_vocab_projection_gives_nn_linears_logits(tiny_model_dir, engine
         assert ours.shape == theirs.shape
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-4)
         assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_rows_join_into_free_room_and_leave_in_place(engine):
+    """Within its room the batch's KV storage stays put: a join writes one row, a leave
+    moves rows down; neither copies the batch into new storage."""
+    batch = DecodeBatch(engine)
+    for length in (50, 40, 45):
+        batch.join(engine.prefill(list(range(1, length))).cache)
+
+    def storage():
+        return batch._cache.layers[0].keys.untyped_storage().data_ptr()
+
+    before = storage()
+    batch.leave([1])
+    batch.join(engine.prefill(list(range(1, 30))).cache)
+    batch.step([1, 2, 3])
+    assert storage() == before and len(batch) == 3 and batch.columns == 50
+    batch.join(engine.prefill(list(range(1, 200))).cache)  # longer than the room on the left: new storage
+    assert storage() != before and batch.columns == 199
