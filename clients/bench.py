@@ -278,8 +278,9 @@ def bench_batching(args: argparse.Namespace) -> None:
               f"{engine_alone[16]['output_tokens_per_s'] / engine_alone[1]['output_tokens_per_s']:.1f}x")
     write_results(results_name, {"model": args.model, "device": args.device, "dtype": args.dtype, "prompt_tokens": prompt_tokens,
                          "max_tokens": args.max_tokens, "results": results, "forward_pass_alone": engine_alone})
-    plot(results_name, f"Batched decode ({args.device}): output tokens/s by concurrency", "concurrency", "output tokens/s",
-         {name: (list(r), [v["output_tokens_per_s"] for v in r.values()]) for name, r in results.items() if name != "long local prefill"})
+    series = {name: (list(r), [v["output_tokens_per_s"] for v in r.values()]) for name, r in results.items() if name != "long local prefill"}
+    series["decode's forward pass alone (x = rows)"] = (list(engine_alone), [v["output_tokens_per_s"] for v in engine_alone.values()])
+    plot(results_name, f"Batched decode ({args.device}): output tokens/s by concurrency", "concurrency", "output tokens/s", series)
 
 
 def _forward_alone(model_dir, prompt_tokens: int, row_counts: list[int], device: str, dtype: str,
