@@ -93,3 +93,14 @@ def test_rows_join_into_free_room_and_leave_in_place(engine):
     assert storage() == before and len(batch) == 3 and batch.columns == 50
     batch.join(engine.prefill(list(range(1, 200))).cache)  # longer than the room on the left: new storage
     assert storage() != before and batch.columns == 199
+
+
+def test_the_storage_shrinks_when_most_rows_leave(engine):
+    """Room is bounded: once more than 2 x SPARE_ROWS rows lie unused, the storage shrinks."""
+    batch = DecodeBatch(engine)
+    for length in range(40, 52):
+        batch.join(engine.prefill(list(range(1, length))).cache)
+    batch.leave(list(range(10)))
+    keys = batch._cache.layers[0].keys
+    most = (len(batch) + 2 * DecodeBatch.SPARE_ROWS) * keys.shape[1] * (batch.columns + 2 * DecodeBatch.SPARE_COLUMNS) * keys.shape[3]
+    assert len(batch) == 2 and keys.untyped_storage().nbytes() <= most * keys.element_size()

@@ -240,7 +240,8 @@ class _RoomyLayer(DynamicLayer):
     """A DynamicLayer whose keys and values are views [:rows, :, start:start + length] of
     storage with room for more rows and columns. update() writes new columns in place,
     add_row() fills a free row, keep_rows() moves rows down over those leaving; each
-    copies into larger storage only when the room runs out.
+    copies into larger storage only when the room runs out, and keep_rows() into smaller
+    once twice the room lies unused.
 
     Storage outside the view may hold stale KV (finite numbers, never uninitialized
     memory): whatever becomes visible is written first, or zeroed when it is padding."""
@@ -300,8 +301,9 @@ class _RoomyLayer(DynamicLayer):
                     stored[slot, :, self._start:end] = stored[row, :, self._start:end]
         self._rows, self._start, self._length = len(keep), self._start + trim, self._length - trim
         rows_room, columns_room = self._stored[0].shape[0], self._stored[0].shape[-2]
-        if rows_room > 2 * (self._rows + DecodeBatch.SPARE_ROWS) or columns_room > 2 * (self._length + DecodeBatch.SPARE_COLUMNS):
-            self._move(self._rows + DecodeBatch.SPARE_ROWS, self._length + DecodeBatch.SPARE_COLUMNS, 0)  # less than half used
+        # Twice the room unused: the storage shrinks, so it never holds much more than the batch.
+        if rows_room > self._rows + 2 * DecodeBatch.SPARE_ROWS or columns_room > self._length + 2 * DecodeBatch.SPARE_COLUMNS:
+            self._move(self._rows + DecodeBatch.SPARE_ROWS, self._length + DecodeBatch.SPARE_COLUMNS, 0)
         self._expose()
 
     def _move(self, rows: int, columns: int, left: int) -> None:
