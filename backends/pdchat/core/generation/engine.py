@@ -61,7 +61,7 @@ class CausalLM:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
         self.model = model.to(self.device).eval()
         if self.device == "cpu":
-            _project_vocab_row_major(self.model)
+            _project_vocab_by_rows(self.model)
         config = self.model.config
         self.context_length = int(config.max_position_embeddings)
         self.vocab_size = int(config.vocab_size)
@@ -254,11 +254,10 @@ class _RoomyLayer(DynamicLayer):
 
     @classmethod
     def of_row(cls, keys: torch.Tensor, values: torch.Tensor) -> _RoomyLayer:
-        """A layer holding one row, [1, heads, length, head_dim]."""
-        length = keys.shape[-2]
-        stored = tuple(_copied_into(_storage(new, 1 + DecodeBatch.SPARE_ROWS, length + DecodeBatch.SPARE_COLUMNS), new[:1], 0)
-                       for new in (keys, values))
-        return cls(*stored, 1, 0, length)
+        """A layer holding (a copy of) one row, [1, heads, length, head_dim], with room."""
+        layer = cls(keys, values, 1, 0, keys.shape[-2])
+        layer._move(1 + DecodeBatch.SPARE_ROWS, layer._length + DecodeBatch.SPARE_COLUMNS, 0)
+        return layer
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         new = key_states.shape[-2]
@@ -309,9 +308,10 @@ class _RoomyLayer(DynamicLayer):
     def _move(self, rows: int, columns: int, left: int) -> None:
         """Copy the view into new zeroed storage of [rows, ..., columns, ...], at column `left`."""
         end = self._start + self._length
-        self._stored = tuple(_copied_into(_storage(stored, rows, columns), stored[:self._rows, :, self._start:end], left)
-                             for stored in self._stored)
-        self._start = left
+        moved = tuple(_storage(stored, rows, columns) for stored in self._stored)
+        for new, old in zip(moved, self._stored, strict=True):
+            new[:self._rows, :, left:left + self._length] = old[:self._rows, :, self._start:end]
+        self._stored, self._start = moved, left
 
     def _expose(self) -> None:
         end = self._start + self._length
@@ -324,13 +324,7 @@ def _storage(like: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
     return like.new_zeros((rows, like.shape[1], columns, like.shape[3]))
 
 
-def _copied_into(stored: torch.Tensor, tensor: torch.Tensor, column: int) -> torch.Tensor:
-    """`stored` with `tensor` written into its first rows, from `column` on."""
-    stored[:tensor.shape[0], :, column:column + tensor.shape[2]] = tensor
-    return stored
-
-
-def _project_vocab_row_major(model: torch.nn.Module) -> None:
+def _project_vocab_by_rows(model: torch.nn.Module) -> None:
     """Give a CPU model an output projection that picks its GEMM by row count.
 
     Why: nn.Linear multiplies by its [vocab, hidden] weight transposed, which MKL's fp32
