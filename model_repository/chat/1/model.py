@@ -10,7 +10,7 @@ Its inputs and outputs come from tensors.py (auto-complete), one contract for ev
 Each request is a coroutine on the model's one event loop (pdchat.triton.event_loop):
 every call that talks to the server process (response sends, cancellation checks,
 decoupled BLS set-up, logs, metrics) happens on that thread; blocking BLS calls to
-renderer and prefill run on two worker threads (lanes), one per instance of those models.
+renderer and prefill run on worker threads (lanes, `stage_lanes`), one per prefill instance.
 Many threads calling into the python backend at once is what crashed the server under
 load (a metric bumped from many threads; README, "Concurrency in the python backend").
 """
