@@ -1,0 +1,124 @@
+"""`chat`'s stages over BLS: the Triton executor of `pdchat.ensemble.flow.ChatFlow`.
+
+One `BLSStages` per request. Blocking BLS calls (renderer, prefill) run on the model event
+loop's lanes; decode's decoupled stream is read on a thread of its own; every call into the
+server (sends, cancellation checks, decoupled BLS set-up, logs) happens on the loop thread
+(`pdchat.triton.event_loop`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from pdchat import tensors
+from pdchat.core.output.responses import FAILED, ClientOutput
+from pdchat.ensemble.flow import DecodeCall, Prefilled, Rendered
+from pdchat.ensemble.routing import Route
+from pdchat.triton import io
+from pdchat.triton.event_loop import ModelEventLoop
+
+RENDERER, PREFILL, DECODE = "renderer", "prefill", "decode"
+STAGES = "stages"  # the pool of lanes for blocking BLS calls to renderer and prefill (settings.stage_lanes)
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class StageError(Exception):
+    """A stage model answered with an error; it goes to the client with the stage's code."""
+
+    def __init__(self, error: pb_utils.TritonError):
+        super().__init__(error.message())
+        code = error.code() if hasattr(error, "code") else pb_utils.TritonError.INTERNAL
+        self.error = pb_utils.TritonError(error.message(), code)
+
+
+class BLSStages:
+    """The stage models of this server, reached by BLS on behalf of one client request."""
+
+    def __init__(self, request: Any, sender: Any, loop: ModelEventLoop, lanes: int):
+        self.request = request
+        self.sender = sender
+        self.loop = loop
+        self.lanes = lanes
+
+    def routed(self, route: Route) -> None:
+        pb_utils.Logger.log_info(f"chat request {self.request.request_id() or '-'}: route {route.value}")
+
+    async def render(self, request_json: str, seal: str) -> Rendered:
+        return await self.loop.call_pooled(STAGES, self.lanes, self._render, request_json, seal)
+
+    async def prefill(self, rendered: Rendered, destination: str) -> Prefilled:
+        return await self.loop.call_pooled(STAGES, self.lanes, self._prefill, rendered, destination)
+
+    async def decode(self, call: DecodeCall) -> AsyncIterator[Any]:
+        inputs = io.stage_inputs(call.prompt_token_ids, call.params_text, call.seal, call.kv_handle)
+        responses = pb_utils.InferenceRequest(model_name=DECODE, inputs=inputs, request_id=self.request.request_id(),
+                                              requested_output_names=list(tensors.CLIENT_OUTPUTS)).exec(decoupled=True)
+        async for response in self.loop.iterate(responses):
+            yield response
+
+    def relay(self, response: Any) -> bool:
+        if response.has_error():
+            self.sender.send(pb_utils.InferenceResponse(error=StageError(response.error()).error), flags=FINAL)
+            return True
+        if not response.output_tensors():
+            return False
+        finish = pb_utils.get_output_tensor_by_name(response, tensors.FINISH_REASON).as_numpy()[0]
+        if finish == FAILED.encode():  # decode failed mid-stream: a Triton error for our client
+            self.sender.send(io.failure_as_error(response), flags=FINAL)
+            return True
+        io.send_tensors(self.sender, response.output_tensors(), flags=FINAL if finish else 0)
+        return bool(finish)
+
+    def answer(self, output: ClientOutput, kv_transfer_params: str) -> None:
+        kv_tensor = io.string_tensor(tensors.KV_TRANSFER_PARAMS, kv_transfer_params)
+        io.send_tensors(self.sender, io.client_tensors(output) + [kv_tensor], flags=FINAL)
+
+    def close(self) -> None:
+        self.sender.send(flags=FINAL)
+
+    def client_left(self) -> bool:
+        return self.sender.is_cancelled()
+
+    async def cancel(self, request_id: str, seal: str) -> None:
+        """A decoupled control request to decode; it answers with a bare final response.
+
+        NOTE: Triton 2.51 passes no cancellation down a BLS call, hence this request."""
+        inputs = [io.string_tensor(tensors.CANCEL_REQUEST_ID, request_id), io.string_tensor(tensors.STAGE_SEAL, seal)]
+        responses = pb_utils.InferenceRequest(model_name=DECODE, inputs=inputs, requested_output_names=[]).exec(
+            decoupled=True)
+        async for _ in self.loop.iterate(responses):
+            pass
+
+    # On a lane's worker thread:
+
+    def _render(self, request_json: str, seal: str) -> Rendered:
+        inputs = [io.string_tensor(tensors.CHAT_REQUEST, request_json), io.string_tensor(tensors.STAGE_SEAL, seal)]
+        started = time.perf_counter()
+        response = self._exec(RENDERER, inputs, [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.STAGE_SEAL])
+        render_s = time.perf_counter() - started
+        # NOTE: a copy. as_numpy() maps the response's shared memory, which is freed with the
+        # response; prefill and decode get these ids after it is gone.
+        ids = pb_utils.get_output_tensor_by_name(response, tensors.PROMPT_TOKEN_IDS).as_numpy().copy()
+        params, prompt_seal = (_text_output(response, name) for name in (tensors.GENERATION_PARAMS, tensors.STAGE_SEAL))
+        return Rendered(ids, params, prompt_seal, render_s)
+
+    def _prefill(self, rendered: Rendered, destination: str) -> Prefilled:
+        inputs = io.stage_inputs(rendered.prompt_token_ids, rendered.params_text, rendered.seal)
+        inputs.append(io.string_tensor(tensors.KV_DESTINATION, destination))
+        response = self._exec(PREFILL, inputs, [tensors.KV_HANDLE, tensors.STAGE_SEAL])
+        return Prefilled(*(_text_output(response, name) for name in (tensors.KV_HANDLE, tensors.STAGE_SEAL)))
+
+    def _exec(self, model_name: str, inputs: list, outputs: list[str]) -> Any:
+        response = pb_utils.InferenceRequest(model_name=model_name, inputs=inputs, requested_output_names=outputs,
+                                             request_id=self.request.request_id()).exec()
+        if response.has_error():
+            raise StageError(response.error())
+        return response
+
+
+def _text_output(response: Any, name: str) -> str:
+    return pb_utils.get_output_tensor_by_name(response, name).as_numpy()[0].decode()

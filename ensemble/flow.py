@@ -1,0 +1,233 @@
+"""The `chat` model's flow, once and without Triton: route a request, call the stages, relay decode.
+
+`ChatFlow.serve` takes one parsed request and a `ChatStages` executor, the transport to the
+stage models. `model_repository/chat` serves it with BLS calls (`pdchat.triton.chat_stages`);
+`tests/pipeline.py` serves it in one process. Routes (`pdchat.ensemble.routing`):
+
+- REUSE: forwarded ids the gate admitted, sealed here, go straight to decode; no render;
+- RENDER: renderer -> prefill (KV over shm, to this server's decode) -> decode;
+- REMOTE_PREFILL: renderer -> prefill (KV through the configured connector), then one
+  answer: the first token and the signed kv_transfer_params for a decode server;
+- RENDER_VERIFIED: renderer, then decode with the transferred KV once the rendered ids
+  pass the gate.
+
+NOTE: everything a stage receives is sealed (`pdchat.ensemble.seal`): this flow seals what
+the gate admitted, and passes on the seals the renderer and prefill made.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from pdchat.core.kv.base import KVHandle
+from pdchat.core.output.logprobs import TokenSpeller
+from pdchat.core.output.responses import ClientOutput, Delta, remote_prefill_output
+from pdchat.core.request.protocol import ChatRequest, GenerationParams
+from pdchat.core.request.render_cost import RenderRate
+from pdchat.core.request.renderers import load_renderer
+from pdchat.core.request.rendering import PromptRenderer
+from pdchat.core.settings import forwarded_ids_policy, handoff_ttl_s, kv_connector
+from pdchat.ensemble.gate import ForwardedIdsRejected, Gate, parse_policy
+from pdchat.ensemble.handoff import load_key
+from pdchat.ensemble.routing import Route, RoutePlanner
+from pdchat.ensemble.seal import StageSeal
+from pdchat.registry import SHM
+
+# How often a relayed stream asks whether its client left (each ask may be a round trip).
+CANCEL_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class ChatInputs:
+    """One request as the client contract gave it: the parsed chat, and forwarded ids with their
+    kv_transfer_params when they came as inputs of their own (not inside the JSON)."""
+
+    chat: ChatRequest
+    prompt_token_ids: np.ndarray | None = None
+    kv_transfer_params: str | None = None
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """The renderer's answer: INT32 ids, generation params JSON and its seal over both."""
+
+    prompt_token_ids: np.ndarray
+    params_text: str
+    seal: str
+    render_s: float  # the renderer's own time, for the render-rate estimate
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """Prefill's answer: the KV handle's JSON (first token inside), and prefill's seal over
+    the prompt with that handle, which opens decode."""
+
+    kv_handle: str
+    seal: str
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """Sealed input of one decode stream; `kv_handle` is "" when decode prefills itself."""
+
+    prompt_token_ids: np.ndarray | list[int]
+    params: GenerationParams
+    params_text: str
+    seal: str
+    kv_handle: str = ""
+
+
+class ChatStages(Protocol):
+    """The transport between `chat` and the stage models, one instance per request.
+
+    A stage that fails raises (render, prefill) or ends the stream with an error that
+    `relay` forwards; either way the client gets the stage's error code.
+    """
+
+    def routed(self, route: Route) -> None:
+        """Note the route this request takes (the server logs it)."""
+        ...
+
+    async def render(self, request_json: str, seal: str) -> Rendered: ...
+
+    async def prefill(self, rendered: Rendered, destination: str) -> Prefilled:
+        """Prefill the rendered prompt, its KV published through connector `destination`."""
+        ...
+
+    def decode(self, call: DecodeCall) -> AsyncIterator[Any]:
+        """Decode's responses, in the transport's own form (relayed as they are)."""
+        ...
+
+    def relay(self, response: Any) -> bool:
+        """Send one decode response on to the client; True once the client's stream is closed."""
+        ...
+
+    def answer(self, output: ClientOutput, kv_transfer_params: str) -> None:
+        """The one, final response of a prefill leg (REMOTE_PREFILL)."""
+        ...
+
+    def close(self) -> None:
+        """End the client's stream without a response (decode ended without a final one)."""
+        ...
+
+    def client_left(self) -> bool: ...
+
+    async def cancel(self, request_id: str, seal: str) -> None:
+        """Tell decode to stop `request_id` (a sealed control request); returns once it did."""
+        ...
+
+
+class HandoffObserver(Protocol):
+    """Counts the gate's outcomes (Triton metrics in the server)."""
+
+    def accepted(self, seconds_saved: float) -> None: ...
+
+    def rejected(self, reason: str) -> None: ...
+
+
+class ChatFlow:
+    """Route-and-stages for one server's `chat`; safe to share between concurrent requests."""
+
+    def __init__(self, planner: RoutePlanner, renderer: PromptRenderer, seal: StageSeal, kv_connector: str,
+                 observer: HandoffObserver, render_rate: RenderRate | None = None):
+        self.planner = planner
+        self.renderer = renderer
+        self.seal = seal
+        self.kv_connector = kv_connector  # where a prefill leg publishes KV for another server
+        self.observer = observer
+        self.speller = TokenSpeller(renderer.tokenizer)
+        self.render_rate = render_rate or RenderRate.calibrate(self._render_ids)
+
+    @classmethod
+    def for_model(cls, model_dir: Path, served_name: str, parameters: dict[str, str], observer: HandoffObserver,
+                  environ: Mapping[str, str] | None = None) -> ChatFlow:
+        """The flow as a server's settings configure it (gate policy, handoff key and TTL,
+        connector; `environ`: the process environment unless given); the renderer here only
+        checks sizes, spells prefill's first token and calibrates the render rate."""
+        env = os.environ if environ is None else environ
+        renderer = load_renderer(model_dir, served_name, parameters)
+        gate = Gate(policy=parse_policy(forwarded_ids_policy(parameters, env)), key=load_key(env),
+                    vocab_size=len(renderer.tokenizer), context_length=renderer.context_length)
+        planner = RoutePlanner(gate, served_name, handoff_ttl_s(parameters, env), renderer.render_defaults)
+        return cls(planner, renderer, StageSeal.for_this_server(env), kv_connector(parameters, env), observer)
+
+    async def serve(self, inputs: ChatInputs, stages: ChatStages) -> None:
+        """Serve one request through `stages`, to its client's last response.
+
+        Raises what refuses the request before anything was sent (InvalidRequest and its
+        kinds, stage errors); the caller sends it as the client's error."""
+        plan = self._plan(inputs)
+        stages.routed(plan.route)
+        chat = plan.chat
+        if plan.route is Route.REUSE:
+            self.observer.accepted(self.render_rate.estimate(len(plan.prompt_token_ids)))
+            params_text = plan.generation.to_json()
+            handle = "" if plan.kv_handle is None else plan.kv_handle.to_json()
+            seal = self.seal.seal_prompt(plan.prompt_token_ids, params_text, handle)
+            await self._relay(stages, DecodeCall(plan.prompt_token_ids, plan.generation, params_text, seal, handle))
+            return
+        self.renderer.check_size(chat)  # before the text crosses to the renderer
+        request_json = chat.to_json()
+        rendered = await stages.render(request_json, self.seal.seal_request(request_json))
+        self.render_rate.observe(rendered.render_s, len(rendered.prompt_token_ids))
+        ids, params_text = rendered.prompt_token_ids, rendered.params_text
+        params = GenerationParams.from_json(params_text)
+        if plan.route is Route.RENDER_VERIFIED:
+            verified = self.planner.admit_rendered(plan, ids)
+            handle = "" if verified is None else verified.to_json()
+            seal = self.seal.seal_prompt(ids, params_text, handle)
+            await self._relay(stages, DecodeCall(ids, params, params_text, seal, handle))
+        elif plan.route is Route.REMOTE_PREFILL:
+            prefilled = await stages.prefill(rendered, self.kv_connector)
+            kv_handle = KVHandle.from_json(prefilled.kv_handle)  # signed into the handoff, first token shown
+            handoff = self.planner.sign_handoff(chat, ids, kv_handle=kv_handle)
+            first = self._first_delta(kv_handle)
+            stages.answer(remote_prefill_output(params, ids.tolist(), first, self.speller, handoff.to_params()),
+                          handoff.to_json())
+        else:
+            prefilled = await stages.prefill(rendered, SHM)
+            await self._relay(stages, DecodeCall(ids, params, params_text, prefilled.seal, prefilled.kv_handle))
+
+    def _plan(self, inputs: ChatInputs):
+        try:
+            return self.planner.plan(inputs.chat, inputs.prompt_token_ids, inputs.kv_transfer_params)
+        except ForwardedIdsRejected as exc:
+            self.observer.rejected(exc.reason.value)
+            raise
+
+    async def _relay(self, stages: ChatStages, call: DecodeCall) -> None:
+        """Forward decode's stream to the client, to its end.
+
+        NOTE: once the client left, decode is told to cancel and its stream is drained, not
+        dropped: the stream ends when decode ends it, so nothing of it outlives the request."""
+        closed = cancelled = False
+        polled_at = float("-inf")
+        async for response in stages.decode(call):
+            if closed or cancelled:
+                continue
+            if time.monotonic() - polled_at >= CANCEL_POLL_S:
+                polled_at = time.monotonic()
+                if stages.client_left():
+                    cancelled = True
+                    request_id = call.params.request_id
+                    await stages.cancel(request_id, self.seal.seal_cancel(request_id))
+                    continue
+            closed = stages.relay(response)
+        if not closed:
+            stages.close()
+
+    def _first_delta(self, handle: KVHandle) -> Delta:
+        """Prefill's first token as the prefill leg's answer shows it."""
+        token, logprobs = handle.first_token_id, handle.first_token_logprobs
+        text = self.renderer.tokenizer.decode([token], skip_special_tokens=True)
+        return Delta(text, [token], None, [] if logprobs is None else [logprobs])
+
+    def _render_ids(self, messages: list[dict]) -> list[int]:
+        return self.renderer.token_ids(ChatRequest(messages=messages))
