@@ -2,8 +2,8 @@
 
 Without KV it prefills locally, in chunks between decode steps; a KV handle it cannot
 pull (expired, prefill gone) is recomputed from the ids, never re-rendered. All running
-requests advance in one forward pass per step (continuous batching, core.scheduler);
-execute() only validates and queues. Every call into the server (responses, errors,
+requests advance in one forward pass per step (continuous batching,
+`pdchat.core.generation.scheduler`); execute() only validates and queues. Every call into the server (responses, errors,
 cancel acknowledgements, cancellation checks, metrics) runs on the outbox thread
 (pdchat.triton.outbox), in order, while the scheduler thread runs the next forward pass.
 A request carrying only `cancel_request_id` (sealed by chat) stops the named request instead.
@@ -102,7 +102,7 @@ class TritonPythonModel:
         def start():  # on the scheduler thread, on admission
             self.outbox.call(functools.partial(self._started, stream))
             kv_cache = None if handle is None else self._pull(handle, params.request_id)
-            released = None if handle is None or kv_cache is None else (lambda: self.connectors.done(handle))
+            released = None if handle is None or kv_cache is None else functools.partial(self.connectors.done, handle)
             return self.model.generation(ids, params, first=first, kv_cache=kv_cache, on_kv_released=released,
                                          prefill_chunk=self.options.prefill_chunk)
 
@@ -110,11 +110,25 @@ class TritonPythonModel:
         return DecodeJob(
             key=stream.key,
             start=start,
-            emit=lambda delta: self.outbox.call(functools.partial(self._send_delta, stream, delta)),
-            fail=lambda exc: self.outbox.call(lambda: self._close(stream, "failed", io.failed_tensors(exc))),
-            on_cancel=lambda: self.outbox.call(functools.partial(self._close, stream, "cancelled")),
+            emit=functools.partial(self._emit, stream),
+            fail=functools.partial(self._fail, stream),
+            on_cancel=functools.partial(self._cancelled, stream),
             tokens=len(ids) + params.max_tokens,
         )
+
+    # On the scheduler thread: each hands its work to the outbox.
+
+    def _emit(self, stream: _Stream, delta) -> None:
+        self.outbox.call(functools.partial(self._send_delta, stream, delta))
+
+    def _fail(self, stream: _Stream, exc: Exception) -> None:
+        self.outbox.call(functools.partial(self._close_failed, stream, exc))
+
+    def _cancelled(self, stream: _Stream) -> None:
+        self.outbox.call(functools.partial(self._close, stream, "cancelled"))
+
+    def _on_state(self, state) -> None:
+        self.outbox.call(functools.partial(self.metrics.scheduler, state.waiting, state.kv_bytes))
 
     # On the outbox thread:
 
@@ -136,6 +150,9 @@ class TritonPythonModel:
         if delta.finish_reason:
             self._close(stream, "finished", send=False)  # its last output was sent FINAL
 
+    def _close_failed(self, stream: _Stream, exc: Exception) -> None:
+        self._close(stream, "failed", io.failed_tensors(exc))
+
     def _close(self, stream: _Stream, outcome: str, output_tensors=None, *, send: bool = True) -> None:
         """End the stream once: a last response of `output_tensors`, or a bare final flag."""
         if not stream.open:
@@ -151,9 +168,6 @@ class TritonPythonModel:
                     io.send_tensors(stream.sender, output_tensors, flags=FINAL)
             except Exception:  # noqa: BLE001 - a client already gone
                 log.exception("request %s: closing its stream failed", stream.key)
-
-    def _on_state(self, state) -> None:
-        self.outbox.call(lambda: self.metrics.scheduler(state.waiting, state.kv_bytes))
 
     def _pull(self, handle, request_id):
         """The KV a handle names, or None (decode then recomputes it from the ids)."""
