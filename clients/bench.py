@@ -24,7 +24,7 @@ import numpy as np
 
 from pdchat.clients import e2e, scaleout
 from pdchat.clients.report import plot, table, timed, write_results
-from pdchat.core.settings import ENV_DEVICE, ENV_DTYPE
+from pdchat.core.settings import DEVICE, DTYPE, FORWARDED_IDS, MODEL
 
 
 def bench_reuse(args: argparse.Namespace) -> None:
@@ -230,7 +230,7 @@ def bench_batching(args: argparse.Namespace) -> None:
 
     model_dir = embedded.ensure_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    placement = {ENV_DEVICE: args.device, ENV_DTYPE: args.dtype}  # every server started below
+    placement = {DEVICE.env: args.device, DTYPE.env: args.dtype}  # every server started below
     results_name = "batching" if args.device == "cpu" else f"batching-{args.device}-{args.dtype}"
     words = 100
     prompt = perf.input_data(words, args.max_tokens)
@@ -239,7 +239,7 @@ def bench_batching(args: argparse.Namespace) -> None:
     print(f"decode's forward pass alone, in this process: {args.concurrency} rows", file=sys.stderr, flush=True)
     engine_alone = _forward_alone(model_dir, prompt_tokens, args.concurrency, args.device, args.dtype)
     results: dict[str, dict[int, dict[str, float]]] = {}
-    env = {"PDCHAT_MODEL": args.model, "PDCHAT_FORWARDED_IDS": "trusted", **placement}
+    env = {MODEL.env: args.model, FORWARDED_IDS.env: "trusted", **placement}
     with TritonServer(env=env, exit_timeout_s=5) as server:
         print(f"monolithic server: perf_analyzer at concurrency {args.concurrency}", file=sys.stderr, flush=True)
         export = perf.profile(server.grpc_url, "chat", args.concurrency, words, args.max_tokens)

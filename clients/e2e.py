@@ -122,10 +122,11 @@ def bls_overhead(stack, model_dir, tokenizer, tokens: int, repeats: int) -> dict
     from pdchat.core.kv.base import KVHandle
     from pdchat.core.request.protocol import chat_request_from_body
     from pdchat.core.request.rendering import ChatRenderer
+    from pdchat.core.settings import HANDOFF_KEY
     from pdchat.ensemble.seal import StageSeal
 
     renderer = ChatRenderer(model_dir, model_dir.name)  # its context length and vocabulary, as decode's chat has them
-    seal = StageSeal.for_this_server({"PDCHAT_HANDOFF_KEY": stack.handoff_key})
+    seal = StageSeal.for_this_server({HANDOFF_KEY.env: stack.handoff_key})
     prefill, decode, direct = GrpcChat(stack.prefill.grpc_url), GrpcChat(stack.decode.grpc_url), GrpcChat(stack.decode.grpc_url, "decode")
     samples: dict[str, list[float]] = {"through chat": [], "decode directly": []}
     try:

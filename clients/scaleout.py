@@ -41,12 +41,13 @@ def bench_vllm_router(args: argparse.Namespace) -> None:
 
     from pdchat import embedded
     from pdchat.clients import load
+    from pdchat.core.settings import HANDOFF_KEY, MODEL
     from pdchat.launcher import TritonServer
 
     embedded.ensure_model(args.model)
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
-    env = {"PDCHAT_MODEL": args.model, "PDCHAT_HANDOFF_KEY": secrets.token_hex(32)}
+    env = {MODEL.env: args.model, HANDOFF_KEY.env: secrets.token_hex(32)}
     roles = ["prefill", "prefill", "decode", "decode"]
     servers = [TritonServer(role=role, env=env, log_path=logs / f"{role}-{i}.log") for i, role in enumerate(roles)]
     processes: list[subprocess.Popen] = []

@@ -24,7 +24,7 @@ import orjson
 
 from pdchat.core.errors import InvalidRequest, ModelUnavailable
 from pdchat.core.kv.base import KVHandle
-from pdchat.core.settings import ENV_HANDOFF_KEY, ENV_HANDOFF_KEY_FILE
+from pdchat.core.settings import HANDOFF_KEY, HANDOFF_KEY_FILE
 from pdchat.ensemble.handoff import Handoff, mac, same_mac
 
 
@@ -79,7 +79,7 @@ class Gate:
     def __post_init__(self) -> None:
         if self.policy is Policy.SIGNED and self.key is None:
             raise ModelUnavailable(
-                f"forwarded_ids policy 'signed' needs a handoff key: set {ENV_HANDOFF_KEY} or {ENV_HANDOFF_KEY_FILE}"
+                f"forwarded_ids policy 'signed' needs a handoff key: set {HANDOFF_KEY.env} or {HANDOFF_KEY_FILE.env}"
             )
 
     def admit(self, ids: list[int] | np.ndarray, params: dict[str, Any], fingerprint: str, *, now: float | None = None) -> KVHandle | None:

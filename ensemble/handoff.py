@@ -24,7 +24,7 @@ import orjson
 from pdchat.core.errors import InvalidRequest, ModelUnavailable
 from pdchat.core.kv.base import KVHandle, KVUnavailable
 from pdchat.core.request.protocol import ChatRequest
-from pdchat.core.settings import ENV_HANDOFF_KEY, ENV_HANDOFF_KEY_FILE
+from pdchat.core.settings import HANDOFF_KEY, HANDOFF_KEY_FILE
 
 MIN_KEY_BYTES = 16
 DEFAULT_TTL_S = 60.0
@@ -33,11 +33,10 @@ SIGNATURE_VERSION = 2
 
 def load_key(environ: dict[str, str] | os._Environ | None = None) -> bytes | None:
     """The deployment's shared key: $PDCHAT_HANDOFF_KEY, else the file $PDCHAT_HANDOFF_KEY_FILE."""
-    env = os.environ if environ is None else environ
-    if env.get(ENV_HANDOFF_KEY):
-        key = env[ENV_HANDOFF_KEY].encode()
-    elif env.get(ENV_HANDOFF_KEY_FILE):
-        path = Path(env[ENV_HANDOFF_KEY_FILE])
+    if text := HANDOFF_KEY.get(environ=environ):
+        key = text.encode()
+    elif key_file := HANDOFF_KEY_FILE.get(environ=environ):
+        path = Path(key_file)
         try:
             key = path.read_bytes().strip()
         except OSError as exc:

@@ -23,7 +23,7 @@ from typing import Any
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.kv.base import KVHandle
 from pdchat.core.request.protocol import ChatRequest, GenerationParams
-from pdchat.core.settings import ENV_HANDOFF_KEY
+from pdchat.core.settings import HANDOFF_KEY
 from pdchat.ensemble.gate import ForwardedIdsRejected, Gate, Rejection, forwarded_ids
 from pdchat.ensemble.handoff import DEFAULT_TTL_S, Handoff, render_fingerprint, sign
 
@@ -74,7 +74,7 @@ class RoutePlanner:
             return RoutePlan(Route.RENDER_VERIFIED, chat, signed_params=params)
         if params.get("do_remote_decode") is True:
             if self.gate.key is None:
-                raise InvalidRequest(f"do_remote_decode needs this server to have a handoff key ({ENV_HANDOFF_KEY})")
+                raise InvalidRequest(f"do_remote_decode needs this server to have a handoff key ({HANDOFF_KEY.env})")
             return RoutePlan(Route.REMOTE_PREFILL, chat)
         return RoutePlan(Route.RENDER, chat)
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from pdchat.core.errors import InvalidRequest, ModelUnavailable
-from pdchat.core.settings import ENV_STAGE_KEY, cache_dir
+from pdchat.core.settings import STAGE_KEY, cache_dir
 from pdchat.ensemble.handoff import ids_digest, load_key, mac, same_mac
 
 KEY_FILE_NAME = "stage.key"
@@ -43,10 +43,9 @@ class StageSeal:
 
     @classmethod
     def for_this_server(cls, environ: dict[str, str] | os._Environ | None = None) -> StageSeal:
-        env = os.environ if environ is None else environ
-        if env.get(ENV_STAGE_KEY):
-            return cls(env[ENV_STAGE_KEY].encode())
-        handoff_key = load_key(env)
+        if key := STAGE_KEY.get(environ=environ):
+            return cls(key.encode())
+        handoff_key = load_key(environ)
         if handoff_key is not None:
             return cls(hmac.new(handoff_key, b"pdchat stage seal v1", hashlib.sha256).digest())
         return cls(_key_file(cache_dir() / KEY_FILE_NAME))

@@ -69,7 +69,7 @@ def _http_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on all but /health and /metrics "
-                        "(default: $PDCHAT_API_KEY; unset: no key)")
+                        f"(default: ${settings.API_KEY.env}; unset: no key)")
     parser.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
     parser.add_argument("--max-connections", type=int, help="requests over this many connections get 503 (default 256)")
     parser.add_argument("--header-timeout", type=float, help="seconds a client has to send a request's head (default 10)")
@@ -81,7 +81,7 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
     from pdchat.launcher import DEFAULT_MODEL_REPOSITORY
 
     parser.add_argument("--model", help=f"embedded model name ({', '.join(registry.EMBEDDED_MODELS)}) or HF model directory; "
-                        "sets PDCHAT_MODEL")
+                        f"sets {settings.MODEL.env}")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
@@ -101,7 +101,7 @@ def _chat_options(parser: argparse.ArgumentParser) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from pdchat.launcher import TritonServer, watch
 
-    env = {settings.ENV_MODEL: args.model} if args.model else {}
+    env = {settings.MODEL.env: args.model} if args.model else {}
     server = TritonServer(
         args.model_repository, role=args.role, env=env,
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port, host=args.host,
@@ -185,14 +185,13 @@ def _openai(args: argparse.Namespace) -> int:
 
 def _serve_http(args: argparse.Namespace, front, what: str) -> int:
     import logging
-    import os
 
     from pdchat.clients.openai_api import HttpSettings, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     limits = {"max_body_bytes": args.max_body_bytes, "max_connections": args.max_connections,
               "header_timeout_s": args.header_timeout, "body_timeout_s": args.body_timeout, "keep_alive_s": args.keep_alive_timeout}
-    http = HttpSettings(api_key=args.api_key or os.environ.get(settings.ENV_API_KEY) or None,
+    http = HttpSettings(api_key=args.api_key or settings.API_KEY.get() or None,
                         **{name: value for name, value in limits.items() if value is not None})
     _say(f"{what} on http://{args.host}:{args.port} (API key {'required' if http.api_key else 'not required'})")
     serve(front, args.host, args.port, http)

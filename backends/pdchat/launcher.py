@@ -365,8 +365,8 @@ class PDStack:
         log_dir = Path(self.log_dir or cache_dir() / "logs")
         log_dir.mkdir(parents=True, exist_ok=True)
         self.handoff_key = self.handoff_key or secrets.token_hex(32)
-        env = {settings.ENV_MODEL: self.model, settings.ENV_HANDOFF_KEY: self.handoff_key,
-               settings.ENV_KV_CONNECTOR: self.connector, **self.env}
+        env = {settings.MODEL.env: self.model, settings.HANDOFF_KEY.env: self.handoff_key,
+               settings.KV_CONNECTOR.env: self.connector, **self.env}
         self.prefill = TritonServer(role="prefill", env=env, log_path=log_dir / "prefill.log")
         self.decode = TritonServer(role="decode", env=env, log_path=log_dir / "decode.log")
         errors: list[BaseException] = []

@@ -10,9 +10,6 @@ from pdchat import embedded, registry
 from pdchat.core import settings
 from pdchat.core.errors import ModelUnavailable
 
-# The dtypes a model may run in: `auto` is bfloat16 on CUDA, float32 on CPU.
-MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
 
 @dataclass(frozen=True)
 class ModelSettings:
@@ -40,7 +37,7 @@ class ModelSettings:
             return self
         if self.device not in ("auto", "cuda"):
             raise ModelUnavailable(f"Triton runs this instance on GPU {device_id} (instance_group kind KIND_GPU) "
-                                   f"but parameter device / PDCHAT_DEVICE says {self.device!r}; use auto or cuda, "
+                                   f"but {settings.DEVICE.names} says {self.device!r}; use auto or cuda, "
                                    "or give the instance group kind KIND_CPU")
         return replace(self, device=f"cuda:{device_id}")
 
@@ -48,14 +45,12 @@ class ModelSettings:
 def resolve_model(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> ModelSettings:
     """Resolve the model spec (embedded name or directory) into a usable directory.
 
-    Order: the config parameter `model`, then PDCHAT_MODEL, then the demo model.
-    Embedded names are built into the cache on first use.
+    Settings MODEL, DEVICE, DTYPE and TORCH_THREADS; embedded names are built into the
+    cache on first use.
     """
-    spec = settings.setting(parameters, settings.PARAM_MODEL, settings.ENV_MODEL, registry.DEFAULT_MODEL, environ)
-    device = settings.setting(parameters, settings.PARAM_DEVICE, settings.ENV_DEVICE, "auto", environ)
-    dtype = settings.setting(parameters, settings.PARAM_DTYPE, settings.ENV_DTYPE, "auto", environ)
-    if dtype not in MODEL_DTYPES:
-        raise ModelUnavailable(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {dtype!r}")
+    spec = settings.MODEL.get(parameters, environ)
+    device = settings.DEVICE.get(parameters, environ)
+    dtype = settings.DTYPE.get(parameters, environ)
     threads = settings.torch_threads(parameters, environ)
     if spec in registry.EMBEDDED_MODELS:
         return ModelSettings(embedded.ensure_model(spec), device, dtype, threads)

@@ -125,9 +125,10 @@ def test_the_server_keeps_serving_after_the_refusals(server):
 
 @pytest.mark.parametrize("model", ["chat", "chat_ensemble"])
 def test_an_oversized_body_is_refused_before_it_is_parsed(server, model):
-    from pdchat.core.settings import DEFAULT_MAX_REQUEST_BYTES
+    from pdchat.core.settings import MAX_REQUEST_BYTES
 
-    body = json.dumps({"messages": [{"role": "user", "content": "x" * DEFAULT_MAX_REQUEST_BYTES}]})
+    limit = MAX_REQUEST_BYTES.default_value
+    body = json.dumps({"messages": [{"role": "user", "content": "x" * limit}]})
     client = GrpcChat(server.grpc_url, model)
     try:
         with pytest.raises(ChatError) as info:
@@ -135,4 +136,4 @@ def test_an_oversized_body_is_refused_before_it_is_parsed(server, model):
     finally:
         client.close()
     assert info.value.status == "INVALID_ARGUMENT"
-    assert f"this server takes at most {DEFAULT_MAX_REQUEST_BYTES} (max_request_bytes)" in str(info.value)
+    assert f"this server takes at most {limit} (max_request_bytes)" in str(info.value)

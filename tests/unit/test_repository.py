@@ -43,7 +43,7 @@ def test_chat_configs_leave_the_contract_to_tensors_py(role):
     text_format.Parse((REPOSITORY / "chat" / role).read_text(), config)
     assert config.name == "chat" and not config.input and not config.output  # declared by auto_complete_config
     policy = {"config.pbtxt": "", "configs/prefill.pbtxt": "off", "configs/decode.pbtxt": "signed"}[role]
-    assert config.parameters[settings.PARAM_FORWARDED_IDS].string_value == policy
+    assert config.parameters[settings.FORWARDED_IDS.param].string_value == policy
 
 
 def test_chat_is_the_ensemble_contract_plus_forwarded_ids():

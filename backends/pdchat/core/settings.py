@@ -1,104 +1,312 @@
-"""Every setting of a pdchat model: its config.pbtxt parameter, its environment variable,
-its default, in that order of precedence.
+"""Every pdchat setting, declared once: its config.pbtxt parameter, its environment
+variable, its default, its type, what reads it.
 
-The names live here only: the launcher, the CLI and the tests import them. Every model
+A model resolves a setting from the parameter if its config.pbtxt sets one, else from the
+environment variable, else from the default; an empty value counts as unset. Every model
 resolves the same way, so renderer, prefill and decode agree on one model without
-repeating it in several config.pbtxt files.
+repeating it in several config.pbtxt files. Settings without a parameter (keys, the cache
+directory) come from the environment only.
+
+The launcher, the CLI and the tests take the names from this table, and
+docs/configuration.md lists it: `python -m pdchat.core.settings --write docs/configuration.md`.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from pdchat import registry
 from pdchat.core.errors import ModelUnavailable
 
-# Model config parameters (config.pbtxt `parameters`).
-PARAM_MODEL = "model"  # embedded model name or HF model directory
-PARAM_DEVICE = "device"  # "auto" (CUDA when present), "cpu" or "cuda"
-PARAM_DTYPE = "dtype"  # "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16", "float16"
-PARAM_TORCH_THREADS = "torch_threads"  # prefill, decode: torch's CPU threads ("auto": half the cores)
-PARAM_FORWARDED_IDS = "forwarded_ids"  # chat: off | signed | trusted
-PARAM_HANDOFF_TTL_S = "handoff_ttl_s"  # chat: seconds a signed handoff stays valid
-PARAM_KV_CONNECTOR = "kv_connector"  # chat (prefill role): shm | nixl
-PARAM_KV_TTL_S = "kv_ttl_s"  # prefill: seconds unpulled KV is held
-PARAM_KV_BUDGET_MB = "kv_budget_mb"  # prefill: most KV held at once
-PARAM_MAX_RUNNING = "max_running"  # decode: sequences batched at once
-PARAM_DECODE_KV_MB = "decode_kv_mb"  # decode: KV its running sequences may reserve
-PARAM_QUEUE_TIMEOUT_S = "queue_timeout_s"  # decode: longest wait for room before UNAVAILABLE
-PARAM_PREFILL_CHUNK = "prefill_chunk"  # decode: prompt tokens per local prefill chunk
-PARAM_MAX_REQUEST_BYTES = "max_request_bytes"  # chat, renderer: largest request body taken
-PARAM_STAGE_LANES = "stage_lanes"  # chat: blocking calls to renderer and prefill at once
+T = TypeVar("T")
+MIB = 1 << 20
 
-# Environment variables, used where a config leaves the parameter out.
-ENV_MODEL = "PDCHAT_MODEL"
-ENV_HANDOFF_KEY = "PDCHAT_HANDOFF_KEY"  # the deployment's shared secret (at least 16 bytes)
-ENV_HANDOFF_KEY_FILE = "PDCHAT_HANDOFF_KEY_FILE"  # or a file holding it
-# Seals stage inputs (renderer/prefill/decode accept only what this server's renderer or gate made).
-ENV_STAGE_KEY = "PDCHAT_STAGE_KEY"
-ENV_KV_PULL_TIMEOUT_S = "PDCHAT_KV_PULL_TIMEOUT_S"  # decode: longest NIXL READ before recomputing (30 s)
-ENV_API_KEY = "PDCHAT_API_KEY"  # the router's bearer token (pdchat router --api-key)
-ENV_DEVICE = "PDCHAT_DEVICE"
-ENV_DTYPE = "PDCHAT_DTYPE"
-ENV_TORCH_THREADS = "PDCHAT_TORCH_THREADS"
-ENV_CACHE_DIR = "PDCHAT_CACHE_DIR"
-ENV_FORWARDED_IDS = "PDCHAT_FORWARDED_IDS"
-ENV_HANDOFF_TTL_S = "PDCHAT_HANDOFF_TTL_S"
-ENV_KV_CONNECTOR = "PDCHAT_KV_CONNECTOR"
-ENV_KV_TTL_S = "PDCHAT_KV_TTL_S"
-ENV_KV_BUDGET_MB = "PDCHAT_KV_BUDGET_MB"
-ENV_MAX_RUNNING = "PDCHAT_MAX_RUNNING"
-ENV_DECODE_KV_MB = "PDCHAT_DECODE_KV_MB"
-ENV_QUEUE_TIMEOUT_S = "PDCHAT_QUEUE_TIMEOUT_S"
-ENV_PREFILL_CHUNK = "PDCHAT_PREFILL_CHUNK"
-ENV_MAX_REQUEST_BYTES = "PDCHAT_MAX_REQUEST_BYTES"
-ENV_STAGE_LANES = "PDCHAT_STAGE_LANES"
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # the router's default body limit too
+
+@dataclass(frozen=True)
+class Kind(Generic[T]):
+    """A setting's type: what its text may say (`spelling`, a noun phrase for messages and
+    the docs) and how the text becomes a value (`parse`, which raises ValueError saying
+    what the text must be)."""
+
+    spelling: str
+    parse: Callable[[str], T]
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("must be a number") from None
+    if not value > 0:
+        raise ValueError("must be positive")
+    return value
+
+
+def _integer(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError("must be an integer") from None
+    if value <= 0:
+        raise ValueError("must be positive")
+    return value
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _flag(text: str) -> bool:
+    flag = text.strip().lower()
+    if flag not in _TRUE + _FALSE:
+        raise ValueError(f"must be one of {', '.join(_TRUE + _FALSE)}")
+    return flag in _TRUE
+
+
+def choice(*choices: str) -> Kind[str]:
+    """One of `choices`, spelt exactly."""
+    listed = ", ".join(choices)
+
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"must be one of {listed}")
+        return text
+
+    return Kind(f"one of {listed}", parse)
+
+
+def or_auto(kind: Kind[T]) -> Kind[T | None]:
+    """`auto` (None: the reader picks) or a value of `kind`."""
+
+    def parse(text: str) -> T | None:
+        if text == "auto":
+            return None
+        try:
+            return kind.parse(text)
+        except ValueError:
+            raise ValueError(f"must be auto or {kind.spelling}") from None
+
+    return Kind(f"auto or {kind.spelling}", parse)
+
+
+TEXT: Kind[str] = Kind("text", str)
+PATH: Kind[str] = Kind("a path (~ expands)", os.path.expanduser)
+NUMBER: Kind[float] = Kind("a positive number", _number)
+INTEGER: Kind[int] = Kind("a positive integer", _integer)
+FLAG: Kind[bool] = Kind(f"a boolean: {', '.join(_TRUE)} or {', '.join(_FALSE)}", _flag)
+
+
+@dataclass(frozen=True)
+class Setting(Generic[T]):
+    """One setting. `name` is how messages and the docs call it; `param` its key in a
+    model's config.pbtxt `parameters` (None: the environment only); `env` its environment
+    variable; `default` the text used when neither is set ("" where unset means none);
+    `type` what the text may say; `applies_to` the Triton models or pdchat commands that
+    read it; `doc` what it does, one paragraph for the docs' table."""
+
+    name: str
+    param: str | None
+    env: str
+    default: str
+    type: Kind[T]
+    applies_to: tuple[str, ...]
+    doc: str
+
+    @property
+    def names(self) -> str:
+        """How a message points an operator at this setting: "parameter x / PDCHAT_X"."""
+        return self.env if self.param is None else f"parameter {self.param} / {self.env}"
+
+    @property
+    def default_value(self) -> T:
+        """The default, parsed: what a model gets when nothing sets this setting."""
+        return self.parse(self.default, "the default")
+
+    def get(self, parameters: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None) -> T:
+        """This setting's value for a model with config `parameters`: the parameter if they
+        set it, else the variable in `environ` (this process's environment if None), else
+        the default; an empty value counts as unset. Raises ModelUnavailable, naming the
+        setting and where the text came from, if that text is not of the setting's type."""
+        configured = parameters.get(self.param) if parameters and self.param else None
+        if configured:
+            return self.parse(configured, f"config parameter {self.param}")
+        exported = (os.environ if environ is None else environ).get(self.env)
+        if exported:
+            return self.parse(exported, self.env)
+        return self.default_value
+
+    def parse(self, text: str, source: str) -> T:
+        """`text` as this setting's type; `source` says where the text came from if it is not."""
+        try:
+            return self.type.parse(text)
+        except ValueError as exc:
+            raise ModelUnavailable(f"{self.name} {exc}, got {text!r} ({source})") from None
+
+
+# The model and where it runs.
+MODEL = Setting(
+    "model", "model", "PDCHAT_MODEL", registry.DEFAULT_MODEL, TEXT, ("chat", "renderer", "prefill", "decode"),
+    f"The model served: an embedded model ({', '.join(registry.EMBEDDED_MODELS)}, built into the cache on "
+    "first use) or a Hugging Face causal-LM directory.",
+)
+DEVICE = Setting(
+    "device", "device", "PDCHAT_DEVICE", "auto", TEXT, ("prefill", "decode"),
+    "Where the model runs: auto (CUDA when torch sees it), cpu or cuda. A KIND_GPU instance runs on the GPU "
+    "Triton gave it and takes only auto or cuda.",
+)
+DTYPE = Setting(
+    "dtype", "dtype", "PDCHAT_DTYPE", "auto", choice("auto", "float32", "bfloat16", "float16"), ("prefill", "decode"),
+    "The model's dtype, which its KV travels in: auto is bfloat16 on CUDA, float32 on CPU. Prefill and decode "
+    "servers of one deployment must agree.",
+)
+TORCH_THREADS = Setting(
+    "torch_threads", "torch_threads", "PDCHAT_TORCH_THREADS", "auto", or_auto(INTEGER), ("prefill", "decode"),
+    "torch's CPU threads in each stage model; auto is half the cores this process may run on (its affinity), "
+    "at least 1. Prefill and decode share a server's cores: each taking all of them makes their OpenMP "
+    "threads spin against each other.",
+)
+CACHE_DIR = Setting(
+    "cache_dir", None, "PDCHAT_CACHE_DIR", "~/.cache/pdchat", PATH, ("chat", "renderer", "prefill", "decode", "pdchat"),
+    "Root of generated artefacts: embedded models, the assembled backend directory, the stage key file, "
+    "launcher logs.",
+)
+
+# chat: the gate, the handoff, its calls to the stage models.
+FORWARDED_IDS = Setting(
+    "forwarded_ids", "forwarded_ids", "PDCHAT_FORWARDED_IDS", "off", choice("off", "signed", "trusted"), ("chat",),
+    "Which forwarded prompt token ids chat admits: off (none; it renders the conversation itself), signed "
+    "(only ids a prefill server signed with the handoff key), trusted (any, still checked against the vocabulary).",
+)
+HANDOFF_TTL_S = Setting(
+    "handoff_ttl_s", "handoff_ttl_s", "PDCHAT_HANDOFF_TTL_S", "60", NUMBER, ("chat",),
+    "Seconds a signed handoff (ids and KV handle) a prefill server hands out stays valid.",
+)
+KV_CONNECTOR = Setting(
+    "kv_connector", "kv_connector", "PDCHAT_KV_CONNECTOR", registry.SHM, choice(*registry.KV_CONNECTORS), ("chat",),
+    "What a prefill server publishes KV through: shm (shared memory, same host) or nixl (NIXL over UCX, "
+    "across hosts).",
+)
+STAGE_LANES = Setting(
+    "stage_lanes", "stage_lanes", "PDCHAT_STAGE_LANES", "2", INTEGER, ("chat",),
+    "Blocking calls chat makes to renderer and prefill at once. Match prefill's instance count (2 on a CPU host, "
+    "2 per GPU on a GPU host), so that a long prompt's prefill holds one lane and the prompts behind it take another.",
+)
+MAX_REQUEST_BYTES = Setting(
+    "max_request_bytes", "max_request_bytes", "PDCHAT_MAX_REQUEST_BYTES", "4194304", INTEGER, ("chat", "renderer"),
+    "Largest `request` (or `text_input`) taken, in bytes; larger ones are refused before they are parsed.",
+)
+
+# The renderer: chat templates and Harmony.
+ALLOW_REQUEST_TEMPLATES = Setting(
+    "allow_request_templates", "allow_request_templates", "PDCHAT_ALLOW_REQUEST_TEMPLATES", "false", FLAG,
+    ("chat", "renderer"),
+    "Whether chat_template_kwargs may carry a `chat_template`. The template is the server's, as in vLLM without "
+    "--trust-request-chat-template: a request's own template bypasses it.",
+)
+RENDER_TIMEOUT_S = Setting(
+    "render_timeout_s", "render_timeout_s", "PDCHAT_RENDER_TIMEOUT_S", "2", NUMBER, ("chat", "renderer"),
+    "Longest one chat template render may run, in seconds.",
+)
+CURRENT_DATE = Setting(
+    "current_date", "current_date", "PDCHAT_CURRENT_DATE", "", TEXT, ("chat", "renderer"),
+    "The conversation date Harmony's (GPT-OSS) system message states; unset: today, in UTC. Set it alike for "
+    "renderer and chat (the environment does both): chat fingerprints it.",
+)
+
+# KV held by prefill, pulled by decode.
+KV_TTL_S = Setting(
+    "kv_ttl_s", "kv_ttl_s", "PDCHAT_KV_TTL_S", "60", NUMBER, ("prefill",),
+    "Seconds a prefill server holds KV no decode server has pulled.",
+)
+KV_BUDGET_MB = Setting(
+    "kv_budget_mb", "kv_budget_mb", "PDCHAT_KV_BUDGET_MB", "2048", NUMBER, ("prefill",),
+    "Most KV, in MiB, a prefill server holds for decode servers to pull; past it, prefills are refused as "
+    "UNAVAILABLE.",
+)
+KV_PULL_TIMEOUT_S = Setting(
+    "kv_pull_timeout_s", None, "PDCHAT_KV_PULL_TIMEOUT_S", "30", NUMBER, ("decode",),
+    "Longest NIXL READ from a prefill server, in seconds; then decode recomputes the prompt from its ids.",
+)
+
+# decode's batch.
+MAX_RUNNING = Setting(
+    "max_running", "max_running", "PDCHAT_MAX_RUNNING", "32", INTEGER, ("decode",),
+    "Sequences decoding or prefilling at once in one decode batch.",
+)
+DECODE_KV_MB = Setting(
+    "decode_kv_mb", "decode_kv_mb", "PDCHAT_DECODE_KV_MB", "1024", NUMBER, ("decode",),
+    "KV, in MiB, the admitted requests may reserve (prompt plus max_tokens each).",
+)
+QUEUE_TIMEOUT_S = Setting(
+    "queue_timeout_s", "queue_timeout_s", "PDCHAT_QUEUE_TIMEOUT_S", "30", NUMBER, ("decode",),
+    "Longest a request waits for room in the batch, in seconds; then UNAVAILABLE, naming the limit.",
+)
+PREFILL_CHUNK = Setting(
+    "prefill_chunk", "prefill_chunk", "PDCHAT_PREFILL_CHUNK", "512", INTEGER, ("decode",),
+    "Prompt tokens per chunk when decode prefills a prompt itself, between the batch's decode steps.",
+)
+
+# Keys.
+HANDOFF_KEY = Setting(
+    "handoff_key", None, "PDCHAT_HANDOFF_KEY", "", TEXT, ("chat", "renderer", "prefill", "decode"),
+    "The deployment's shared secret (at least 16 bytes): prefill servers sign handoffs with it, decode servers "
+    "verify them. Without PDCHAT_STAGE_KEY, the stage seal's key derives from it.",
+)
+HANDOFF_KEY_FILE = Setting(
+    "handoff_key_file", None, "PDCHAT_HANDOFF_KEY_FILE", "", PATH, ("chat", "renderer", "prefill", "decode"),
+    "A file holding the handoff key, read when PDCHAT_HANDOFF_KEY is unset.",
+)
+STAGE_KEY = Setting(
+    "stage_key", None, "PDCHAT_STAGE_KEY", "", TEXT, ("chat", "renderer", "prefill", "decode"),
+    "Key of the seals on stage inputs (renderer, prefill and decode serve only what this server's renderer or "
+    "chat made); unset: derived from the handoff key, else a random key in a 0600 file of the cache directory.",
+)
+API_KEY = Setting(
+    "api_key", None, "PDCHAT_API_KEY", "", TEXT, ("router", "openai"),
+    "Bearer token the HTTP front requires on all but /health and /metrics (`--api-key` overrides it); unset: "
+    "no key.",
+)
+
+SETTINGS: tuple[Setting, ...] = tuple(value for value in dict(globals()).values() if isinstance(value, Setting))
+"""Every setting above, in the order the docs list them.
+NOTE: a Setting defined below this line would be missing from it."""
 
 
 def cache_dir() -> Path:
-    """Root of generated artefacts (embedded models, backend directory)."""
-    return Path(os.environ.get(ENV_CACHE_DIR) or Path.home() / ".cache" / "pdchat")
-
-
-def setting(parameters: dict[str, str], key: str, env_name: str, default: str, environ=None) -> str:
-    """A config parameter if the model's config.pbtxt sets it, else the environment, else the default."""
-    env = os.environ if environ is None else environ
-    return parameters.get(key) or env.get(env_name) or default
+    """Root of generated artefacts (CACHE_DIR): embedded models, the backend directory, logs."""
+    return Path(CACHE_DIR.get())
 
 
 def forwarded_ids_policy(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> str:
-    """The chat model's gate policy: parameter `forwarded_ids`, then PDCHAT_FORWARDED_IDS, then off."""
-    return setting(parameters, PARAM_FORWARDED_IDS, ENV_FORWARDED_IDS, "off", environ)
+    """The chat model's gate policy (FORWARDED_IDS): off, signed or trusted."""
+    return FORWARDED_IDS.get(parameters, environ)
 
 
 def handoff_ttl_s(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> float:
-    """How long signed handoffs stay valid: `handoff_ttl_s`, then PDCHAT_HANDOFF_TTL_S, then 60 s."""
-    return _positive(setting(parameters, PARAM_HANDOFF_TTL_S, ENV_HANDOFF_TTL_S, "60", environ), "handoff TTL")
+    """Seconds a signed handoff stays valid (HANDOFF_TTL_S)."""
+    return HANDOFF_TTL_S.get(parameters, environ)
 
 
 def kv_connector(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> str:
-    """The connector prefill publishes KV through: `kv_connector`, then PDCHAT_KV_CONNECTOR, then shm."""
-    name = setting(parameters, PARAM_KV_CONNECTOR, ENV_KV_CONNECTOR, registry.SHM, environ)
-    if name not in registry.KV_CONNECTORS:
-        raise ModelUnavailable(f"kv_connector must be one of {', '.join(registry.KV_CONNECTORS)}, got {name!r}")
-    return name
+    """The connector a prefill server publishes KV through (KV_CONNECTOR), one of registry.KV_CONNECTORS."""
+    return KV_CONNECTOR.get(parameters, environ)
 
 
 def kv_options(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> dict[str, float | int]:
-    """How long prefill holds unpulled KV (PDCHAT_KV_TTL_S, 60 s) and how much (PDCHAT_KV_BUDGET_MB, 2048)."""
-    ttl = _positive(setting(parameters, PARAM_KV_TTL_S, ENV_KV_TTL_S, "60", environ), "KV TTL")
-    budget = _positive(setting(parameters, PARAM_KV_BUDGET_MB, ENV_KV_BUDGET_MB, "2048", environ), "KV budget")
-    return {"ttl_s": ttl, "budget_bytes": int(budget * (1 << 20))}
+    """A connector's keyword arguments: how long unpulled KV is held (`ttl_s`, KV_TTL_S) and
+    how much of it (`budget_bytes`, KV_BUDGET_MB)."""
+    budget_mb = KV_BUDGET_MB.get(parameters, environ)
+    return {"ttl_s": KV_TTL_S.get(parameters, environ), "budget_bytes": int(budget_mb * MIB)}
 
 
 def max_request_bytes(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> int:
-    """Largest `request` (or `text_input`) chat and the renderer take: max_request_bytes,
-    then PDCHAT_MAX_REQUEST_BYTES, then 4 MiB."""
-    value = setting(parameters, PARAM_MAX_REQUEST_BYTES, ENV_MAX_REQUEST_BYTES, str(DEFAULT_MAX_REQUEST_BYTES), environ)
-    return int(_positive(value, "max_request_bytes"))
+    """Largest `request` (or `text_input`) chat and the renderer take (MAX_REQUEST_BYTES)."""
+    return MAX_REQUEST_BYTES.get(parameters, environ)
 
 
 @dataclass(frozen=True)
@@ -110,82 +318,98 @@ class BatchingOptions:
 
 
 def batching_options(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> BatchingOptions:
-    """Decode's limits: max_running (PDCHAT_MAX_RUNNING, 32), decode_kv_mb (PDCHAT_DECODE_KV_MB,
-    1024), queue_timeout_s (PDCHAT_QUEUE_TIMEOUT_S, 30), prefill_chunk (PDCHAT_PREFILL_CHUNK, 512)."""
-
-    def number(key: str, env_name: str, default: str, what: str) -> float:
-        return _positive(setting(parameters, key, env_name, default, environ), what)
-
+    """Decode's limits: MAX_RUNNING, DECODE_KV_MB, QUEUE_TIMEOUT_S and PREFILL_CHUNK."""
     return BatchingOptions(
-        max_running=int(number(PARAM_MAX_RUNNING, ENV_MAX_RUNNING, "32", "max_running")),
-        kv_budget_bytes=int(number(PARAM_DECODE_KV_MB, ENV_DECODE_KV_MB, "1024", "decode_kv_mb") * (1 << 20)),
-        queue_timeout_s=number(PARAM_QUEUE_TIMEOUT_S, ENV_QUEUE_TIMEOUT_S, "30", "queue_timeout_s"),
-        prefill_chunk=int(number(PARAM_PREFILL_CHUNK, ENV_PREFILL_CHUNK, "512", "prefill_chunk")),
+        max_running=MAX_RUNNING.get(parameters, environ),
+        kv_budget_bytes=int(DECODE_KV_MB.get(parameters, environ) * MIB),
+        queue_timeout_s=QUEUE_TIMEOUT_S.get(parameters, environ),
+        prefill_chunk=PREFILL_CHUNK.get(parameters, environ),
     )
 
 
 def stage_lanes(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> int:
-    """chat's lanes for blocking BLS calls to renderer and prefill: `stage_lanes`, then
-    PDCHAT_STAGE_LANES, then 2, the instances prefill's config gives it on a CPU host. Match
-    prefill's instance count (on a GPU host: 2 per GPU), so that a long prompt's prefill
-    holds one lane and the prompts behind it take another."""
-    return int(_positive(setting(parameters, PARAM_STAGE_LANES, ENV_STAGE_LANES, "2", environ), "stage_lanes"))
-
-
-def _positive(value: str, what: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise ModelUnavailable(f"{what} must be a number, got {value!r}") from None
-    if number <= 0:
-        raise ModelUnavailable(f"{what} must be positive, got {number}")
-    return number
-
-
-# The renderer's guard on chat templates (model_repository/renderer).
-PARAM_ALLOW_REQUEST_TEMPLATES = "allow_request_templates"  # renderer: may a request bring a chat_template
-PARAM_RENDER_TIMEOUT_S = "render_timeout_s"  # renderer: longest one chat template render may run
-ENV_ALLOW_REQUEST_TEMPLATES = "PDCHAT_ALLOW_REQUEST_TEMPLATES"
-ENV_RENDER_TIMEOUT_S = "PDCHAT_RENDER_TIMEOUT_S"
-DEFAULT_RENDER_TIMEOUT_S = 2.0
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+    """chat's lanes for blocking BLS calls to renderer and prefill (STAGE_LANES)."""
+    return STAGE_LANES.get(parameters, environ)
 
 
 def allow_request_templates(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> bool:
-    """Whether chat_template_kwargs may carry a `chat_template`: `allow_request_templates`, then
-    PDCHAT_ALLOW_REQUEST_TEMPLATES, then false. The template is the server's, as in vLLM
-    without --trust-request-chat-template: a request's own template bypasses it."""
-    value = setting(parameters, PARAM_ALLOW_REQUEST_TEMPLATES, ENV_ALLOW_REQUEST_TEMPLATES, "false", environ)
-    flag = value.strip().lower()
-    if flag not in _TRUE + _FALSE:
-        raise ModelUnavailable(f"allow_request_templates must be one of {', '.join(_TRUE + _FALSE)}, got {value!r}")
-    return flag in _TRUE
+    """Whether chat_template_kwargs may carry a `chat_template` (ALLOW_REQUEST_TEMPLATES)."""
+    return ALLOW_REQUEST_TEMPLATES.get(parameters, environ)
 
 
 def render_timeout_s(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> float:
-    """The bound on one chat template render: `render_timeout_s`, then PDCHAT_RENDER_TIMEOUT_S, then 2 s."""
-    value = setting(parameters, PARAM_RENDER_TIMEOUT_S, ENV_RENDER_TIMEOUT_S, str(DEFAULT_RENDER_TIMEOUT_S), environ)
-    return _positive(value, "render timeout")
-
-
-# Harmony (GPT-OSS) render inputs the server supplies (core.request.harmony).
-PARAM_CURRENT_DATE = "current_date"  # renderer, chat: the conversation date Harmony's system message states
-ENV_CURRENT_DATE = "PDCHAT_CURRENT_DATE"
+    """The bound on one chat template render, in seconds (RENDER_TIMEOUT_S)."""
+    return RENDER_TIMEOUT_S.get(parameters, environ)
 
 
 def current_date(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> str | None:
-    """Harmony's conversation date: `current_date`, then PDCHAT_CURRENT_DATE, else None (today, UTC).
-    Set it alike for `renderer` and `chat` (the environment does both): chat fingerprints it."""
-    return setting(parameters, PARAM_CURRENT_DATE, ENV_CURRENT_DATE, "", environ) or None
+    """Harmony's conversation date (CURRENT_DATE); None: today, in UTC."""
+    return CURRENT_DATE.get(parameters, environ) or None
 
 
 def torch_threads(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> int:
-    """torch's CPU threads in a stage model: `torch_threads`, then PDCHAT_TORCH_THREADS, then
-    half the cores (at least 1). Prefill and decode share a server's cores; each taking all
-    of them makes their OpenMP threads spin against each other (README, "Models": about
-    twice the tokens/s at concurrency 16 on 2 cores with one thread each). Cores are
-    those this process may run on (its affinity), not the host's."""
-    value = setting(parameters, PARAM_TORCH_THREADS, ENV_TORCH_THREADS, "auto", environ)
-    if value == "auto":
-        return max(1, len(os.sched_getaffinity(0)) // 2)
-    return int(_positive(value, "torch_threads"))
+    """torch's CPU threads in a stage model (TORCH_THREADS); auto: half the cores this
+    process may run on (its affinity, not the host's), at least 1."""
+    threads = TORCH_THREADS.get(parameters, environ)
+    return max(1, len(os.sched_getaffinity(0)) // 2) if threads is None else threads
+
+
+# docs/configuration.md: a hand-written intro, then this table between the markers.
+BEGIN_MARKER = "<!-- BEGIN generated by python -m pdchat.core.settings --markdown -->"
+END_MARKER = "<!-- END generated by python -m pdchat.core.settings --markdown -->"
+
+
+def markdown() -> str:
+    """The Markdown table of every setting, as docs/configuration.md holds it."""
+
+    def code(text: str | None) -> str:
+        return "-" if text is None else f"`{text}`"
+
+    rows = [
+        "| Setting | config.pbtxt parameter | Environment variable | Default | Values | Applies to | Description |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for setting in SETTINGS:
+        default = code(setting.default) if setting.default else "unset"
+        cells = [setting.name, code(setting.param), code(setting.env), default, setting.type.spelling,
+                 ", ".join(setting.applies_to), setting.doc]
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def with_table(document: str) -> str:
+    """`document` with the block between the markers replaced by the current table."""
+    head, begin, rest = document.partition(BEGIN_MARKER + "\n")
+    _, end, tail = rest.partition(END_MARKER)
+    if not begin or not end:
+        raise ValueError(f"no {BEGIN_MARKER} ... {END_MARKER} block")
+    return head + begin + markdown() + end + tail
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdchat.core.settings", description="pdchat's settings table")
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--markdown", action="store_true", help="print the Markdown table of every setting")
+    action.add_argument("--check", type=Path, metavar="DOC", help="exit 1 if DOC's generated table is out of date")
+    action.add_argument("--write", type=Path, metavar="DOC", help="regenerate DOC's table in place")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        sys.stdout.write(markdown())
+        return 0
+    path = args.check or args.write
+    current = path.read_text()
+    try:
+        wanted = with_table(current)
+    except ValueError as exc:
+        parser.error(f"{path}: {exc}")
+    if args.write:
+        path.write_text(wanted)
+    elif current != wanted:
+        print(f"{path}: the settings table is out of date; run python -m pdchat.core.settings --write {path}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -56,7 +56,8 @@ def input_text(request, name: str, max_bytes: int | None = None) -> str | None:
         raise InvalidRequest(f"'{name}' must hold exactly one string, got {array.size}")
     value = array.reshape(-1)[0]
     if max_bytes is not None and len(value) > max_bytes:
-        raise InvalidRequest(f"'{name}' has {len(value)} bytes; this server takes at most {max_bytes} ({settings.PARAM_MAX_REQUEST_BYTES})")
+        raise InvalidRequest(f"'{name}' has {len(value)} bytes; "
+                             f"this server takes at most {max_bytes} ({settings.MAX_REQUEST_BYTES.name})")
     try:
         return value.decode("utf-8") if isinstance(value, bytes) else str(value)
     except UnicodeDecodeError as exc:

@@ -21,6 +21,7 @@ from transformers.cache_utils import DynamicLayer
 
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.kv.base import KV_WIRE_TYPES, kv_dtype_name
+from pdchat.core.settings import DTYPE
 
 # KV layout on the wire: [layers, 2 (key, value), kv_heads, tokens, head_dim].
 KV_TOKEN_AXIS = 3
@@ -145,7 +146,7 @@ class CausalLM:
         prefill server running another model would otherwise fail the whole batch's step)."""
         if kv.dtype != self.wire_type:
             raise InvalidRequest(f"the KV is {kv_dtype_name(kv)}; this server's model runs in {self.dtype_name} "
-                                 "(prefill and decode servers must run the model in one dtype: parameter dtype / PDCHAT_DTYPE)")
+                                 f"(prefill and decode servers must run the model in one dtype: {DTYPE.names})")
         if tuple(kv.shape) != self.kv_shape(prompt_tokens):
             raise InvalidRequest(f"the KV has shape {list(kv.shape)}; this model and a prompt of {prompt_tokens} tokens "
                                  f"need {list(self.kv_shape(prompt_tokens))} (are prefill and decode serving the same model?)")

@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 
 from pdchat.core.kv.base import DEFAULT_BUDGET_BYTES, DEFAULT_KV_TTL_S, KVBudgetExceeded, KVHandle, KVUnavailable, kv_dtype_name
-from pdchat.core.settings import ENV_KV_PULL_TIMEOUT_S
+from pdchat.core.settings import KV_BUDGET_MB, KV_PULL_TIMEOUT_S
 from pdchat.registry import NIXL
 
 # A READ from a peer that cannot be reached gives up after this; decode then recomputes.
-PULL_TIMEOUT_S = float(os.environ.get(ENV_KV_PULL_TIMEOUT_S) or 30.0)
+PULL_TIMEOUT_S = KV_PULL_TIMEOUT_S.get()
 # UCX's own progress thread busy-spins a core; polling notifications drives the
 # worker too, so a light loop serves peers' READs at a fraction of the CPU.
 PROGRESS_INTERVAL_S = 0.002
@@ -60,7 +60,7 @@ class NixlConnector:
             if self._held_bytes() + kv.nbytes > self.budget_bytes:
                 raise KVBudgetExceeded(
                     f"holding {kv.nbytes >> 20} MiB more KV would pass this server's budget of "
-                    f"{self.budget_bytes >> 20} MiB (PDCHAT_KV_BUDGET_MB); retry when pulls have freed some"
+                    f"{self.budget_bytes >> 20} MiB ({KV_BUDGET_MB.names}); retry when pulls have freed some"
                 )
             registration = self._agent.register_memory([(kv.ctypes.data, kv.nbytes, 0, "")], "DRAM")
             # Connection info plus this buffer's registration: all a peer needs to READ it.

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from pdchat.core.kv.base import DEFAULT_BUDGET_BYTES, DEFAULT_KV_TTL_S, KVBudgetExceeded, KVHandle, KVUnavailable, OncePerKey, kv_dtype_name
+from pdchat.core.settings import KV_BUDGET_MB
 from pdchat.registry import SHM
 
 SHM_ROOT = Path("/dev/shm")
@@ -211,7 +212,7 @@ class ShmConnector:
             if held + kv.nbytes > self.budget_bytes:
                 raise KVBudgetExceeded(
                     f"holding {kv.nbytes >> 20} MiB more KV would pass this server's budget of "
-                    f"{self.budget_bytes >> 20} MiB (PDCHAT_KV_BUDGET_MB); retry when pulls have freed some"
+                    f"{self.budget_bytes >> 20} MiB ({KV_BUDGET_MB.names}); retry when pulls have freed some"
                 )
             free = sorted((size, str(name)) for name, size in files
                           if name.prefix == FREE_PREFIX and name.engine == self.engine_id and size >= kv.nbytes)

@@ -27,7 +27,7 @@ from pdchat.core.settings import cache_dir
 
 TIKTOKEN_FILE = "o200k_base.tiktoken"
 TIKTOKEN_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
-ENV_TIKTOKEN_BASE = "TIKTOKEN_ENCODINGS_BASE"
+TIKTOKEN_ENCODINGS_BASE = "TIKTOKEN_ENCODINGS_BASE"  # where openai-harmony looks for the vocabulary
 QUICKTOK_VOCAB = ("data", "o200k.vocab")
 QUICKTOK_PIN = "quicktok-v1==0.4.0"
 # Model types whose prompts are Harmony conversations (config.json's model_type).
@@ -90,7 +90,7 @@ def token_ranks() -> dict[bytes, int]:
 @functools.cache
 def harmony_encoding() -> Any:
     """openai-harmony's GPT-OSS encoding, loaded from the verified local vocabulary."""
-    os.environ[ENV_TIKTOKEN_BASE] = str(tiktoken_dir())
+    os.environ[TIKTOKEN_ENCODINGS_BASE] = str(tiktoken_dir())
     from openai_harmony import HarmonyEncodingName, load_harmony_encoding
 
     return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)

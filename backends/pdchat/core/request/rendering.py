@@ -29,7 +29,7 @@ from jinja2 import TemplateError
 
 from pdchat.core.errors import InvalidRequest, ModelUnavailable
 from pdchat.core.request.protocol import ChatRequest, GenerationParams, reasoning_of
-from pdchat.core.settings import DEFAULT_RENDER_TIMEOUT_S
+from pdchat.core.settings import RENDER_TIMEOUT_S
 
 REQUEST_TEMPLATE = "chat_template"
 # chat_template_kwargs: template variables, so a few JSON scalars or short lists of them.
@@ -99,7 +99,7 @@ class ChatRenderer(PromptRenderer):
         served_name: str,
         *,
         allow_request_templates: bool = False,
-        render_timeout_s: float = DEFAULT_RENDER_TIMEOUT_S,
+        render_timeout_s: float = RENDER_TIMEOUT_S.default_value,
     ):
         super().__init__(model_dir, served_name)
         if not self.tokenizer.chat_template:
