@@ -251,6 +251,41 @@ PREFILL_CHUNK = Setting(
     "Prompt tokens per chunk when decode prefills a prompt itself, between the batch's decode steps.",
 )
 
+# Output grammars (response_format, forced tool calls).
+GRAMMAR_MAX_BYTES = Setting(
+    "grammar_max_bytes", None, "PDCHAT_GRAMMAR_MAX_BYTES", "131072", INTEGER,
+    ("router", "openai", "chat", "renderer", "prefill", "decode"),
+    "Largest output grammar a request may ask for: the JSON schema's (or the forced tools' parameters') bytes. "
+    "Checked wherever a request is parsed, from the environment alone, so that every process agrees.",
+)
+GRAMMAR_MAX_ENUM_VALUES = Setting(
+    "grammar_max_enum_values", None, "PDCHAT_GRAMMAR_MAX_ENUM_VALUES", "1024", INTEGER,
+    ("router", "openai", "chat", "renderer", "prefill", "decode"),
+    "Most `enum` values and `const`s in one output grammar, all together; compile time grows faster than their "
+    "count. From the environment alone, like grammar_max_bytes.",
+)
+GRAMMAR_MAX_DEPTH = Setting(
+    "grammar_max_depth", None, "PDCHAT_GRAMMAR_MAX_DEPTH", "32", INTEGER,
+    ("router", "openai", "chat", "renderer", "prefill", "decode"),
+    "Deepest nesting of an output grammar's JSON (objects and arrays). From the environment alone, like "
+    "grammar_max_bytes.",
+)
+GRAMMAR_COMPILE_TIMEOUT_S = Setting(
+    "grammar_compile_timeout_s", "grammar_compile_timeout_s", "PDCHAT_GRAMMAR_COMPILE_TIMEOUT_S", "10", NUMBER,
+    ("prefill", "decode"),
+    "Longest one output grammar may take to compile, in seconds; past it the compile is abandoned (its worker "
+    "process killed) and the request refused as INVALID_ARG.",
+)
+GRAMMAR_CACHE_MB = Setting(
+    "grammar_cache_mb", "grammar_cache_mb", "PDCHAT_GRAMMAR_CACHE_MB", "256", NUMBER, ("prefill", "decode"),
+    "Compiled output grammars a stage model keeps, in MiB; the least recently used go first.",
+)
+GRAMMAR_WORKER_MB = Setting(
+    "grammar_worker_mb", "grammar_worker_mb", "PDCHAT_GRAMMAR_WORKER_MB", "1024", NUMBER, ("prefill", "decode"),
+    "Memory, in MiB, a stage model's grammar-compiling process may keep after a compile; past it the process is "
+    "replaced, so a large compile's memory goes back to the system.",
+)
+
 # Keys.
 HANDOFF_KEY = Setting(
     "handoff_key", None, "PDCHAT_HANDOFF_KEY", "", TEXT, ("chat", "renderer", "prefill", "decode"),
@@ -324,6 +359,37 @@ def batching_options(parameters: dict[str, str], environ: os._Environ | dict | N
         kv_budget_bytes=int(DECODE_KV_MB.get(parameters, environ) * MIB),
         queue_timeout_s=QUEUE_TIMEOUT_S.get(parameters, environ),
         prefill_chunk=PREFILL_CHUNK.get(parameters, environ),
+    )
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """How large an output grammar a request may ask for, checked before anything is built."""
+
+    max_bytes: int  # the spec's JSON (schema, or the forced tools' parameters)
+    max_enum_values: int  # `enum` values and `const`s, over the whole spec
+    max_depth: int  # nesting of the spec's JSON objects and arrays
+
+
+def grammar_limits(environ: Mapping[str, str] | None = None) -> GrammarLimits:
+    """GRAMMAR_MAX_BYTES, GRAMMAR_MAX_ENUM_VALUES and GRAMMAR_MAX_DEPTH, from the environment."""
+    return GrammarLimits(GRAMMAR_MAX_BYTES.get(None, environ), GRAMMAR_MAX_ENUM_VALUES.get(None, environ),
+                         GRAMMAR_MAX_DEPTH.get(None, environ))
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    timeout_s: float  # longest one compile may run; past it the request is refused
+    cache_bytes: int  # compiled grammars kept, by their size in memory
+    worker_rss_bytes: int  # a worker process grown past this is replaced after its compile
+
+
+def compile_options(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> CompileOptions:
+    """How a stage model compiles output grammars: GRAMMAR_COMPILE_TIMEOUT_S, GRAMMAR_CACHE_MB, GRAMMAR_WORKER_MB."""
+    return CompileOptions(
+        timeout_s=GRAMMAR_COMPILE_TIMEOUT_S.get(parameters, environ),
+        cache_bytes=int(GRAMMAR_CACHE_MB.get(parameters, environ) * MIB),
+        worker_rss_bytes=int(GRAMMAR_WORKER_MB.get(parameters, environ) * MIB),
     )
 
 

@@ -11,6 +11,7 @@ A request carrying only `cancel_request_id` (sealed by chat) stops the named req
 
 import functools
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from pdchat.core.generation.generation import TextModel
 from pdchat.core.generation.sampling import Choice
 from pdchat.core.generation.scheduler import DecodeJob, DecodeScheduler, Limits
 from pdchat.core.kv.connector import Connectors, KVUnavailable
-from pdchat.core.settings import batching_options, kv_options
+from pdchat.core.settings import batching_options, compile_options, kv_options
 from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
 from pdchat.triton import io
@@ -55,7 +56,8 @@ class TritonPythonModel:
             log.warning("decode runs an instance per GPU here; chat's cancellations reach the instance they land on, "
                         "not always the request's: run a server per GPU (CUDA_VISIBLE_DEVICES)")
         settings = resolve_model(parameters).on_instance(kind, device_id)
-        self.model = TextModel(settings.path, settings.device, settings.dtype, settings.threads)
+        self.model = TextModel(settings.path, settings.device, settings.dtype, settings.threads,
+                               compile_options(parameters))
         self.seal = StageSeal.for_this_server()
         self.connectors = Connectors(**kv_options(parameters))
         self.metrics = DecodeMetrics(args["model_name"])
@@ -76,20 +78,31 @@ class TritonPythonModel:
                     self.scheduler.cancel(cancel)
                     self.outbox.call(functools.partial(sender.send, flags=FINAL))
                     continue
-                job = self._job(request, sender)
+                job, grammar = self._job(request, sender)
             except Exception as exc:  # noqa: BLE001
                 self.outbox.call(functools.partial(sender.send, io.error_response(exc), flags=FINAL))
                 continue
-            self.scheduler.submit(job)
+            # NOTE: a job is queued once its grammar is compiled: no compile on the scheduler thread.
+            self.model.constraints.prepare(grammar).add_done_callback(functools.partial(self._queue, job))
         return None
 
     def finalize(self):
         self.scheduler.close()
+        self.model.close()
         self.outbox.close()
         self.connectors.close()
         self.metrics.close()
 
-    def _job(self, request, sender) -> DecodeJob:
+    def _queue(self, job: DecodeJob, compiled: Future) -> None:
+        """Queue `job` for the scheduler, or fail it with its grammar's error."""
+        error = compiled.exception()
+        if error is None:
+            self.scheduler.submit(job)
+        else:
+            job.fail(error)
+
+    def _job(self, request, sender) -> tuple[DecodeJob, dict | None]:
+        """The request's job, and the output grammar its start needs compiled."""
         engine = self.model.engine
         stage = io.stage_input(request, self.seal, engine.context_length, engine.vocab_size)
         ids, params, handle = stage.prompt_token_ids, stage.params, stage.kv_handle
@@ -114,7 +127,7 @@ class TritonPythonModel:
             fail=functools.partial(self._fail, stream),
             on_cancel=functools.partial(self._cancelled, stream),
             tokens=len(ids) + params.max_tokens,
-        )
+        ), params.constraint
 
     # On the scheduler thread: each hands its work to the outbox.
 

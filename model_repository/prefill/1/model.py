@@ -12,7 +12,7 @@ import triton_python_backend_utils as pb_utils
 from pdchat import tensors
 from pdchat.core.generation.generation import TextModel
 from pdchat.core.kv.connector import Connectors
-from pdchat.core.settings import kv_options
+from pdchat.core.settings import compile_options, kv_options
 from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
 from pdchat.registry import SHM
@@ -26,7 +26,8 @@ class TritonPythonModel:
         exit_with_server()  # a stub outliving its server frees its memory and exits
         parameters = io.model_parameters(args)
         settings = resolve_model(parameters).on_instance(*io.instance_placement(args))
-        self.model = TextModel(settings.path, settings.device, settings.dtype, settings.threads)
+        self.model = TextModel(settings.path, settings.device, settings.dtype, settings.threads,
+                               compile_options(parameters))
         self.seal = StageSeal.for_this_server()
         self.metrics = KVHeldMetrics(args["model_name"], args["model_instance_name"])
         self.connectors = Connectors(on_sweep=self.metrics.update, **kv_options(parameters))
@@ -35,6 +36,7 @@ class TritonPythonModel:
         return [self._prefill(request) for request in requests]
 
     def finalize(self):
+        self.model.close()
         self.connectors.close()
         self.metrics.close()
 

@@ -24,6 +24,7 @@ from pdchat.core.output.responses import Delta, ResponseAssembler
 from pdchat.core.output.stopping import StopStringMatcher
 from pdchat.core.request.harmony_vocab import harmony_encoding, uses_harmony
 from pdchat.core.request.protocol import GenerationParams
+from pdchat.core.settings import CompileOptions, compile_options
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -32,16 +33,22 @@ PROMPT_TAIL_TOKENS = 16
 
 
 class TextModel:
-    def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto", threads: int | None = None):
+    def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto", threads: int | None = None,
+                 grammar: CompileOptions | None = None):
+        """`grammar`: how output grammars compile (the settings' defaults unless given)."""
         from transformers import AutoTokenizer
 
         self.engine = CausalLM(model_dir, device, dtype, threads)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.eos_ids = self._eos_ids()
-        self.constraints = ConstraintCompiler(self.tokenizer, self.engine.vocab_size)
+        self.constraints = ConstraintCompiler(self.tokenizer, self.engine.vocab_size, grammar or compile_options({}))
         self.reasoning = THINK_OPEN in (self.tokenizer.chat_template or "")
         self.speller = TokenSpeller(self.tokenizer)
         self.harmony = harmony_encoding() if uses_harmony(model_dir) else None
+
+    def close(self) -> None:
+        """Stop what runs beside the model (the grammar worker process)."""
+        self.constraints.close()
 
     def prefill(self, prompt_token_ids: list[int], params: GenerationParams) -> tuple[Choice, np.ndarray]:
         """Prefill's whole job: the first output token (with its logprobs, if asked) and the

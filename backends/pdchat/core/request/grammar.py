@@ -13,6 +13,7 @@ from functools import lru_cache
 from typing import Any
 
 from pdchat.core.errors import InvalidRequest
+from pdchat.core.settings import GrammarLimits
 
 JSON_OBJECT = "json_object"
 JSON_SCHEMA = "json_schema"
@@ -53,6 +54,34 @@ def tool_choice_spec(tool_choice: Any, tools: list[dict] | None) -> dict[str, An
     else:
         raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
     return {"type": TOOL_CALL, "tools": [{"name": f["name"], "parameters": f.get("parameters") or {"type": "object"}} for f in chosen]}
+
+
+def check_limits(spec: dict[str, Any], limits: GrammarLimits) -> None:
+    """Refuse a spec past `limits` with InvalidRequest naming the limit and its setting.
+
+    NOTE: plain Python over the JSON, linear in its size: it runs wherever a request is
+    parsed (router, chat, renderer), before xgrammar sees the spec."""
+    size = len(json.dumps(spec, ensure_ascii=False).encode())
+    if size > limits.max_bytes:
+        raise InvalidRequest(f"the output grammar's schema has {size} bytes; this server takes at most "
+                             f"{limits.max_bytes} (setting grammar_max_bytes)")
+    values, depth = 0, 0
+    pending: list[tuple[Any, int]] = [(spec, 1)]
+    while pending:
+        node, level = pending.pop()
+        depth = max(depth, level)
+        if isinstance(node, dict):
+            enum = node.get("enum")
+            values += (len(enum) if isinstance(enum, list) else 0) + ("const" in node)
+            pending.extend((child, level + 1) for child in node.values() if isinstance(child, dict | list))
+        else:
+            pending.extend((child, level + 1) for child in node if isinstance(child, dict | list))
+    if values > limits.max_enum_values:
+        raise InvalidRequest(f"the output grammar's schema has {values} enum and const values; this server takes "
+                             f"at most {limits.max_enum_values} (setting grammar_max_enum_values)")
+    if depth > limits.max_depth:
+        raise InvalidRequest(f"the output grammar's schema nests {depth} levels deep; this server takes at most "
+                             f"{limits.max_depth} (setting grammar_max_depth)")
 
 
 def check_spec(spec: dict[str, Any]) -> None:

@@ -19,7 +19,8 @@ from typing import Any
 import orjson
 
 from pdchat.core.errors import InvalidRequest
-from pdchat.core.request.grammar import check_spec, response_format_spec, tool_choice_spec
+from pdchat.core.request.grammar import check_limits, check_spec, response_format_spec, tool_choice_spec
+from pdchat.core.settings import grammar_limits
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Request fields accepted and ignored, as OpenAI-compatible servers do (they change no output).
@@ -333,8 +334,10 @@ def _constraint(tool_choice: Any, tools: list | None, response_format: Any, chec
     if forced_call and json_format:
         raise InvalidRequest("response_format cannot be combined with tool_choice 'required' or a named function")
     spec = forced_call or json_format
-    if spec is not None and check_grammar:
-        check_spec(spec)  # refuse an unusable schema now, before any work
+    if spec is not None:
+        check_limits(spec, grammar_limits())  # pure Python: every parser refuses an outsize grammar
+        if check_grammar:
+            check_spec(spec)  # refuse an unusable schema now, before any work
     return spec
 
 
