@@ -18,27 +18,24 @@ from typing import Any
 import numpy as np
 
 from pdchat import tensors
-from pdchat.core.errors import INTERNAL, INVALID_ARG, UNAVAILABLE, split_error_class
+from pdchat.core.errors import ErrorCode, PdchatError, parse_tag
 from pdchat.core.output.responses import FAILED
 
 DEFAULT_MODEL = "chat"
 TIMEOUT_S = 600.0
 
 
-class ChatError(RuntimeError):
-    """The server refused or failed the request; the message is the server's.
+class ChatError(PdchatError):
+    """The server refused or failed the request; the message is the server's, `code` its
+    code (from the gRPC or HTTP status, or the message's tag; INTERNAL when none says)."""
 
-    `status` is the gRPC status name (INVALID_ARGUMENT, UNAVAILABLE, ...) or the HTTP
-    status code as a string, when known.
-    """
-
-    def __init__(self, message: str, status: str = ""):
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.INTERNAL):
         super().__init__(message)
-        self.status = status
+        self.code = code
 
     @property
     def is_client_error(self) -> bool:
-        return self.status in ("INVALID_ARGUMENT", "400")
+        return self.code is ErrorCode.INVALID_ARG
 
 
 @dataclass(frozen=True)
@@ -131,8 +128,7 @@ def _to_output(get: Callable[[str], Any]) -> ChatOutput:
 
     body, handoff = text(tensors.RESPONSE), text(tensors.KV_TRANSFER_PARAMS)
     if text(tensors.FINISH_REASON) == FAILED:  # a stream that failed mid-way (chat_ensemble, decode)
-        error = json.loads(body)["error"]
-        raise ChatError(split_error_class(error["message"])[1], _STATUS_OF_CLASS.get(error["type"], ""))
+        raise _tagged_error(json.loads(body)["error"]["message"])
     return ChatOutput(
         text(tensors.TEXT_OUTPUT),
         body,
@@ -172,12 +168,12 @@ class GrpcChat:
                     _, error = responses.get(timeout=1.0)
                 except queue.Empty:
                     error = None
-                raise ChatError(*_grpc_error(error or exc)) from exc
+                raise _grpc_error(error or exc) from exc
             while True:
                 result, error = responses.get(timeout=TIMEOUT_S)
                 if error is not None:
                     finished = True  # an error ends the request
-                    raise ChatError(*_grpc_error(error))
+                    raise _grpc_error(error)
                 final = result.get_response().parameters["triton_final_response"].bool_param
                 if result.as_numpy(tensors.RESPONSE) is not None:
                     yield _to_output(result.as_numpy)
@@ -219,9 +215,10 @@ class HttpChat:
                     if line.startswith(b"data:"):
                         yield _from_json(json.loads(line[5:]))
         except urllib.error.HTTPError as exc:
-            raise ChatError(_http_error_message(exc), str(exc.code)) from exc
+            code, message = parse_tag(_http_error_message(exc))
+            raise ChatError(message, code or ErrorCode.from_http_status(exc.code)) from exc
         except OSError as exc:
-            raise ChatError(f"{self.base} unreachable: {exc}", "UNAVAILABLE") from exc
+            raise ChatError(f"{self.base} unreachable: {exc}", ErrorCode.UNAVAILABLE) from exc
 
     def close(self) -> None:
         pass
@@ -229,30 +226,30 @@ class HttpChat:
 
 def _from_json(event: dict[str, Any]) -> ChatOutput:
     if "error" in event:
-        kind, message = split_error_class(event["error"])
-        raise ChatError(message, _STATUS_OF_CLASS.get(kind, ""))
+        raise _tagged_error(event["error"])
     return _to_output(event.get)
 
 
-# Status names of the error classes pdchat's messages carry (core.errors).
-_STATUS_OF_CLASS = {INVALID_ARG: "INVALID_ARGUMENT", UNAVAILABLE: "UNAVAILABLE", INTERNAL: "INTERNAL"}
+def _tagged_error(message: str) -> ChatError:
+    """A pdchat message that carries its code in its tag (core.errors)."""
+    code, message = parse_tag(message)
+    return ChatError(message, code or ErrorCode.INTERNAL)
 
 
-def _grpc_error(error: Any) -> tuple[str, str]:
-    """(message, status name) of a tritonclient error. Errors inside a gRPC stream come
-    without a status: then the class at the front of pdchat's message gives it."""
+def _grpc_error(error: Any) -> ChatError:
+    """A tritonclient error. Errors inside a gRPC stream come without a status: then the
+    tag at the front of pdchat's message gives the code."""
     message = error.message() if hasattr(error, "message") else str(error)
     status = str((error.status() if hasattr(error, "status") else "") or "").removeprefix("StatusCode.")
-    kind, message = split_error_class(message or str(error))
-    return message, status or _STATUS_OF_CLASS.get(kind, "")
+    code, message = parse_tag(message or str(error))
+    return ChatError(message, ErrorCode.from_grpc_status(status) if status else code or ErrorCode.INTERNAL)
 
 
 def _http_error_message(exc: urllib.error.HTTPError) -> str:
     try:
-        message = json.loads(exc.read()).get("error", str(exc))
+        return json.loads(exc.read()).get("error", str(exc))
     except ValueError:
-        message = str(exc)
-    return split_error_class(message)[1]
+        return str(exc)
 
 
 def _json_streams(inputs: dict[str, np.ndarray]) -> bool:

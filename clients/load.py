@@ -130,7 +130,7 @@ class TritonStreams:
                     return outcome(True)
             return outcome(False, "stream ended without a finish_reason")
         except ChatError as exc:
-            return outcome(False, f"{exc.status}: {exc}")
+            return outcome(False, f"{exc.code.name}: {exc}")
         finally:
             outputs.close()  # an abandoned stream is cancelled on the server
 

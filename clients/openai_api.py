@@ -41,6 +41,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pdchat.clients.chat import ChatError, ChatOutput
+from pdchat.core.errors import ErrorCode
 
 if TYPE_CHECKING:
     from pdchat.clients.router import ChatFront
@@ -74,20 +75,26 @@ class HttpSettings:
 
 
 class ApiError(Exception):
-    """An answer in OpenAI's error shape. `close`: the request body may be unread, so the
-    connection cannot carry another request."""
+    """An answer in OpenAI's error shape: HTTP `status`, and OpenAI's `code`, which names
+    what went wrong. `close`: the request body may be unread, so the connection cannot
+    carry another request.
+
+    NOTE: the front's own refusals (bad body, head, route or API key) are HTTP answers
+    only; what the servers could send too is an `ErrorCode` (`of`)."""
 
     def __init__(self, status: int, message: str, code: str, close: bool = False):
         super().__init__(message)
         self.status, self.message, self.code, self.close = status, message, code, close
 
+    @classmethod
+    def of(cls, code: ErrorCode, message: str) -> ApiError:
+        """An error of `code`: its HTTP status, its gRPC status name as OpenAI's `code`."""
+        return cls(code.http_status, message, code.grpc_status)
+
     @property
     def type(self) -> str:
-        if self.status == 401:
-            return "authentication_error"
-        if self.status == 503:
-            return "service_unavailable"
-        return "invalid_request_error" if self.status < 500 else "server_error"
+        """OpenAI's error type: that of the status's ErrorCode, but for the front's 401."""
+        return "authentication_error" if self.status == 401 else ErrorCode.from_http_status(self.status).openai_type
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.code}}
@@ -131,9 +138,8 @@ def request_id_of(raw: bytes | None) -> str:
 
 
 def chat_api_error(exc: ChatError) -> ApiError:
-    """A router error as an HTTP answer; `code` keeps the servers' status name."""
-    status = 400 if exc.is_client_error else 503 if exc.status == "UNAVAILABLE" else 500
-    return ApiError(status, str(exc), exc.status or "INTERNAL")
+    """A router error as an HTTP answer of its code."""
+    return ApiError.of(exc.code, str(exc))
 
 
 def outcome_of(status: int) -> str:
@@ -237,14 +243,14 @@ class _Front:
             await self._close(outputs)
             raise
         if first is None:
-            raise ApiError(500, "the decode server ended the stream without a response", "INTERNAL")
+            raise ApiError.of(ErrorCode.INTERNAL, "the decode server ended the stream without a response")
         self.metrics.ttft.observe(time.perf_counter() - started)
         return _EventStream(self._events(outputs, first, request.state), headers={"Cache-Control": "no-cache"})
 
     async def _whole(self, outputs: Iterator[ChatOutput]) -> str:
         answers = await self._in_thread(list, outputs)
         if len(answers) != 1:
-            raise ApiError(500, f"the decode server sent {len(answers)} responses for a whole answer", "INTERNAL")
+            raise ApiError.of(ErrorCode.INTERNAL, f"the decode server sent {len(answers)} responses for a whole answer")
         return answers[0].response_json
 
     async def _events(self, outputs: Iterator[ChatOutput], first: ChatOutput, state: State) -> AsyncIterator[bytes]:
@@ -330,7 +336,7 @@ class _Front:
 
     async def on_unexpected(self, request: Request, exc: Exception) -> Response:
         """A bug: a 500 in OpenAI's shape (Starlette still logs the traceback)."""
-        return self.error_response(ApiError(500, "internal error in the router", "INTERNAL"))
+        return self.error_response(ApiError.of(ErrorCode.INTERNAL, "internal error in the router"))
 
 
 class _Guard:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdchat.clients.chat import ChatError, ChatOutput, GrpcChat, chat_inputs
-from pdchat.core.errors import InvalidRequest
+from pdchat.core.errors import ErrorCode, InvalidRequest
 from pdchat.core.request.protocol import ChatRequest, chat_request_from_body, utf8_json
 
 log = logging.getLogger("pdchat.router")
@@ -87,11 +87,15 @@ class BackendPool:
         """A transport failure or server fault: probe it now, before it gets more requests."""
         backend.probe()
 
+    def none_ready(self) -> ChatError:
+        """What a request gets while no server of the pool is ready."""
+        return ChatError(f"no {self.role or 'backend'} server is ready ({', '.join(b.url for b in self.backends)})",
+                         ErrorCode.UNAVAILABLE)
+
     @contextmanager
     def pick(self) -> Iterator[Backend]:
         if not self.any_healthy():
-            raise ChatError(f"no {self.role or 'backend'} server is ready ({', '.join(b.url for b in self.backends)})",
-                            "UNAVAILABLE")
+            raise self.none_ready()
         with self._lock:
             start = next(self._turn)
             order = self.backends[start % len(self.backends):] + self.backends[: start % len(self.backends)]
@@ -143,13 +147,13 @@ class ChatFront:
         try:
             return utf8_json(body), chat_request_from_body(body, check_grammar=False)
         except InvalidRequest as exc:
-            raise ChatError(str(exc), "INVALID_ARGUMENT") from exc
+            raise ChatError(str(exc), exc.code) from exc
 
     def _stream(self, text: bytes, request_id: str, **forwarded: Any) -> Iterator[ChatOutput]:
         """Responses of one serving server; a server fault marks it for a probe."""
         if not self.serving.any_healthy():
             self.stats.failed += 1
-            raise ChatError(f"no {self.serving.role} server is ready ({', '.join(b.url for b in self.serving.backends)})", "UNAVAILABLE")
+            raise self.serving.none_ready()
         with self.serving.pick() as backend, backend.client() as client:
             try:
                 yield from client.stream(chat_inputs(text, **forwarded), request_id=request_id)
@@ -158,7 +162,8 @@ class ChatFront:
                 if not exc.is_client_error:
                     self.serving.mark_failed(backend)
                     if not backend.healthy:
-                        raise ChatError(f"{self.serving.role} server {backend.url} is unavailable: {exc}", "UNAVAILABLE") from exc
+                        raise ChatError(f"{self.serving.role} server {backend.url} is unavailable: {exc}",
+                                        ErrorCode.UNAVAILABLE) from exc
                 raise
 
 
@@ -193,11 +198,12 @@ class PDRouter(ChatFront):
         self.stats.requests += 1
         text, chat = self._validated(body)
         if chat.kv_transfer_params is not None:
-            raise ChatError("kv_transfer_params is the router's to set: send the conversation only", "INVALID_ARGUMENT")
+            raise ChatError("kv_transfer_params is the router's to set: send the conversation only",
+                            ErrorCode.INVALID_ARG)
         if not self.decode.any_healthy():
             # Prefill work for a request no decode server can finish would only pile up KV.
             self.stats.failed += 1
-            raise ChatError(f"no decode server is ready ({', '.join(b.url for b in self.decode.backends)})", "UNAVAILABLE")
+            raise self.decode.none_ready()
         prefilled = self._prefill_leg(text, request_id)
         forwarded = {}
         if prefilled is not None:
@@ -225,7 +231,7 @@ class PDRouter(ChatFront):
             if used is not None:
                 self.prefill.mark_failed(used)
             self.stats.prefill_fallbacks += 1
-            log.warning("request %s: prefill failed (%s: %s); decode serves it whole", request_id, exc.status, exc)
+            log.warning("request %s: prefill failed (%s: %s); decode serves it whole", request_id, exc.code.name, exc)
             return None
 
     def health(self) -> dict[str, Any]:
@@ -256,6 +262,7 @@ def stream_completion(router_url: str, body: dict[str, Any], timeout: float = 60
         for line in reply:
             if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
                 chunk = json.loads(line[6:])
-                if "error" in chunk:  # its code is the servers' status name (UNAVAILABLE, ...)
-                    raise ChatError(chunk["error"]["message"], chunk["error"].get("code") or chunk["error"].get("type", ""))
+                if "error" in chunk:  # its code: an ErrorCode's gRPC status name (openai_api.chat_api_error)
+                    error = chunk["error"]
+                    raise ChatError(error["message"], ErrorCode.from_grpc_status(error.get("code", "")))
                 yield chunk

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from pdchat.clients.chat import ChatError, GrpcChat, chat_inputs, collect
+from pdchat.core.errors import ErrorCode
 from tests.conversations import CONVERSATIONS
 from tests.integration.conftest import running_server, stop_checked
 from tests.integration.helpers import executions, metric, wait_for
@@ -76,7 +77,7 @@ def test_over_the_limit_a_request_waits_then_gets_unavailable_naming_it(one_slot
     client = GrpcChat(one_slot_server.grpc_url)
     with pytest.raises(ChatError) as info:
         collect(client.stream(chat_inputs({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})))
-    assert info.value.status == "UNAVAILABLE" and "max_running=1" in str(info.value)
+    assert info.value.code is ErrorCode.UNAVAILABLE and "max_running=1" in str(info.value)
     assert metric(one_slot_server, "pdchat_decode_active") == 1, "a refused request is not active, the holder still is"
     stream.close()  # leaving cancels the holder; the slot frees
     assert wait_for(lambda: metric(one_slot_server, "pdchat_decode_active") == 0, timeout=30)

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pdchat.clients.chat import ChatError, ChatResult, GrpcChat, chat_inputs, collect
+from pdchat.core.errors import ErrorCode
 from tests.integration.conftest import ENSEMBLE, running_server, stop_checked
 
 FRONT_DOORS = ("chat", ENSEMBLE)
@@ -52,7 +53,7 @@ def test_a_request_template_is_refused_by_default(server, model):
     body = {**NORMAL, "chat_template_kwargs": {"chat_template": "SYSTEM OVERRIDE {{ messages[0].content }}"}}
     with pytest.raises(ChatError) as info:
         ask(server.grpc_url, model, body)
-    assert info.value.status == "INVALID_ARGUMENT"
+    assert info.value.code is ErrorCode.INVALID_ARG
     assert "may not set 'chat_template'" in str(info.value)
 
 
@@ -67,7 +68,7 @@ def test_a_slow_template_fails_at_the_bound_while_a_normal_request_completes(tem
         normal = pool.submit(timed_ask, url, model, NORMAL)
         (slow_s, slow_outcome), (normal_s, normal_outcome) = slow.result(), normal.result()
     print(f"{model}: slow request failed after {slow_s:.2f} s, normal one answered in {normal_s:.2f} s")
-    assert isinstance(slow_outcome, ChatError) and slow_outcome.status == "INVALID_ARGUMENT"
+    assert isinstance(slow_outcome, ChatError) and slow_outcome.code is ErrorCode.INVALID_ARG
     assert f"took longer than {BOUND_S:g} s to render" in str(slow_outcome)
     assert slow_s < BOUND_S + SLACK_S
     assert isinstance(normal_outcome, ChatResult) and len(normal_outcome.output_token_ids) == NORMAL["max_tokens"]

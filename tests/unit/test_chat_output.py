@@ -76,9 +76,10 @@ def test_a_stream_that_failed_mid_way_is_a_client_error_with_its_class():
     import pytest
 
     from pdchat.clients.chat import ChatError, _to_output
+    from pdchat.core.errors import ErrorCode
 
     body = json.dumps({"error": {"message": "[UNAVAILABLE] decode is full", "type": "UNAVAILABLE"}})
     outputs = {"text_output": b"", "response": body.encode(), "finish_reason": b"error"}
     with pytest.raises(ChatError, match="decode is full") as info:
         _to_output(outputs.get)
-    assert info.value.status == "UNAVAILABLE"
+    assert info.value.code is ErrorCode.UNAVAILABLE

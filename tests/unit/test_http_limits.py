@@ -9,6 +9,7 @@ import pytest
 
 from pdchat.clients.chat import ChatError
 from pdchat.clients.openai_api import ApiError, JsonTooDeep, chat_api_error, json_depth, parse_json_body, request_id_of
+from pdchat.core.errors import ErrorCode
 
 
 @pytest.mark.parametrize(("text", "depth"), [
@@ -74,11 +75,21 @@ def test_absent_request_id_is_generated():
     assert request_id_of(first.encode()) == first  # a generated id passes the rule
 
 
-@pytest.mark.parametrize(("status", "http"), [("INVALID_ARGUMENT", 400), ("400", 400), ("UNAVAILABLE", 503), ("INTERNAL", 500), ("", 500)])
-def test_router_errors_map_to_http_statuses(status, http):
-    error = chat_api_error(ChatError("reason", status))
+@pytest.mark.parametrize(("code", "http", "name"), [
+    (ErrorCode.INVALID_ARG, 400, "INVALID_ARGUMENT"),
+    (ErrorCode.UNAVAILABLE, 503, "UNAVAILABLE"),
+    (ErrorCode.INTERNAL, 500, "INTERNAL"),
+])
+def test_router_errors_map_to_http_statuses(code, http, name):
+    error = chat_api_error(ChatError("reason", code))
     assert error.status == http
-    assert error.body() == {"error": {"message": "reason", "type": error.type, "code": status or "INTERNAL"}}
+    assert error.body() == {"error": {"message": "reason", "type": error.type, "code": name}}
+
+
+def test_a_router_error_of_no_known_code_is_a_500():
+    error = chat_api_error(ChatError("reason"))
+    assert error.status == 500
+    assert error.body() == {"error": {"message": "reason", "type": "server_error", "code": "INTERNAL"}}
 
 
 def test_error_types_follow_openai():
@@ -86,3 +97,5 @@ def test_error_types_follow_openai():
     assert ApiError(413, "m", "body_too_large").type == "invalid_request_error"
     assert ApiError(503, "m", "UNAVAILABLE").type == "service_unavailable"
     assert ApiError(500, "m", "INTERNAL").type == "server_error"
+    types = ["invalid_request_error", "service_unavailable", "server_error"]
+    assert [ApiError.of(code, "m").type for code in ErrorCode] == types

@@ -5,6 +5,7 @@ import pytest
 
 from pdchat.clients.chat import ChatError
 from pdchat.clients.router import BackendPool, PDRouter
+from pdchat.core.errors import ErrorCode
 from pdchat.launcher import free_port
 
 
@@ -18,7 +19,7 @@ def test_a_pool_of_unreachable_servers_refuses_with_unavailable():
     pool.mark_failed(pool.backends[1])
     with pytest.raises(ChatError) as info, pool.pick():
         pass
-    assert info.value.status == "UNAVAILABLE" and "no decode server is ready" in str(info.value)
+    assert info.value.code is ErrorCode.UNAVAILABLE and "no decode server is ready" in str(info.value)
 
 
 def test_a_failed_server_is_skipped_while_another_is_healthy():
@@ -36,5 +37,5 @@ def test_no_prefill_leg_starts_while_no_decode_server_is_ready():
     router.decode.mark_failed(router.decode.backends[0])
     with pytest.raises(ChatError) as info:
         list(router.chat({"messages": [{"role": "user", "content": "hi"}]}))
-    assert info.value.status == "UNAVAILABLE"
+    assert info.value.code is ErrorCode.UNAVAILABLE
     assert router.stats.prefill_fallbacks == 0 and router.prefill.backends[0].checked_at == 0.0, "prefill was tried"

@@ -6,5 +6,5 @@
                tool-call parsing, OpenAI-shaped responses
   kv/          KV caches between servers: the typed handle, connectors (shm, nixl)
   settings     config parameters and environment variables, with their defaults
-  errors       the error classes every stage maps to Triton error codes
+  errors       ErrorCode (Triton, gRPC, HTTP, OpenAI spellings), PdchatError and its kinds, the wire tag
 """

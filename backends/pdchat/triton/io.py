@@ -15,7 +15,7 @@ import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
 from pdchat.core import settings
-from pdchat.core.errors import INVALID_ARG, UNAVAILABLE, InvalidRequest, error_class, tagged_message
+from pdchat.core.errors import ErrorCode, InvalidRequest, error_code, parse_tag, tagged_message
 from pdchat.core.kv.base import KVHandle
 from pdchat.core.output.responses import FAILED, ClientOutput
 from pdchat.core.request.protocol import ChatRequest, GenerationParams, parse_chat_json, text_input_request
@@ -170,26 +170,26 @@ def failed_tensors(exc: Exception) -> list[pb_utils.Tensor]:
     error response: in Triton 2.51 an error response to a decoupled BLS caller never
     reaches it (chat's client would wait forever). `chat` turns it into a Triton error;
     other clients read finish_reason "error" and the message in `response`."""
-    body = json.dumps({"error": {"message": tagged_message(exc), "type": error_class(exc)}}, ensure_ascii=False)
+    error = {"message": tagged_message(exc), "type": error_code(exc).triton_code}
+    body = json.dumps({"error": error}, ensure_ascii=False)
     return client_tensors(ClientOutput("", body, finish_reason=FAILED))
 
 
 def failure_as_error(response) -> pb_utils.InferenceResponse:
     """A stage's in-band failure (see failed_tensors) as the Triton error it stands for."""
-    error = json.loads(pb_utils.get_output_tensor_by_name(response, tensors.RESPONSE).as_numpy()[0])["error"]
-    return pb_utils.InferenceResponse(error=_triton_error(error["message"], error["type"]))
+    body = pb_utils.get_output_tensor_by_name(response, tensors.RESPONSE).as_numpy()[0]
+    message = json.loads(body)["error"]["message"]
+    return pb_utils.InferenceResponse(error=_triton_error(parse_tag(message)[0] or ErrorCode.INTERNAL, message))
 
 
 def triton_error(exc: Exception) -> pb_utils.TritonError:
-    """InvalidRequest -> INVALID_ARG, Unavailable -> UNAVAILABLE, anything else -> INTERNAL;
-    the message carries the class too (see core.errors)."""
-    return _triton_error(tagged_message(exc), error_class(exc))
+    """`exc` as a Triton error of its code (core.errors), its message tagged with it too."""
+    return _triton_error(error_code(exc), tagged_message(exc))
 
 
-def _triton_error(message: str, kind: str) -> pb_utils.TritonError:
+def _triton_error(code: ErrorCode, message: str) -> pb_utils.TritonError:
     # (TritonError exists only once the stub runs a model, not at import.)
-    codes = {INVALID_ARG: pb_utils.TritonError.INVALID_ARG, UNAVAILABLE: pb_utils.TritonError.UNAVAILABLE}
-    return pb_utils.TritonError(message, codes.get(kind, pb_utils.TritonError.INTERNAL))
+    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, code.triton_code))
 
 
 def error_response(exc: Exception) -> pb_utils.InferenceResponse:

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pdchat.core.errors import Unavailable
+from pdchat.core.errors import PdchatError, Unavailable
 from pdchat.core.output.logprobs import TokenLogprobs
 
 DEFAULT_BUDGET_BYTES = 2 << 30
@@ -30,8 +30,10 @@ DEFAULT_KV_TTL_S = 60.0
 log = logging.getLogger("pdchat.kv")
 
 
-class KVUnavailable(RuntimeError):
-    """The KV named by a handle cannot be had (expired, pulled already, peer gone)."""
+class KVUnavailable(PdchatError):
+    """The KV named by a handle cannot be had (expired, pulled already, peer gone, handle
+    malformed). Decode then recomputes the prompt's KV from its ids; one that escapes that
+    fallback is a fault of the server (INTERNAL)."""
 
 
 class KVBudgetExceeded(Unavailable):

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pdchat.core.errors import PdchatError
 from pdchat.core.kv.base import DEFAULT_BUDGET_BYTES, DEFAULT_KV_TTL_S, KVBudgetExceeded, KVHandle, KVUnavailable, OncePerKey, kv_dtype_name
 from pdchat.core.settings import KV_BUDGET_MB
 from pdchat.registry import SHM
@@ -55,8 +56,10 @@ _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK
 _skipped = OncePerKey()
 
 
-class KVDirectoryRefused(PermissionError):
-    """The KV directory is not private to this user: others could read KV there, or plant it."""
+class KVDirectoryRefused(PdchatError, PermissionError):
+    """The KV directory is not private to this user: others could read KV there, or plant it.
+
+    NOTE: an OSError too, which `ShmConnector.pull` turns into KVUnavailable."""
 
 
 def _host_id() -> str:
