@@ -70,12 +70,32 @@ def test_iterate_yields_every_item_then_raises_the_iterators_error(loop):
     async def consume():
         seen = []
         try:
-            async for item in loop.iterate(items()):
+            async for item in loop.iterate(items):
                 seen.append(item)
         except ValueError as exc:
             return seen, str(exc)
 
     assert loop.submit(consume()).result(5) == ([0, 1, 2], "stream broke")
+
+
+def test_a_stream_slow_to_open_does_not_hold_the_loop(loop):
+    """Decoupled BLS exec() returns with the called model's first response: it must not run on the loop."""
+    opened = threading.Event()
+
+    def slow_open():
+        assert opened.wait(5)
+        return iter([1])
+
+    async def consume():
+        return [item async for item in loop.iterate(slow_open)]
+
+    async def meanwhile():
+        return "served"
+
+    stream = loop.submit(consume())
+    assert loop.submit(meanwhile()).result(2) == "served"
+    opened.set()
+    assert stream.result(5) == [1]
 
 
 def test_close_does_not_wait_for_a_stream_that_never_ends():
@@ -84,7 +104,7 @@ def test_close_does_not_wait_for_a_stream_that_never_ends():
 
     async def serve():
         streaming.set()
-        async for _ in loop.iterate(iter(never.wait, True)):
+        async for _ in loop.iterate(lambda: iter(never.wait, True)):
             pass
 
     loop.submit(serve())
@@ -113,7 +133,7 @@ def test_a_finished_stream_is_kept_a_while_then_released_on_the_loop_thread(loop
             released_on.append(threading.current_thread().name)
 
     async def consume(count):
-        return [item async for item in loop.iterate(Stream(count))]
+        return [item async for item in loop.iterate(lambda: Stream(count))]
 
     assert loop.submit(consume(2)).result(5) == [0, 1]
     gc.collect()

@@ -1,13 +1,14 @@
 """`chat`'s stages over BLS: the Triton executor of `pdchat.ensemble.flow.ChatFlow`.
 
 One `BLSStages` per request. Blocking BLS calls (renderer, prefill) run on the model event
-loop's lanes; decode's decoupled stream is read on a thread of its own; every call into the
-server (sends, cancellation checks, decoupled BLS set-up, logs) happens on the loop thread
+loop's lanes; decode's decoupled stream is opened and read on a thread of its own; the other
+calls into the server (sends, cancellation checks, logs) happen on the loop thread
 (`pdchat.triton.event_loop`).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -55,9 +56,9 @@ class BLSStages:
 
     async def decode(self, call: DecodeCall) -> AsyncIterator[Any]:
         inputs = io.stage_inputs(call.prompt_token_ids, call.params_text, call.seal, call.kv_handle)
-        responses = pb_utils.InferenceRequest(model_name=DECODE, inputs=inputs, request_id=self.request.request_id(),
-                                              requested_output_names=list(tensors.CLIENT_OUTPUTS)).exec(decoupled=True)
-        async for response in self.loop.iterate(responses):
+        request = pb_utils.InferenceRequest(model_name=DECODE, inputs=inputs, request_id=self.request.request_id(),
+                                            requested_output_names=list(tensors.CLIENT_OUTPUTS))
+        async for response in self.loop.iterate(functools.partial(request.exec, decoupled=True)):
             yield response
 
     def relay(self, response: Any) -> bool:
@@ -88,9 +89,8 @@ class BLSStages:
 
         NOTE: Triton 2.51 passes no cancellation down a BLS call, hence this request."""
         inputs = [io.string_tensor(tensors.CANCEL_REQUEST_ID, request_id), io.string_tensor(tensors.STAGE_SEAL, seal)]
-        responses = pb_utils.InferenceRequest(model_name=DECODE, inputs=inputs, requested_output_names=[]).exec(
-            decoupled=True)
-        async for _ in self.loop.iterate(responses):
+        request = pb_utils.InferenceRequest(model_name=DECODE, inputs=inputs, requested_output_names=[])
+        async for _ in self.loop.iterate(functools.partial(request.exec, decoupled=True)):
             pass
 
     # On a lane's worker thread:

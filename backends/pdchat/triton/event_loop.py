@@ -10,9 +10,9 @@ what blocks runs elsewhere and only hands results back to the loop:
 - `call_blocking`: a blocking call (a BLS `exec()` to another model), one at a time per
   lane (a worker thread per lane), in arrival order; `call_pooled` picks the least busy
   of a pool's lanes (as many as the called models have instances);
-- `iterate`: a blocking iterator (a decoupled BLS response stream), read by a thread of
-  its own that only waits for the next item. Once it is done, the loop keeps it for
-  `RETIRE_S` before letting it go (see `_retire`).
+- `iterate`: a blocking iterator (a decoupled BLS response stream), opened and read by a
+  thread of its own that only waits for the next item. Once it is done, the loop keeps it
+  for `RETIRE_S` before letting it go (see `_retire`).
 
 All threads are daemons: a stub asked to stop never waits for a stream that cannot end.
 No Triton import here, so it is tested without a server.
@@ -71,18 +71,25 @@ class ModelEventLoop:
         finally:
             self._busy[lane] -= 1
 
-    async def iterate(self, items: Iterator[T]) -> AsyncIterator[T]:
-        """The items of a blocking iterator, read on a thread of its own."""
+    async def iterate(self, open_items: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
+        """The items of the blocking iterator `open_items()` returns, opened and read on a
+        thread of its own.
+
+        NOTE: opening runs there too: Triton's decoupled BLS `exec()` returns only once the
+        called model sent its first response, which may take as long as that model likes."""
         arrived: asyncio.Queue = asyncio.Queue()
         loop = self.loop
 
         def read() -> None:
+            items: Iterator[T] | None = None
             try:
+                items = open_items()
                 for item in items:
                     loop.call_soon_threadsafe(arrived.put_nowait, item)
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                 loop.call_soon_threadsafe(arrived.put_nowait, exc)
-            loop.call_soon_threadsafe(self._retire, items)
+            if items is not None:
+                loop.call_soon_threadsafe(self._retire, items)
             loop.call_soon_threadsafe(arrived.put_nowait, _END)
 
         threading.Thread(target=read, name=f"{self._name}-read", daemon=True).start()
