@@ -29,6 +29,7 @@ import numpy as np
 from pdchat.core.kv.base import KVHandle
 from pdchat.core.output.logprobs import TokenSpeller
 from pdchat.core.output.responses import ClientOutput, Delta, remote_prefill_output
+from pdchat.core.request.grammar import load_xgrammar
 from pdchat.core.request.protocol import ChatRequest, GenerationParams
 from pdchat.core.request.render_cost import RenderRate
 from pdchat.core.request.renderers import load_renderer
@@ -152,6 +153,7 @@ class ChatFlow:
         connector; `environ`: the process environment unless given); the renderer here only
         checks sizes, spells prefill's first token and calibrates the render rate."""
         env = os.environ if environ is None else environ
+        load_xgrammar()  # requests are parsed on chat's event loop: no import there
         renderer = load_renderer(model_dir, served_name, parameters)
         gate = Gate(policy=parse_policy(forwarded_ids_policy(parameters, env)), key=load_key(env),
                     vocab_size=len(renderer.tokenizer), context_length=renderer.context_length)

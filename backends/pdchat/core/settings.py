@@ -277,7 +277,7 @@ GRAMMAR_COMPILE_TIMEOUT_S = Setting(
     "process killed) and the request refused as INVALID_ARG.",
 )
 GRAMMAR_CACHE_MB = Setting(
-    "grammar_cache_mb", "grammar_cache_mb", "PDCHAT_GRAMMAR_CACHE_MB", "256", NUMBER, ("prefill", "decode"),
+    "grammar_cache_mb", "grammar_cache_mb", "PDCHAT_GRAMMAR_CACHE_MB", "64", NUMBER, ("prefill", "decode"),
     "Compiled output grammars a stage model keeps, in MiB; the least recently used go first.",
 )
 GRAMMAR_WORKER_MB = Setting(

@@ -9,6 +9,7 @@ prefill and decode take no others.
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
+from pdchat.core.request.grammar import load_xgrammar
 from pdchat.core.request.protocol import ChatRequest
 from pdchat.core.request.renderers import load_renderer
 from pdchat.core.settings import max_request_bytes
@@ -25,6 +26,7 @@ class TritonPythonModel:
         parameters = io.model_parameters(args)
         settings = resolve_model(parameters)
         self.renderer = load_renderer(settings.path, settings.served_name, parameters)
+        load_xgrammar()  # before the first request that carries a grammar
         self.max_request_bytes = max_request_bytes(parameters)
         self.seal = StageSeal.for_this_server()
         self.parses = ParseMetrics(args["model_name"])

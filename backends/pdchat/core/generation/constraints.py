@@ -8,8 +8,11 @@ compiled grammars in an LRU cache bounded in bytes, keyed by the spec's canonica
 from __future__ import annotations
 
 import collections
+import ctypes
+import functools
 import json
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -94,8 +97,23 @@ class ConstraintCompiler:
             while self._cached_bytes > self._options.cache_bytes and len(self._cache) > 1:
                 _, evicted = self._cache.popitem(last=False)
                 self._cached_bytes -= evicted.memory_size_bytes
+        _return_freed_memory()  # what the transfer and any evicted grammar used goes back to the system
         return compiled
 
 
 def _canonical(spec: dict[str, Any]) -> str:
     return json.dumps(spec, sort_keys=True)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def _return_freed_memory() -> None:
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

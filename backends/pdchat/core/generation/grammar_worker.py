@@ -84,8 +84,9 @@ class GrammarWorker:
     def _running_child(self) -> subprocess.Popen:
         if self._child is not None and self._child.poll() is None:
             return self._child
-        self._child = subprocess.Popen([_python(), "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       start_new_session=True)
+        # NOTE: in this process's group, so that whatever stops the server's group stops it too;
+        # and once this process is gone its stdin closes, which ends it.
+        self._child = subprocess.Popen([_python(), "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         _send(self._child.stdin, self._tokenizer_info)
         try:
             status, body = _receive(self._child.stdout, time.monotonic() + START_TIMEOUT_S)

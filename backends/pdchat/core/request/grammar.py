@@ -84,6 +84,12 @@ def check_limits(spec: dict[str, Any], limits: GrammarLimits) -> None:
                              f"{limits.max_depth} (setting grammar_max_depth)")
 
 
+def load_xgrammar() -> None:
+    """Import xgrammar now: it imports torch, which takes seconds, and a model's first request
+    with a grammar would otherwise pay for it on the thread that serves every request."""
+    import xgrammar  # noqa: F401
+
+
 def check_spec(spec: dict[str, Any]) -> None:
     """Refuse a spec xgrammar cannot use. Cached: the router, `chat` and the renderer each
     validate the same request, and agents resend the same schemas and tools."""

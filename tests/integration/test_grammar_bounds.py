@@ -1,0 +1,135 @@
+"""Output grammars cost bounded time and memory on a real server, and never hold other streams.
+
+With the default limits a 100,000-value enum is refused at parse. `trusted_server` takes such
+schemas and gives a compile GRAMMAR_COMPILE_TIMEOUT_S: 20,000 values compile well within it
+(about 1 s alone here), 100,000 do not (about 17 s alone). Its unsigned forwarded ids send a
+request straight to decode, so decode compiles the grammar itself, beside its running batch.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pdchat.clients.chat import ChatError, GrpcChat, chat_inputs
+from pdchat.core.errors import ErrorCode
+from pdchat.launcher import process_group, resident_bytes
+from tests.integration.conftest import GRAMMAR_COMPILE_TIMEOUT_S
+from tests.integration.helpers import ask
+
+PROMPT = [{"role": "user", "content": "Pick one"}]
+
+
+@pytest.fixture
+def trusted(trusted_server):
+    chat = GrpcChat(trusted_server.grpc_url, "chat")
+    yield chat
+    chat.close()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(trusted_server):
+    chat = GrpcChat(trusted_server.grpc_url, "chat")
+    try:
+        return ask(chat, {"messages": PROMPT, "max_tokens": 1}).prompt_token_ids
+    finally:
+        chat.close()
+
+
+def enum_request(values: int, prefix: str = "v", forwarded: list[int] | None = None) -> dict:
+    """A request whose answer must be one of `values` strings; with `forwarded`, those prompt ids
+    go to decode directly (trusted policy), so decode is the first to compile its grammar."""
+    schema = {"type": "object", "properties": {"a": {"enum": [f"{prefix}{i}x" for i in range(values)]}}, "required": ["a"]}
+    body = {"messages": PROMPT, "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+    return body if forwarded is None else {**body, "kv_transfer_params": {"prompt_token_ids": forwarded}}
+
+
+def refused(client, body) -> ChatError:
+    with pytest.raises(ChatError) as info:
+        ask(client, body)
+    return info.value
+
+
+def picked(result) -> str:
+    return json.loads(result.outputs[-1].response["choices"][0]["message"]["content"])["a"]
+
+
+def test_a_schema_past_the_default_limits_is_refused_at_once(grpc_chat):
+    started = time.monotonic()
+    error = refused(grpc_chat, enum_request(100_000))
+    assert time.monotonic() - started < 2.0
+    assert error.code is ErrorCode.INVALID_ARG and "(setting grammar_max_" in str(error)
+
+
+class Stream(threading.Thread):
+    """A long greedy stream, recording when each of its tokens arrived."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url, self.arrivals, self.first = url, [], threading.Event()
+
+    def run(self) -> None:
+        chat = GrpcChat(self.url, "chat")
+        body = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 300, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        try:
+            for _ in chat.stream(chat_inputs(body)):
+                self.arrivals.append(time.monotonic())
+                self.first.set()
+        finally:
+            chat.close()
+
+    def longest_gap(self, start: float, end: float) -> float:
+        times = [t for t in self.arrivals if start <= t <= end]
+        return max((b - a for a, b in zip(times, times[1:], strict=False)), default=float("inf"))
+
+
+def test_decode_compiles_beside_its_running_batch(trusted_server, trusted, prompt_ids):
+    stream = Stream(trusted_server.grpc_url)
+    stream.start()
+    assert stream.first.wait(60)
+    started = time.monotonic()
+    answer = ask(trusted, enum_request(20_000, forwarded=prompt_ids))
+    ended = time.monotonic()
+    assert 0 <= int(picked(answer)[1:-1]) < 20_000
+    stream.join(120)
+    assert len(stream.arrivals) == 300
+    # A compile on decode's scheduler thread would stop the stream for the compile's whole length.
+    assert stream.longest_gap(started, ended) < 0.5
+
+
+def test_a_compile_past_its_deadline_is_abandoned_and_refused(trusted):
+    started = time.monotonic()
+    error = refused(trusted, enum_request(100_000))
+    assert time.monotonic() - started < GRAMMAR_COMPILE_TIMEOUT_S + 5
+    assert error.code is ErrorCode.INVALID_ARG and "(setting grammar_compile_timeout_s)" in str(error)
+    assert picked(ask(trusted, enum_request(5))) in {f"v{i}x" for i in range(5)}  # and the next compiles
+
+
+def stub_rss(server, model: str) -> int:
+    """RSS of the python stub serving `model` (its command line names the model's directory)."""
+    stubs = [pid for pid in process_group(server.process.pid) if _is_stub_of(pid, model)]
+    assert len(stubs) == 1, stubs
+    return resident_bytes(stubs)[stubs[0]]
+
+
+def _is_stub_of(pid: int, model: str) -> bool:
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return words[0].endswith(b"triton_python_backend_stub") and any(f"/{model}/".encode() in w for w in words[1:])
+
+
+def test_distinct_large_schemas_leave_decode_s_memory_where_it_was(trusted_server, trusted, prompt_ids):
+    ask(trusted, enum_request(10_000, prefix="warm", forwarded=prompt_ids))
+    before = stub_rss(trusted_server, "decode")
+    for index in range(20):
+        ask(trusted, enum_request(10_000, prefix=f"p{index}-", forwarded=prompt_ids))
+    after = stub_rss(trusted_server, "decode")
+    assert after < before * 1.10, (before, after)
