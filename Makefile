@@ -9,6 +9,7 @@ demo: setup
 
 lint: setup
 	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 
 test: lint
 	.venv/bin/python -m pytest -q --durations=15

@@ -6,7 +6,8 @@
     python -m pdchat.clients.bench soak     # N streams at concurrency C through a P/D pair
     python -m pdchat.clients.bench batching # throughput and latency by concurrency (batched decode)
     python -m pdchat.clients.bench e2e      # TTFT with and without forwarded ids, by prompt length (clients/e2e.py)
-    python -m pdchat.clients.bench vllm-router  # 2 prefill x 2 decode behind vllm-router, one decode killed (clients/scaleout.py)
+    python -m pdchat.clients.bench vllm-router  # 2 prefill x 2 decode behind vllm-router, one decode killed
+                                                # (clients/scaleout.py)
 
 Ratios are measured side by side in one run; these machines are noisy.
 """
@@ -42,8 +43,15 @@ def bench_reuse(args: argparse.Namespace) -> None:
     renderer.max_prompt_chars = sys.maxsize  # lengths past this model's context: the cost is what is measured
     key = b"k" * 32
     gate = Gate(Policy.SIGNED, key, vocab_size=len(renderer.tokenizer), context_length=1 << 20)
-    rows, xs, series = [], [], {"parse + render + tokenize (naive decode)": [], "gate, binary ids (pdchat)": [],
-                                "gate, ids as JSON list (vLLM wire form)": []}
+    rows, xs, series = (
+        [],
+        [],
+        {
+            "parse + render + tokenize (naive decode)": [],
+            "gate, binary ids (pdchat)": [],
+            "gate, ids as JSON list (vLLM wire form)": [],
+        },
+    )
     for target in args.tokens:
         body = json.dumps(_conversation(renderer.tokenizer, target))
         request = parse_chat_json(body)
@@ -51,7 +59,9 @@ def bench_reuse(args: argparse.Namespace) -> None:
         binary = np.asarray(ids, dtype=np.int32)  # what the prompt_token_ids tensor hands chat
         fingerprint = render_fingerprint(request, model_dir.name)
         # Each admission consumes its handoff (replays are refused): sign one per call, untimed.
-        fresh = iter([sign(key, ids, fingerprint, now=time.time() + i).to_params() for i in range(2 * args.repeats + 2)])
+        fresh = iter(
+            [sign(key, ids, fingerprint, now=time.time() + i).to_params() for i in range(2 * args.repeats + 2)]
+        )
         listed = iter([json.dumps({**next(fresh), "prompt_token_ids": ids}) for _ in range(args.repeats + 1)])
 
         def render(body=body):
@@ -73,12 +83,25 @@ def bench_reuse(args: argparse.Namespace) -> None:
         xs.append(len(ids))
         for name, ms in zip(series, timings, strict=True):
             series[name].append(ms)
-    headers = ["prompt tokens", "parse+render+tokenize ms", "gate (binary ids) ms", "gate (JSON ids) ms", "ratio binary", "ratio JSON"]
+    headers = [
+        "prompt tokens",
+        "parse+render+tokenize ms",
+        "gate (binary ids) ms",
+        "gate (JSON ids) ms",
+        "ratio binary",
+        "ratio JSON",
+    ]
     print(f"\nDecode's preprocessing per request, model {model_dir.name} (median of {args.repeats}):")
     print(table(headers, rows))
     write_results("reuse", {"model": model_dir.name, "repeats": args.repeats, "columns": headers, "rows": rows})
-    plot("reuse", "Decode: re-render vs checking forwarded ids", "prompt tokens", "ms (median)",
-         {name: (xs, ms) for name, ms in series.items()}, logx=True)
+    plot(
+        "reuse",
+        "Decode: re-render vs checking forwarded ids",
+        "prompt tokens",
+        "ms (median)",
+        {name: (xs, ms) for name, ms in series.items()},
+        logx=True,
+    )
 
 
 def _conversation(tokenizer, tokens: int) -> dict:
@@ -156,12 +179,20 @@ def bench_router(args: argparse.Namespace) -> None:
 
         def direct():
             [handed] = list(prefill.stream(chat_inputs(body, kv_transfer_params={"do_remote_decode": True})))
-            collect(decode.stream(chat_inputs(body, prompt_token_ids=handed.prompt_token_ids,
-                                              kv_transfer_params=handed.kv_transfer_params)))
+            collect(
+                decode.stream(
+                    chat_inputs(
+                        body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params
+                    )
+                )
+            )
 
         def routed():
-            request = urllib.request.Request(f"{stack.router_url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                             headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(
+                f"{stack.router_url}/v1/chat/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
             urllib.request.urlopen(request).read()
 
         for warm in (direct, routed):
@@ -172,8 +203,16 @@ def bench_router(args: argparse.Namespace) -> None:
     direct_ms = statistics.median(p[0] for p in pairs) * 1000
     routed_ms = statistics.median(p[1] for p in pairs) * 1000
     print(f"\nOne-token P/D request, {args.model}, median of {args.repeats} interleaved pairs:")
-    print(table(["path", "ms"], [["two gRPC legs, no router", direct_ms], ["through the router (HTTP)", routed_ms],
-                                  ["router adds", routed_ms - direct_ms]]))
+    print(
+        table(
+            ["path", "ms"],
+            [
+                ["two gRPC legs, no router", direct_ms],
+                ["through the router (HTTP)", routed_ms],
+                ["router adds", routed_ms - direct_ms],
+            ],
+        )
+    )
 
 
 def bench_soak(args: argparse.Namespace) -> None:
@@ -186,8 +225,11 @@ def bench_soak(args: argparse.Namespace) -> None:
     embedded.ensure_model(args.model)
 
     def body(i: int) -> dict:
-        return {"messages": [{"role": "user", "content": f"Request {i}: " + "tell me more " * (i % 7)}],
-                "max_tokens": args.max_tokens, "temperature": 0}
+        return {
+            "messages": [{"role": "user", "content": f"Request {i}: " + "tell me more " * (i % 7)}],
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+        }
 
     def progress(done: int, total: int) -> None:
         if done % max(1, total // 20) == 0 or done == total:
@@ -204,11 +246,17 @@ def bench_soak(args: argparse.Namespace) -> None:
         wall = time.perf_counter() - started
         after = {name: sum(server.memory().values()) for name, server in servers.items()}
         alive = all(process.poll() is None for process in stack.processes().values())
-    result = {"model": args.model, "connector": args.connector, "concurrency": args.concurrency,
-              "max_tokens": args.max_tokens, "wall_s": wall, "servers_alive": alive,
-              **load.summary(outcomes, wall),
-              **{f"{name}_rss_mib_before": before[name] / 2**20 for name in servers},
-              **{f"{name}_rss_mib_after": after[name] / 2**20 for name in servers}}
+    result = {
+        "model": args.model,
+        "connector": args.connector,
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "wall_s": wall,
+        "servers_alive": alive,
+        **load.summary(outcomes, wall),
+        **{f"{name}_rss_mib_before": before[name] / 2**20 for name in servers},
+        **{f"{name}_rss_mib_after": after[name] / 2**20 for name in servers},
+    }
     rows = [[k, v] for k, v in result.items()]
     text = table(["", "value"], rows)
     print(f"\nP/D soak through the router ({args.requests} streamed requests, concurrency {args.concurrency}):")
@@ -234,8 +282,11 @@ def bench_batching(args: argparse.Namespace) -> None:
     results_name = "batching" if args.device == "cpu" else f"batching-{args.device}-{args.dtype}"
     words = 100
     prompt = perf.input_data(words, args.max_tokens)
-    prompt_tokens = len(tokenizer.apply_chat_template(json.loads(prompt["data"][0]["request"][0])["messages"],
-                                                      add_generation_prompt=True, return_dict=False))
+    prompt_tokens = len(
+        tokenizer.apply_chat_template(
+            json.loads(prompt["data"][0]["request"][0])["messages"], add_generation_prompt=True, return_dict=False
+        )
+    )
     print(f"decode's forward pass alone, in this process: {args.concurrency} rows", file=sys.stderr, flush=True)
     engine_alone = _forward_alone(model_dir, prompt_tokens, args.concurrency, args.device, args.dtype)
     results: dict[str, dict[int, dict[str, float]]] = {}
@@ -256,8 +307,10 @@ def bench_batching(args: argparse.Namespace) -> None:
             outcomes = load.run(send, lambda i: body, max(8, 2 * concurrency), concurrency)
             pd[concurrency] = load.summary(outcomes, time.perf_counter() - started)
         results["P/D through the router"] = pd
-    print(f"\nBatched decode, model {args.model} on {args.device} ({args.dtype}), ~{prompt_tokens}-token prompts, "
-          f"{args.max_tokens} output tokens, ignore_eos:")
+    print(
+        f"\nBatched decode, model {args.model} on {args.device} ({args.dtype}), ~{prompt_tokens}-token prompts, "
+        f"{args.max_tokens} output tokens, ignore_eos:"
+    )
     for name, by_concurrency in results.items():
         if name == "long local prefill":
             continue
@@ -265,26 +318,64 @@ def bench_batching(args: argparse.Namespace) -> None:
         print(table(["concurrency", "requests", *perf.COLUMNS], perf.rows(by_concurrency, args.concurrency)))
     [long] = results["long local prefill"].values()
     print(f"\nWhile decode prefills a {args.long_prompt}-token prompt itself (chunks of 512), the other streams:")
-    print(table(["itl p50 ms", "itl p99 ms", "p99 / p50"], [[long["itl_p50_ms"], long["itl_p99_ms"], long["itl_p99_ms"] / long["itl_p50_ms"]]]))
+    print(
+        table(
+            ["itl p50 ms", "itl p99 ms", "p99 / p50"],
+            [[long["itl_p50_ms"], long["itl_p99_ms"], long["itl_p99_ms"] / long["itl_p50_ms"]]],
+        )
+    )
     print("\nDecode's forward pass alone (in this process, no server: the ceiling of the rows above):")
-    print(table(["rows", "ms per step", "output tokens/s"],
-                [[rows, r["ms_per_step"], r["output_tokens_per_s"]] for rows, r in engine_alone.items()]))
+    print(
+        table(
+            ["rows", "ms per step", "output tokens/s"],
+            [[rows, r["ms_per_step"], r["output_tokens_per_s"]] for rows, r in engine_alone.items()],
+        )
+    )
     mono = results["monolithic (perf_analyzer)"]
     if 1 in mono and 16 in mono:
-        print(f"\nmonolithic: tokens/s at 16 / at 1 = {mono[16]['output_tokens_per_s'] / mono[1]['output_tokens_per_s']:.1f}x; "
-              f"itl p50 at 16 / at 1 = {mono[16]['itl_p50_ms'] / mono[1]['itl_p50_ms']:.1f}x")
+        print(
+            "\nmonolithic: tokens/s at 16 / at 1 = "
+            f"{mono[16]['output_tokens_per_s'] / mono[1]['output_tokens_per_s']:.1f}x; "
+            f"itl p50 at 16 / at 1 = {mono[16]['itl_p50_ms'] / mono[1]['itl_p50_ms']:.1f}x"
+        )
     if 1 in engine_alone and 16 in engine_alone:
-        print(f"forward pass alone: tokens/s at 16 rows / at 1 = "
-              f"{engine_alone[16]['output_tokens_per_s'] / engine_alone[1]['output_tokens_per_s']:.1f}x")
-    write_results(results_name, {"model": args.model, "device": args.device, "dtype": args.dtype, "prompt_tokens": prompt_tokens,
-                         "max_tokens": args.max_tokens, "results": results, "forward_pass_alone": engine_alone})
-    series = {name: (list(r), [v["output_tokens_per_s"] for v in r.values()]) for name, r in results.items() if name != "long local prefill"}
-    series["decode's forward pass alone (x = rows)"] = (list(engine_alone), [v["output_tokens_per_s"] for v in engine_alone.values()])
-    plot(results_name, f"Batched decode ({args.device}): output tokens/s by concurrency", "concurrency", "output tokens/s", series)
+        print(
+            f"forward pass alone: tokens/s at 16 rows / at 1 = "
+            f"{engine_alone[16]['output_tokens_per_s'] / engine_alone[1]['output_tokens_per_s']:.1f}x"
+        )
+    write_results(
+        results_name,
+        {
+            "model": args.model,
+            "device": args.device,
+            "dtype": args.dtype,
+            "prompt_tokens": prompt_tokens,
+            "max_tokens": args.max_tokens,
+            "results": results,
+            "forward_pass_alone": engine_alone,
+        },
+    )
+    series = {
+        name: (list(r), [v["output_tokens_per_s"] for v in r.values()])
+        for name, r in results.items()
+        if name != "long local prefill"
+    }
+    series["decode's forward pass alone (x = rows)"] = (
+        list(engine_alone),
+        [v["output_tokens_per_s"] for v in engine_alone.values()],
+    )
+    plot(
+        results_name,
+        f"Batched decode ({args.device}): output tokens/s by concurrency",
+        "concurrency",
+        "output tokens/s",
+        series,
+    )
 
 
-def _forward_alone(model_dir, prompt_tokens: int, row_counts: list[int], device: str, dtype: str,
-                   steps: int = 20, rounds: int = 3) -> dict[int, dict[str, float]]:
+def _forward_alone(
+    model_dir, prompt_tokens: int, row_counts: list[int], device: str, dtype: str, steps: int = 20, rounds: int = 3
+) -> dict[int, dict[str, float]]:
     """decode's batched forward pass timed in this process, on the torch threads a stage
     model gets: what a server's steps would cost with nothing else on the CPU (the best
     of `rounds` rounds of `steps` steps, against a noisy neighbour's share)."""
@@ -360,12 +451,21 @@ def main(argv: list[str] | None = None) -> None:
     batching.add_argument("--max-tokens", type=int, default=64)
     batching.add_argument("--long-prompt", type=int, default=16000)
     batching.add_argument("--device", default="cpu", help="where the servers run the model: cpu, cuda")
-    batching.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
+    batching.add_argument(
+        "--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16"
+    )
     e2e.add_arguments(commands.add_parser("e2e"))
     scaleout.add_arguments(commands.add_parser("vllm-router"))
     args = parser.parse_args(argv)
-    benches = {"reuse": bench_reuse, "kv": bench_kv, "router": bench_router, "soak": bench_soak, "batching": bench_batching,
-               "e2e": e2e.bench_e2e, "vllm-router": scaleout.bench_vllm_router}
+    benches = {
+        "reuse": bench_reuse,
+        "kv": bench_kv,
+        "router": bench_router,
+        "soak": bench_soak,
+        "batching": bench_batching,
+        "e2e": e2e.bench_e2e,
+        "vllm-router": scaleout.bench_vllm_router,
+    }
     benches[args.bench](args)
 
 

@@ -160,7 +160,9 @@ class GrpcChat:
                 tensor.set_data_from_numpy(array)
                 infer_inputs.append(tensor)
             try:
-                self.client.async_stream_infer(self.model, infer_inputs, request_id=request_id, enable_empty_final_response=True)
+                self.client.async_stream_infer(
+                    self.model, infer_inputs, request_id=request_id, enable_empty_final_response=True
+                )
             except Exception as exc:  # noqa: BLE001 - tritonclient raises several kinds
                 finished = True
                 # A stream that broke at once reports why (with its status) through the callback.

@@ -30,8 +30,14 @@ from pdchat.clients.report import plot, table, timed, write_results
 
 MODES = ("reuse", "baseline")
 STAT_MODELS = ("chat", "renderer", "prefill", "decode")
-TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 def conversation(tokenizer, tokens: int, index: int) -> dict:
@@ -41,8 +47,14 @@ def conversation(tokenizer, tokens: int, index: int) -> dict:
     repeat = max(1, tokens // len(tokenizer.encode(paragraph)) // 4)
     turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": paragraph * repeat} for i in range(3)]
     turns.append({"role": "user", "content": f"Question {index}: " + paragraph * repeat})
-    return {"messages": [{"role": "system", "content": "You are a careful analyst."}, *turns], "tools": [TOOL],
-            "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True}
+    return {
+        "messages": [{"role": "system", "content": "You are a careful analyst."}, *turns],
+        "tools": [TOOL],
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
 
 def one_request(prefill: GrpcChat, decode: GrpcChat, body: dict, mode: str) -> dict[str, float]:
@@ -55,8 +67,12 @@ def one_request(prefill: GrpcChat, decode: GrpcChat, body: dict, mode: str) -> d
         forwarded["prompt_token_ids"] = handed.prompt_token_ids
     arrivals = [time.perf_counter() for _ in decode.stream(chat_inputs(body, **forwarded))]
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
-    return {"ttft": arrivals[0] - started, "decode_ttft": arrivals[0] - prefilled, "itl": statistics.median(gaps) if gaps else 0.0,
-            "tokens": len(handed.prompt_token_ids)}
+    return {
+        "ttft": arrivals[0] - started,
+        "decode_ttft": arrivals[0] - prefilled,
+        "itl": statistics.median(gaps) if gaps else 0.0,
+        "tokens": len(handed.prompt_token_ids),
+    }
 
 
 def server_time(url: str) -> dict[str, tuple[float, int]]:
@@ -68,8 +84,10 @@ def server_time(url: str) -> dict[str, tuple[float, int]]:
         stats = {}
         for model in STAT_MODELS:
             entry = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
-            stats[model] = (int(entry["inference_stats"].get("compute_infer", {}).get("ns", 0)) / 1e9,
-                            int(entry.get("execution_count", 0)))
+            stats[model] = (
+                int(entry["inference_stats"].get("compute_infer", {}).get("ns", 0)) / 1e9,
+                int(entry.get("execution_count", 0)),
+            )
         return stats
     finally:
         client.close()
@@ -77,7 +95,9 @@ def server_time(url: str) -> dict[str, tuple[float, int]]:
 
 def run_cell(stack, tokenizer, tokens: int, mode: str, concurrency: int, requests: int) -> dict:
     """`requests` requests at `concurrency` of one length and mode; per-request numbers."""
-    before = {role: server_time(server.grpc_url) for role, server in (("prefill", stack.prefill), ("decode", stack.decode))}
+    before = {
+        role: server_time(server.grpc_url) for role, server in (("prefill", stack.prefill), ("decode", stack.decode))
+    }
     results: list[dict] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
@@ -103,15 +123,27 @@ def run_cell(stack, tokenizer, tokens: int, mode: str, concurrency: int, request
         thread.join()
     if errors:
         raise errors[0]
-    after = {role: server_time(server.grpc_url) for role, server in (("prefill", stack.prefill), ("decode", stack.decode))}
-    split = {f"{role} {model} ms": 1000 * (after[role][model][0] - before[role][model][0]) / len(results)
-             for role in after for model in STAT_MODELS if after[role][model][1] > before[role][model][1]}
+    after = {
+        role: server_time(server.grpc_url) for role, server in (("prefill", stack.prefill), ("decode", stack.decode))
+    }
+    split = {
+        f"{role} {model} ms": 1000 * (after[role][model][0] - before[role][model][0]) / len(results)
+        for role in after
+        for model in STAT_MODELS
+        if after[role][model][1] > before[role][model][1]
+    }
     ttfts = sorted(r["ttft"] for r in results)
-    return {"prompt_tokens": round(statistics.median(r["tokens"] for r in results)), "mode": mode, "concurrency": concurrency,
-            "requests": len(results), "ttft_p50_ms": 1000 * statistics.median(ttfts),
-            "ttft_p90_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
-            "decode_ttft_p50_ms": 1000 * statistics.median(r["decode_ttft"] for r in results),
-            "itl_p50_ms": 1000 * statistics.median(r["itl"] for r in results), **split}
+    return {
+        "prompt_tokens": round(statistics.median(r["tokens"] for r in results)),
+        "mode": mode,
+        "concurrency": concurrency,
+        "requests": len(results),
+        "ttft_p50_ms": 1000 * statistics.median(ttfts),
+        "ttft_p90_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
+        "decode_ttft_p50_ms": 1000 * statistics.median(r["decode_ttft"] for r in results),
+        "itl_p50_ms": 1000 * statistics.median(r["itl"] for r in results),
+        **split,
+    }
 
 
 def bls_overhead(stack, model_dir, tokenizer, tokens: int, repeats: int) -> dict[str, float]:
@@ -127,7 +159,11 @@ def bls_overhead(stack, model_dir, tokenizer, tokens: int, repeats: int) -> dict
 
     renderer = ChatRenderer(model_dir, model_dir.name)  # its context length and vocabulary, as decode's chat has them
     seal = StageSeal.for_this_server({HANDOFF_KEY.env: stack.handoff_key})
-    prefill, decode, direct = GrpcChat(stack.prefill.grpc_url), GrpcChat(stack.decode.grpc_url), GrpcChat(stack.decode.grpc_url, "decode")
+    prefill, decode, direct = (
+        GrpcChat(stack.prefill.grpc_url),
+        GrpcChat(stack.decode.grpc_url),
+        GrpcChat(stack.decode.grpc_url, "decode"),
+    )
     samples: dict[str, list[float]] = {"through chat": [], "decode directly": []}
     try:
         for index in range(repeats):
@@ -139,7 +175,9 @@ def bls_overhead(stack, model_dir, tokenizer, tokens: int, repeats: int) -> dict
                     inputs = chat_inputs(body, prompt_token_ids=ids, kv_transfer_params=handed.kv_transfer_params_json)
                     client = decode
                 else:
-                    params = renderer.render(chat_request_from_body(body)).params.to_json()  # untimed, as chat's gate path makes them
+                    params = renderer.render(
+                        chat_request_from_body(body)
+                    ).params.to_json()  # untimed, as chat's gate path makes them
                     handle = KVHandle.from_dict(handed.kv_transfer_params["kv_handle"]).to_json()
                     inputs = _stage_inputs(ids, params, handle, seal.seal_prompt(ids, params, handle))
                     client = direct
@@ -163,8 +201,12 @@ def _stage_inputs(ids: list[int], params: str, handle: str, seal: str) -> dict:
     def text(value: str):
         return np.array([value.encode()], dtype=np.object_)
 
-    return {tensors.PROMPT_TOKEN_IDS: np.asarray(ids, dtype=np.int32), tensors.GENERATION_PARAMS: text(params),
-            tensors.KV_HANDLE: text(handle), tensors.STAGE_SEAL: text(seal)}
+    return {
+        tensors.PROMPT_TOKEN_IDS: np.asarray(ids, dtype=np.int32),
+        tensors.GENERATION_PARAMS: text(params),
+        tensors.KV_HANDLE: text(handle),
+        tensors.STAGE_SEAL: text(seal),
+    }
 
 
 def render_cost(model_dir, tokenizer, tokens: int, repeats: int) -> float:
@@ -191,7 +233,11 @@ def bench_e2e(args: argparse.Namespace) -> None:
     requests = args.requests or (4 if args.quick else 12)
     cells = [(n, mode, c) for n in lengths for c in args.concurrency for mode in MODES]
     rows, by_cell = [], {}
-    print(f"starting a P/D pair on {args.model} (shm); {len(cells)} cells of {requests} requests", file=sys.stderr, flush=True)
+    print(
+        f"starting a P/D pair on {args.model} (shm); {len(cells)} cells of {requests} requests",
+        file=sys.stderr,
+        flush=True,
+    )
     with PDStack(model=args.model, connector="shm") as stack:
         for mode in MODES:  # warm-up: both paths, once each
             run_cell(stack, tokenizer, lengths[0], mode, 1, 2)
@@ -199,8 +245,12 @@ def bench_e2e(args: argparse.Namespace) -> None:
             row = run_cell(stack, tokenizer, tokens, mode, concurrency, requests)
             rows.append(row)
             by_cell[(tokens, mode, concurrency)] = row
-            print(f"  [{done}/{len(cells)}] {row['prompt_tokens']} tokens, {mode}, concurrency {concurrency}: "
-                  f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, decode leg {row['decode_ttft_p50_ms']:.1f} ms", file=sys.stderr, flush=True)
+            print(
+                f"  [{done}/{len(cells)}] {row['prompt_tokens']} tokens, {mode}, concurrency {concurrency}: "
+                f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, decode leg {row['decode_ttft_p50_ms']:.1f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
         print("BLS overhead: the decode leg through chat vs decode called directly", file=sys.stderr, flush=True)
         bls = [[tokens, *bls_overhead(stack, model_dir, tokenizer, tokens, requests).values()] for tokens in lengths]
     renders = {tokens: render_cost(model_dir, tokenizer, tokens, 5) for tokens in lengths}
@@ -219,13 +269,27 @@ def bench_e2e(args: argparse.Namespace) -> None:
     print(table(["prompt tokens (target)", "through chat", "decode directly"], bls))
     split_columns = sorted({k for r in rows for k in r if k.endswith(" ms") and k not in columns})
     print("\nServer time per request (Triton compute_infer), ms:")
-    print(table(["prompt tokens", "mode", "concurrency", *split_columns],
-                [[r["prompt_tokens"], r["mode"], r["concurrency"], *[r.get(k, 0.0) for k in split_columns]] for r in rows]))
-    write_results("e2e", {"model": args.model, "connector": "shm", "requests_per_cell": requests, "rows": rows,
-                          "render_ms": {str(k): v for k, v in renders.items()},
-                          "bls_overhead_ms": [{"tokens": r[0], "through_chat": r[1], "decode_directly": r[2]} for r in bls],
-                          "saved_vs_render": [dict(zip(["prompt_tokens", "concurrency", "saved_ms", "render_ms", "ratio"], s, strict=True))
-                                              for s in savings]})
+    print(
+        table(
+            ["prompt tokens", "mode", "concurrency", *split_columns],
+            [[r["prompt_tokens"], r["mode"], r["concurrency"], *[r.get(k, 0.0) for k in split_columns]] for r in rows],
+        )
+    )
+    write_results(
+        "e2e",
+        {
+            "model": args.model,
+            "connector": "shm",
+            "requests_per_cell": requests,
+            "rows": rows,
+            "render_ms": {str(k): v for k, v in renders.items()},
+            "bls_overhead_ms": [{"tokens": r[0], "through_chat": r[1], "decode_directly": r[2]} for r in bls],
+            "saved_vs_render": [
+                dict(zip(["prompt_tokens", "concurrency", "saved_ms", "render_ms", "ratio"], s, strict=True))
+                for s in savings
+            ],
+        },
+    )
     plot_e2e(rows)
 
 
@@ -237,14 +301,26 @@ def plot_e2e(rows: list[dict]) -> None:
         for mode in MODES:
             mine = [r for r in cell if r["mode"] == mode]
             series[f"{mode}: end to end"] = ([r["prompt_tokens"] for r in mine], [r["ttft_p50_ms"] for r in mine])
-            series[f"{mode}: decode leg"] = ([r["prompt_tokens"] for r in mine], [r["decode_ttft_p50_ms"] for r in mine])
-        plot(f"e2e_ttft_c{concurrency}", f"Time to first token through a P/D pair (concurrency {concurrency})", "prompt tokens",
-             "TTFT p50 (ms, log)", series, logx=True, logy=True)
+            series[f"{mode}: decode leg"] = (
+                [r["prompt_tokens"] for r in mine],
+                [r["decode_ttft_p50_ms"] for r in mine],
+            )
+        plot(
+            f"e2e_ttft_c{concurrency}",
+            f"Time to first token through a P/D pair (concurrency {concurrency})",
+            "prompt tokens",
+            "TTFT p50 (ms, log)",
+            series,
+            logx=True,
+            logy=True,
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--quick", action="store_true", help="two lengths, 4 requests per cell (a few minutes)")
-    parser.add_argument("--tokens", type=int, nargs="+", help="prompt lengths (default 1k, 4k, 15k: the tiny model's context is 16k)")
+    parser.add_argument(
+        "--tokens", type=int, nargs="+", help="prompt lengths (default 1k, 4k, 15k: the tiny model's context is 16k)"
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--requests", type=int, help="requests per cell")

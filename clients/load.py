@@ -61,8 +61,12 @@ class RouterStreams:
             return Outcome(ok, error, time.perf_counter() - started, tuple(arrivals), abandoned)
 
         try:
-            connection.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
-                               {"Content-Type": "application/json"})
+            connection.request(
+                "POST",
+                "/v1/chat/completions",
+                json.dumps({**body, "stream": True}),
+                {"Content-Type": "application/json"},
+            )
             reply = connection.getresponse()
             if reply.status != 200:
                 return outcome(False, f"HTTP {reply.status}: {reply.read()[:300]!r}")
@@ -141,8 +145,14 @@ class TritonStreams:
             self._clients.clear()
 
 
-def run(send: Callable[[dict, int | None], Outcome], bodies: Callable[[int], dict], requests: int, concurrency: int,
-        abandon_after: int | None = None, progress: Callable[[int, int], None] | None = None) -> list[Outcome]:
+def run(
+    send: Callable[[dict, int | None], Outcome],
+    bodies: Callable[[int], dict],
+    requests: int,
+    concurrency: int,
+    abandon_after: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[Outcome]:
     """Send `requests` requests (body i = bodies(i)), `concurrency` at a time."""
     outcomes: list[Outcome] = []
     lock = threading.Lock()

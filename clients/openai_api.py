@@ -133,7 +133,9 @@ def request_id_of(raw: bytes | None) -> str:
     if raw is None:
         return f"pdchat-{uuid.uuid4().hex}"
     if not _REQUEST_ID.fullmatch(raw):
-        raise ValueError(f"the {REQUEST_ID_HEADER} header must match {REQUEST_ID_RULE} (got {len(raw)} bytes that do not)")
+        raise ValueError(
+            f"the {REQUEST_ID_HEADER} header must match {REQUEST_ID_RULE} (got {len(raw)} bytes that do not)"
+        )
     return raw.decode("ascii")
 
 
@@ -151,19 +153,32 @@ class _Metrics:
 
     def __init__(self, router: ChatFront):
         self.registry = CollectorRegistry()
-        self.requests = Counter("pdchat_router_requests", "Chat completion requests, by how they ended", ["outcome"],
-                                registry=self.registry)
+        self.requests = Counter(
+            "pdchat_router_requests", "Chat completion requests, by how they ended", ["outcome"], registry=self.registry
+        )
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
-        self.errors = Counter("pdchat_router_errors", "Error answers (streamed ones too), by HTTP status and error code",
-                              ["status", "code"], registry=self.registry)
-        self.in_flight = Gauge("pdchat_router_requests_in_flight", "Chat completion requests being served",
-                               registry=self.registry)
-        self.ttft = Histogram("pdchat_router_ttft_seconds", "Streamed requests: from the request to its first chunk",
-                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=self.registry)
-        self.inter_token = Histogram("pdchat_router_inter_token_seconds", "Streamed requests: between consecutive chunks",
-                                     buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
-                                     registry=self.registry)
+        self.errors = Counter(
+            "pdchat_router_errors",
+            "Error answers (streamed ones too), by HTTP status and error code",
+            ["status", "code"],
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "pdchat_router_requests_in_flight", "Chat completion requests being served", registry=self.registry
+        )
+        self.ttft = Histogram(
+            "pdchat_router_ttft_seconds",
+            "Streamed requests: from the request to its first chunk",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=self.registry,
+        )
+        self.inter_token = Histogram(
+            "pdchat_router_inter_token_seconds",
+            "Streamed requests: between consecutive chunks",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=self.registry,
+        )
         self.registry.register(_RouterStatsCollector(router))
 
     def page(self) -> bytes:
@@ -177,8 +192,11 @@ class _RouterStatsCollector:
         self.router = router
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        yield CounterMetricFamily("pdchat_router_prefill_fallbacks", "Requests decode served whole because prefill failed",
-                                  value=self.router.stats.prefill_fallbacks)
+        yield CounterMetricFamily(
+            "pdchat_router_prefill_fallbacks",
+            "Requests decode served whole because prefill failed",
+            value=self.router.stats.prefill_fallbacks,
+        )
 
 
 class _EventStream(StreamingResponse):
@@ -227,7 +245,9 @@ class _Front:
 
     def error_response(self, error: ApiError, headers: dict[str, str] | None = None) -> Response:
         self.metrics.errors.labels(str(error.status), error.code).inc()
-        return _json(error.status, error.body(), {**(headers or {}), **({"Connection": "close"} if error.close else {})})
+        return _json(
+            error.status, error.body(), {**(headers or {}), **({"Connection": "close"} if error.close else {})}
+        )
 
     async def chat_completions(self, request: Request) -> Response:
         started = time.perf_counter()
@@ -308,7 +328,9 @@ class _Front:
                 chunks.append(chunk)
         except ClientDisconnect as exc:
             request.state.outcome = "cancelled"
-            raise ApiError(400, "the client left before sending the whole body", "client_disconnected", close=True) from exc
+            raise ApiError(
+                400, "the client left before sending the whole body", "client_disconnected", close=True
+            ) from exc
         return b"".join(chunks)
 
     async def models(self, request: Request) -> Response:
@@ -372,7 +394,9 @@ class _Guard:
         finally:
             if counted:
                 metrics.in_flight.dec()
-                metrics.requests.labels(state.get("outcome") or (outcome_of(statuses[0]) if statuses else "cancelled")).inc()
+                metrics.requests.labels(
+                    state.get("outcome") or (outcome_of(statuses[0]) if statuses else "cancelled")
+                ).inc()
 
     def _refusal(self, scope: Scope, state: dict[str, Any]) -> ApiError | None:
         """Why the request is refused before any route sees it, or None; sets its id."""
@@ -390,14 +414,22 @@ class _Guard:
             return ApiError(400, str(exc), "invalid_request_id", close=True)
         if b"transfer-encoding" in headers and b"content-length" in headers:
             # h11 reads the body as chunked; a proxy in front might not have (RFC 9112 6.1).
-            return ApiError(400, "a request must not carry both Transfer-Encoding and Content-Length", "ambiguous_framing",
-                            close=True)
+            return ApiError(
+                400,
+                "a request must not carry both Transfer-Encoding and Content-Length",
+                "ambiguous_framing",
+                close=True,
+            )
         key = self.front.settings.api_key
         if key and scope["path"] not in OPEN_PATHS:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, b"Bearer " + key.encode()):
-                return ApiError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')", "invalid_api_key",
-                                close=True)
+                return ApiError(
+                    401,
+                    "missing or incorrect API key (send 'Authorization: Bearer <key>')",
+                    "invalid_api_key",
+                    close=True,
+                )
         return None
 
 
@@ -465,8 +497,12 @@ class DeadlineH11Protocol(H11Protocol):
         self._deadline = None
         if not self.transport.is_closing():
             part = "head" if self._receiving is h11.IDLE else "body"
-            log.info("%s: closed; the request %s did not arrive within %.0f s", _peer(self.client), part,
-                     self._timeouts[self._receiving])
+            log.info(
+                "%s: closed; the request %s did not arrive within %.0f s",
+                _peer(self.client),
+                part,
+                self._timeouts[self._receiving],
+            )
             self.transport.close()
 
 
@@ -474,17 +510,31 @@ def _peer(client: tuple[str, int] | None) -> str:
     return f"{client[0]}:{client[1]}" if client else "client"
 
 
-def make_server(router: ChatFront, host: str = "127.0.0.1", port: int = 8080, settings: HttpSettings | None = None) -> uvicorn.Server:
+def make_server(
+    router: ChatFront, host: str = "127.0.0.1", port: int = 8080, settings: HttpSettings | None = None
+) -> uvicorn.Server:
     """A uvicorn server for the front (h11 with deadlines, asyncio loop); `.run()` blocks."""
     settings = settings or HttpSettings()
 
     def protocol(**kwargs: Any) -> DeadlineH11Protocol:
-        return DeadlineH11Protocol(header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s, **kwargs)
+        return DeadlineH11Protocol(
+            header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s, **kwargs
+        )
 
     config = uvicorn.Config(
-        create_app(router, settings), host=host, port=port, loop="asyncio", http=protocol, ws="none", lifespan="off",
-        log_config=None, proxy_headers=False, server_header=False, timeout_keep_alive=settings.keep_alive_s,
-        limit_concurrency=settings.max_connections, h11_max_incomplete_event_size=settings.max_header_bytes,
+        create_app(router, settings),
+        host=host,
+        port=port,
+        loop="asyncio",
+        http=protocol,
+        ws="none",
+        lifespan="off",
+        log_config=None,
+        proxy_headers=False,
+        server_header=False,
+        timeout_keep_alive=settings.keep_alive_s,
+        limit_concurrency=settings.max_connections,
+        h11_max_incomplete_event_size=settings.max_header_bytes,
         timeout_graceful_shutdown=settings.shutdown_timeout_s,
     )
     return uvicorn.Server(config)

@@ -35,8 +35,13 @@ def perf_analyzer_env() -> dict[str, str]:
 def input_data(prompt_words: int, max_tokens: int) -> dict:
     """One streamed chat request of about `prompt_words` words, for --input-data."""
     words = " ".join(f"w{i % 113}" for i in range(prompt_words))
-    body = {"messages": [{"role": "user", "content": f"Summarize: {words}"}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": f"Summarize: {words}"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     return {"data": [{"request": [json.dumps(body)]}]}
 
 
@@ -46,9 +51,20 @@ def summarize(export: dict) -> dict[int, dict[str, float]]:
     results = {}
     for experiment in export["experiments"]:
         requests = [r for r in experiment["requests"] if r.get("response_timestamps")]
-        outcomes = [Outcome(True, "", (r["response_timestamps"][-1] - r["timestamp"]) / 1e9,
-                            tuple((t - r["timestamp"]) / 1e9 for t in r["response_timestamps"])) for r in requests]
-        window = (max(r["response_timestamps"][-1] for r in requests) - min(r["timestamp"] for r in requests)) / 1e9 if requests else 0
+        outcomes = [
+            Outcome(
+                True,
+                "",
+                (r["response_timestamps"][-1] - r["timestamp"]) / 1e9,
+                tuple((t - r["timestamp"]) / 1e9 for t in r["response_timestamps"]),
+            )
+            for r in requests
+        ]
+        window = (
+            (max(r["response_timestamps"][-1] for r in requests) - min(r["timestamp"] for r in requests)) / 1e9
+            if requests
+            else 0
+        )
         results[experiment["experiment"]["value"]] = summary(outcomes, window)
     return results
 
@@ -71,15 +87,37 @@ def profile(url: str, model: str, concurrency: list[int], prompt_words: int, max
             # Windows of 2x concurrency requests, stability not asked for: the statistics come
             # from the export's timestamps, and a noisy 2-core host would otherwise end the run
             # without writing the export.
-            command = [perf_analyzer_binary(), "-m", model, "-u", url, "-i", "grpc", "--streaming",
-                       "--input-data", str(data), "--concurrency-range", f"{value}:{value}",
-                       "--measurement-mode", "count_windows", "--measurement-request-count", str(max(8, 2 * value)),
-                       "--stability-percentage", "1000", "--max-trials", "3",
-                       "--profile-export-file", str(export)]
+            command = [
+                perf_analyzer_binary(),
+                "-m",
+                model,
+                "-u",
+                url,
+                "-i",
+                "grpc",
+                "--streaming",
+                "--input-data",
+                str(data),
+                "--concurrency-range",
+                f"{value}:{value}",
+                "--measurement-mode",
+                "count_windows",
+                "--measurement-request-count",
+                str(max(8, 2 * value)),
+                "--stability-percentage",
+                "1000",
+                "--max-trials",
+                "3",
+                "--profile-export-file",
+                str(export),
+            ]
             print(" ".join(command), file=sys.stderr, flush=True)
             completed = subprocess.run(command, env=perf_analyzer_env(), text=True, capture_output=True)
             if completed.returncode != 0 or not export.exists():
-                raise RuntimeError(f"perf_analyzer failed ({completed.returncode}):\n{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}")
+                raise RuntimeError(
+                    f"perf_analyzer failed ({completed.returncode}):\n"
+                    f"{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}"
+                )
             experiments += json.loads(export.read_text())["experiments"]
     return {"experiments": experiments}
 

@@ -27,8 +27,15 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
-def plot(name: str, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list, list]], logx: bool = False,
-         logy: bool = False) -> None:
+def plot(
+    name: str,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    series: dict[str, tuple[list, list]],
+    logx: bool = False,
+    logy: bool = False,
+) -> None:
     try:
         import matplotlib
 

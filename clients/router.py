@@ -89,8 +89,10 @@ class BackendPool:
 
     def none_ready(self) -> ChatError:
         """What a request gets while no server of the pool is ready."""
-        return ChatError(f"no {self.role or 'backend'} server is ready ({', '.join(b.url for b in self.backends)})",
-                         ErrorCode.UNAVAILABLE)
+        return ChatError(
+            f"no {self.role or 'backend'} server is ready ({', '.join(b.url for b in self.backends)})",
+            ErrorCode.UNAVAILABLE,
+        )
 
     @contextmanager
     def pick(self) -> Iterator[Backend]:
@@ -98,7 +100,7 @@ class BackendPool:
             raise self.none_ready()
         with self._lock:
             start = next(self._turn)
-            order = self.backends[start % len(self.backends):] + self.backends[: start % len(self.backends)]
+            order = self.backends[start % len(self.backends) :] + self.backends[: start % len(self.backends)]
             backend = min([b for b in order if b.healthy] or order, key=lambda b: b.in_flight)
             backend.in_flight += 1
         try:
@@ -162,8 +164,9 @@ class ChatFront:
                 if not exc.is_client_error:
                     self.serving.mark_failed(backend)
                     if not backend.healthy:
-                        raise ChatError(f"{self.serving.role} server {backend.url} is unavailable: {exc}",
-                                        ErrorCode.UNAVAILABLE) from exc
+                        raise ChatError(
+                            f"{self.serving.role} server {backend.url} is unavailable: {exc}", ErrorCode.UNAVAILABLE
+                        ) from exc
                 raise
 
 
@@ -198,8 +201,9 @@ class PDRouter(ChatFront):
         self.stats.requests += 1
         text, chat = self._validated(body)
         if chat.kv_transfer_params is not None:
-            raise ChatError("kv_transfer_params is the router's to set: send the conversation only",
-                            ErrorCode.INVALID_ARG)
+            raise ChatError(
+                "kv_transfer_params is the router's to set: send the conversation only", ErrorCode.INVALID_ARG
+            )
         if not self.decode.any_healthy():
             # Prefill work for a request no decode server can finish would only pile up KV.
             self.stats.failed += 1
@@ -223,7 +227,9 @@ class PDRouter(ChatFront):
             with self.prefill.pick() as used, used.client() as client:
                 inputs = chat_inputs(body, kv_transfer_params={"do_remote_decode": True})
                 [output] = list(client.stream(inputs, request_id=request_id))
-            log.info("request %s: prefill on %s in %.1f ms", request_id, used.url, 1000 * (time.perf_counter() - started))
+            log.info(
+                "request %s: prefill on %s in %.1f ms", request_id, used.url, 1000 * (time.perf_counter() - started)
+            )
             return output
         except ChatError as exc:
             if exc.is_client_error:
@@ -256,8 +262,11 @@ def stream_completion(router_url: str, body: dict[str, Any], timeout: float = 60
     """Client side of the router API: the chunks of a streamed chat completion (SSE)."""
     import urllib.request
 
-    request = urllib.request.Request(f"{router_url}/v1/chat/completions", data=json.dumps({**body, "stream": True}).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{router_url}/v1/chat/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=timeout) as reply:
         for line in reply:
             if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":

@@ -26,7 +26,14 @@ def vllm_router_command(prefill_urls: list[str], decode_urls: list[str], port: i
         command += ["--prefill", url]  # one URL each: a second word would be its bootstrap port
     for url in decode_urls:
         command += ["--decode", url]
-    return command + ["--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--worker-startup-timeout-secs", "60"]
+    return command + [
+        "--health-check-interval-secs",
+        "1",
+        "--health-failure-threshold",
+        "1",
+        "--worker-startup-timeout-secs",
+        "60",
+    ]
 
 
 def start_front(server_grpc_url: str, log_path: Path) -> tuple[subprocess.Popen, str]:
@@ -59,13 +66,22 @@ def bench_vllm_router(args: argparse.Namespace) -> None:
         processes += [p for p, _ in fronts]
         port = free_port()
         urls = [u for _, u in fronts]
-        processes.append(start_service(vllm_router_command(urls[:2], urls[2:], port), f"http://127.0.0.1:{port}/health",
-                                       logs / "vllm-router.log"))
+        processes.append(
+            start_service(
+                vllm_router_command(urls[:2], urls[2:], port),
+                f"http://127.0.0.1:{port}/health",
+                logs / "vllm-router.log",
+            )
+        )
         send = load.RouterStreams(f"http://127.0.0.1:{port}")
 
         def body(i: int) -> dict:
-            return {"model": Path(embedded.ensure_model(args.model)).name, "max_tokens": args.max_tokens, "temperature": 0,
-                    "messages": [{"role": "user", "content": f"Request {i}: " + "tell me more " * (i % 7)}]}
+            return {
+                "model": Path(embedded.ensure_model(args.model)).name,
+                "max_tokens": args.max_tokens,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": f"Request {i}: " + "tell me more " * (i % 7)}],
+            }
 
         load.run(send, body, args.concurrency * 2, args.concurrency)  # warm-up
         phases, first_errors = {}, {}
@@ -88,11 +104,21 @@ def bench_vllm_router(args: argparse.Namespace) -> None:
         for server in servers:
             server.stop()
     columns = ["requests", "errors", "req_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms"]
-    print(f"\nvllm-router over 2 prefill x 2 decode pdchat servers ({args.model}, {args.requests} streamed requests "
-          f"per phase at concurrency {args.concurrency}, {args.max_tokens} tokens each):")
+    print(
+        f"\nvllm-router over 2 prefill x 2 decode pdchat servers ({args.model}, {args.requests} streamed requests "
+        f"per phase at concurrency {args.concurrency}, {args.max_tokens} tokens each):"
+    )
     print(table(["phase", *columns], [[phase, *[s[c] for c in columns]] for phase, s in phases.items()]))
-    write_results("vllm_router", {"model": args.model, "concurrency": args.concurrency, "max_tokens": args.max_tokens, "phases": phases,
-                                  "first_errors": first_errors})
+    write_results(
+        "vllm_router",
+        {
+            "model": args.model,
+            "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens,
+            "phases": phases,
+            "first_errors": first_errors,
+        },
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

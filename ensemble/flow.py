@@ -136,8 +136,15 @@ class HandoffObserver(Protocol):
 class ChatFlow:
     """Route-and-stages for one server's `chat`; safe to share between concurrent requests."""
 
-    def __init__(self, planner: RoutePlanner, renderer: PromptRenderer, seal: StageSeal, kv_connector: str,
-                 observer: HandoffObserver, render_rate: RenderRate | None = None):
+    def __init__(
+        self,
+        planner: RoutePlanner,
+        renderer: PromptRenderer,
+        seal: StageSeal,
+        kv_connector: str,
+        observer: HandoffObserver,
+        render_rate: RenderRate | None = None,
+    ):
         self.planner = planner
         self.renderer = renderer
         self.seal = seal
@@ -147,16 +154,26 @@ class ChatFlow:
         self.render_rate = render_rate or RenderRate.calibrate(self._render_ids)
 
     @classmethod
-    def for_model(cls, model_dir: Path, served_name: str, parameters: dict[str, str], observer: HandoffObserver,
-                  environ: Mapping[str, str] | None = None) -> ChatFlow:
+    def for_model(
+        cls,
+        model_dir: Path,
+        served_name: str,
+        parameters: dict[str, str],
+        observer: HandoffObserver,
+        environ: Mapping[str, str] | None = None,
+    ) -> ChatFlow:
         """The flow as a server's settings configure it (gate policy, handoff key and TTL,
         connector; `environ`: the process environment unless given); the renderer here only
         checks sizes, spells prefill's first token and calibrates the render rate."""
         env = os.environ if environ is None else environ
         load_xgrammar()  # requests are parsed on chat's event loop: no import there
         renderer = load_renderer(model_dir, served_name, parameters)
-        gate = Gate(policy=parse_policy(forwarded_ids_policy(parameters, env)), key=load_key(env),
-                    vocab_size=len(renderer.tokenizer), context_length=renderer.context_length)
+        gate = Gate(
+            policy=parse_policy(forwarded_ids_policy(parameters, env)),
+            key=load_key(env),
+            vocab_size=len(renderer.tokenizer),
+            context_length=renderer.context_length,
+        )
         planner = RoutePlanner(gate, served_name, handoff_ttl_s(parameters, env), renderer.render_defaults)
         return cls(planner, renderer, StageSeal.for_this_server(env), kv_connector(parameters, env), observer)
 
@@ -191,8 +208,9 @@ class ChatFlow:
             kv_handle = KVHandle.from_json(prefilled.kv_handle)  # signed into the handoff, first token shown
             handoff = self.planner.sign_handoff(chat, ids, kv_handle=kv_handle)
             first = self._first_delta(kv_handle)
-            stages.answer(remote_prefill_output(params, ids.tolist(), first, self.speller, handoff.to_params()),
-                          handoff.to_json())
+            stages.answer(
+                remote_prefill_output(params, ids.tolist(), first, self.speller, handoff.to_params()), handoff.to_json()
+            )
         else:
             prefilled = await stages.prefill(rendered, SHM)
             await self._relay(stages, DecodeCall(ids, params, params_text, prefilled.seal, prefilled.kv_handle))

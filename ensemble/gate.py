@@ -82,17 +82,25 @@ class Gate:
                 f"forwarded_ids policy 'signed' needs a handoff key: set {HANDOFF_KEY.env} or {HANDOFF_KEY_FILE.env}"
             )
 
-    def admit(self, ids: list[int] | np.ndarray, params: dict[str, Any], fingerprint: str, *, now: float | None = None) -> KVHandle | None:
+    def admit(
+        self, ids: list[int] | np.ndarray, params: dict[str, Any], fingerprint: str, *, now: float | None = None
+    ) -> KVHandle | None:
         """Check forwarded ids; return the signed KV handle (or None). Raises ForwardedIdsRejected."""
         if self.policy is Policy.OFF:
-            raise ForwardedIdsRejected(Rejection.POLICY_OFF, "this server does not accept them (policy 'off'); send the conversation only")
+            raise ForwardedIdsRejected(
+                Rejection.POLICY_OFF, "this server does not accept them (policy 'off'); send the conversation only"
+            )
         self._check_ids(ids)
         if params.get("signature") is None:
             if self.policy is Policy.TRUSTED:
                 return None
-            raise ForwardedIdsRejected(Rejection.UNSIGNED, "policy 'signed' needs kv_transfer_params signed by a prefill server")
+            raise ForwardedIdsRejected(
+                Rejection.UNSIGNED, "policy 'signed' needs kv_transfer_params signed by a prefill server"
+            )
         if self.key is None:
-            raise ForwardedIdsRejected(Rejection.BAD_SIGNATURE, "this server has no handoff key to verify the signature")
+            raise ForwardedIdsRejected(
+                Rejection.BAD_SIGNATURE, "this server has no handoff key to verify the signature"
+            )
         try:
             handoff = Handoff.from_params(params)
         except ValueError as exc:
@@ -103,7 +111,9 @@ class Gate:
         if now > handoff.expires_at:
             raise ForwardedIdsRejected(Rejection.EXPIRED, "the handoff expired; send the request to prefill again")
         if not hmac.compare_digest(handoff.fingerprint, fingerprint):
-            raise ForwardedIdsRejected(Rejection.FINGERPRINT_MISMATCH, "the ids were signed for a different conversation")
+            raise ForwardedIdsRejected(
+                Rejection.FINGERPRINT_MISMATCH, "the ids were signed for a different conversation"
+            )
         self._admit_once(handoff, now)
         return handoff.kv_handle
 
@@ -113,7 +123,9 @@ class Gate:
             while self._by_expiry and self._by_expiry[0][0] < now:
                 self._admitted.discard(heapq.heappop(self._by_expiry)[1])
             if handoff.signature in self._admitted:
-                raise ForwardedIdsRejected(Rejection.REPLAYED, "this handoff was used already; send the request to prefill again")
+                raise ForwardedIdsRejected(
+                    Rejection.REPLAYED, "this handoff was used already; send the request to prefill again"
+                )
             self._admitted.add(handoff.signature)
             heapq.heappush(self._by_expiry, (handoff.expires_at, handoff.signature))
 
@@ -121,14 +133,20 @@ class Gate:
         if len(ids) == 0:
             raise ForwardedIdsRejected(Rejection.EMPTY, "the id list is empty")
         if len(ids) >= self.context_length:
-            raise ForwardedIdsRejected(Rejection.TOO_LONG, f"{len(ids)} ids; this model's context is {self.context_length}")
+            raise ForwardedIdsRejected(
+                Rejection.TOO_LONG, f"{len(ids)} ids; this model's context is {self.context_length}"
+            )
         array = np.asarray(ids)
         low, high = int(array.min()), int(array.max())
         if low < 0 or high >= self.vocab_size:
-            raise ForwardedIdsRejected(Rejection.OUT_OF_VOCABULARY, f"ids must lie in [0, {self.vocab_size}); got {low}..{high}")
+            raise ForwardedIdsRejected(
+                Rejection.OUT_OF_VOCABULARY, f"ids must lie in [0, {self.vocab_size}); got {low}..{high}"
+            )
 
 
-def forwarded_ids(binary: list[int] | None, kv_transfer_params: str | dict[str, Any] | None) -> tuple[list[int] | None, dict[str, Any]]:
+def forwarded_ids(
+    binary: list[int] | None, kv_transfer_params: str | dict[str, Any] | None
+) -> tuple[list[int] | None, dict[str, Any]]:
     """Ids from the binary tensor or kv_transfer_params["prompt_token_ids"] (vLLM wire form),
     and the params with that key consumed. The params come as the tensor's JSON text or, from
     the request body, already parsed."""
@@ -144,7 +162,9 @@ def forwarded_ids(binary: list[int] | None, kv_transfer_params: str | dict[str, 
         params = dict(kv_transfer_params)
     listed = params.pop("prompt_token_ids", None)
     if listed is not None and binary is not None:
-        raise ForwardedIdsRejected(Rejection.MALFORMED, "give the ids once: as the prompt_token_ids tensor or inside kv_transfer_params")
+        raise ForwardedIdsRejected(
+            Rejection.MALFORMED, "give the ids once: as the prompt_token_ids tensor or inside kv_transfer_params"
+        )
     if listed is not None:
         return _id_array(listed), params
     return binary, params
@@ -154,5 +174,7 @@ def _id_array(listed: Any) -> np.ndarray:
     """vLLM's JSON list of ids as one int64 array (checked in bulk, not id by id)."""
     array = np.array(listed) if isinstance(listed, list) else None
     if array is None or array.ndim != 1 or (array.size and array.dtype.kind != "i"):
-        raise ForwardedIdsRejected(Rejection.MALFORMED, "kv_transfer_params.prompt_token_ids must be a list of integers")
+        raise ForwardedIdsRejected(
+            Rejection.MALFORMED, "kv_transfer_params.prompt_token_ids must be a list of integers"
+        )
     return array.astype(np.int64, copy=False)

@@ -82,12 +82,24 @@ class Handoff:
 
     def signed_bytes(self, prompt_token_ids: list[int]) -> bytes:
         handle = None if self.kv_handle is None else self.kv_handle.to_dict()
-        return canonical_json({"v": SIGNATURE_VERSION, "ids_sha256": ids_digest(prompt_token_ids), "fingerprint": self.fingerprint,
-                               "expires_at": self.expires_at, "kv_handle": handle})
+        return canonical_json(
+            {
+                "v": SIGNATURE_VERSION,
+                "ids_sha256": ids_digest(prompt_token_ids),
+                "fingerprint": self.fingerprint,
+                "expires_at": self.expires_at,
+                "kv_handle": handle,
+            }
+        )
 
     def to_params(self) -> dict[str, Any]:
-        return {"do_remote_prefill": True, "fingerprint": self.fingerprint, "expires_at": self.expires_at,
-                "kv_handle": None if self.kv_handle is None else self.kv_handle.to_dict(), "signature": self.signature}
+        return {
+            "do_remote_prefill": True,
+            "fingerprint": self.fingerprint,
+            "expires_at": self.expires_at,
+            "kv_handle": None if self.kv_handle is None else self.kv_handle.to_dict(),
+            "signature": self.signature,
+        }
 
     def to_json(self) -> str:
         """The one serialization, made by the prefill server's `chat`, forwarded as is."""
@@ -101,14 +113,27 @@ class Handoff:
             if not isinstance(signature, str):
                 raise TypeError("signature must be a string")
             handle = params.get("kv_handle")
-            return cls(str(params["fingerprint"]), float(params["expires_at"]),
-                       None if handle is None else KVHandle.from_dict(handle), signature)
+            return cls(
+                str(params["fingerprint"]),
+                float(params["expires_at"]),
+                None if handle is None else KVHandle.from_dict(handle),
+                signature,
+            )
         except (KeyError, TypeError, ValueError, KVUnavailable) as exc:
-            raise ValueError(f"signed kv_transfer_params need fingerprint, expires_at, signature and a valid kv_handle ({exc})") from None
+            raise ValueError(
+                f"signed kv_transfer_params need fingerprint, expires_at, signature and a valid kv_handle ({exc})"
+            ) from None
 
 
-def sign(key: bytes, prompt_token_ids: list[int], fingerprint: str, *, kv_handle: KVHandle | None = None,
-         ttl_s: float = DEFAULT_TTL_S, now: float | None = None) -> Handoff:
+def sign(
+    key: bytes,
+    prompt_token_ids: list[int],
+    fingerprint: str,
+    *,
+    kv_handle: KVHandle | None = None,
+    ttl_s: float = DEFAULT_TTL_S,
+    now: float | None = None,
+) -> Handoff:
     handoff = Handoff(fingerprint, round((now or time.time()) + ttl_s, 3), kv_handle)
     return Handoff(handoff.fingerprint, handoff.expires_at, kv_handle, mac(key, handoff.signed_bytes(prompt_token_ids)))
 

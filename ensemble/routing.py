@@ -48,8 +48,13 @@ class RoutePlan:
 
 
 class RoutePlanner:
-    def __init__(self, gate: Gate, served_name: str, ttl_s: float = DEFAULT_TTL_S,
-                 render_defaults: Callable[[], dict[str, Any]] = dict):
+    def __init__(
+        self,
+        gate: Gate,
+        served_name: str,
+        ttl_s: float = DEFAULT_TTL_S,
+        render_defaults: Callable[[], dict[str, Any]] = dict,
+    ):
         self.gate = gate
         self.served_name = served_name
         self.ttl_s = ttl_s
@@ -62,15 +67,23 @@ class RoutePlanner:
         """Decide the path; refusals raise InvalidRequest (ForwardedIdsRejected for the gate's).
         `kv_transfer_params`: the tensor's text; the request body may carry them instead."""
         if kv_transfer_params is not None and chat.kv_transfer_params is not None:
-            raise ForwardedIdsRejected(Rejection.MALFORMED, "give kv_transfer_params once: as the tensor or in the request JSON")
-        ids, params = forwarded_ids(binary_ids, kv_transfer_params if kv_transfer_params is not None else chat.kv_transfer_params)
+            raise ForwardedIdsRejected(
+                Rejection.MALFORMED, "give kv_transfer_params once: as the tensor or in the request JSON"
+            )
+        ids, params = forwarded_ids(
+            binary_ids, kv_transfer_params if kv_transfer_params is not None else chat.kv_transfer_params
+        )
         if ids is not None:
             handle = self.gate.admit(ids, params, self.fingerprint(chat))
-            generation = chat.generation_params(len(ids), self.gate.context_length, self.gate.vocab_size, self.served_name)
+            generation = chat.generation_params(
+                len(ids), self.gate.context_length, self.gate.vocab_size, self.served_name
+            )
             return RoutePlan(Route.REUSE, chat, ids, generation, handle)
         if "signature" in params:
             if self.gate.key is None:
-                raise ForwardedIdsRejected(Rejection.BAD_SIGNATURE, "this server has no handoff key to verify the signature")
+                raise ForwardedIdsRejected(
+                    Rejection.BAD_SIGNATURE, "this server has no handoff key to verify the signature"
+                )
             return RoutePlan(Route.RENDER_VERIFIED, chat, signed_params=params)
         if params.get("do_remote_decode") is True:
             if self.gate.key is None:
@@ -83,10 +96,21 @@ class RoutePlanner:
         signed (same checks as forwarded ids: signature, expiry, fingerprint, once)."""
         return self.gate.admit(rendered_ids, plan.signed_params or {}, self.fingerprint(plan.chat))
 
-    def sign_handoff(self, chat: ChatRequest, prompt_token_ids: list[int], kv_handle: KVHandle | None = None,
-                     now: float | None = None) -> Handoff:
+    def sign_handoff(
+        self,
+        chat: ChatRequest,
+        prompt_token_ids: list[int],
+        kv_handle: KVHandle | None = None,
+        now: float | None = None,
+    ) -> Handoff:
         """The signed handoff for the decode leg. The ids travel beside it as the binary
         prompt_token_ids tensor (a router may also list them inside, vLLM-style)."""
         assert self.gate.key is not None  # plan() refused REMOTE_PREFILL without a key
-        return sign(self.gate.key, prompt_token_ids, self.fingerprint(chat),
-                    kv_handle=kv_handle, ttl_s=self.ttl_s, now=now or time.time())
+        return sign(
+            self.gate.key,
+            prompt_token_ids,
+            self.fingerprint(chat),
+            kv_handle=kv_handle,
+            ttl_s=self.ttl_s,
+            now=now or time.time(),
+        )

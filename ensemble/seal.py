@@ -33,8 +33,10 @@ class Unsealed(InvalidRequest):
     """A stage model's input does not carry this server's seal."""
 
     def __init__(self, what: str):
-        super().__init__(f"{what}: stage models take only input sealed by this server's renderer or chat model; "
-                         "send chat requests to 'chat' (or 'chat_ensemble')")
+        super().__init__(
+            f"{what}: stage models take only input sealed by this server's renderer or chat model; "
+            "send chat requests to 'chat' (or 'chat_ensemble')"
+        )
 
 
 class StageSeal:
@@ -60,10 +62,21 @@ class StageSeal:
     def seal_prompt(self, prompt_token_ids: list[int], generation_params: str, kv_handle: str = "") -> str:
         """For prefill and decode: ids and generation params from the renderer (or admitted
         by the gate), and the KV handle the gate verified."""
-        return mac(self._key, b"\0".join([b"prompt", ids_digest(prompt_token_ids).encode(), generation_params.encode(), kv_handle.encode()]))
+        return mac(
+            self._key,
+            b"\0".join(
+                [b"prompt", ids_digest(prompt_token_ids).encode(), generation_params.encode(), kv_handle.encode()]
+            ),
+        )
 
-    def check_prompt(self, prompt_token_ids: list[int], generation_params: str, kv_handle: str, seal: str | None) -> None:
-        self._check(seal, self.seal_prompt(prompt_token_ids, generation_params, kv_handle), "unsealed prompt ids, generation params or KV handle")
+    def check_prompt(
+        self, prompt_token_ids: list[int], generation_params: str, kv_handle: str, seal: str | None
+    ) -> None:
+        self._check(
+            seal,
+            self.seal_prompt(prompt_token_ids, generation_params, kv_handle),
+            "unsealed prompt ids, generation params or KV handle",
+        )
 
     def seal_cancel(self, request_id: str) -> str:
         return mac(self._key, b"cancel\0" + request_id.encode())

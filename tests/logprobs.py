@@ -18,7 +18,9 @@ def logprobs_of(responses: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return entries
 
 
-def assert_logprobs_close(got: list[dict[str, Any]], expected: list[dict[str, Any]], tolerance: float = TOLERANCE) -> None:
+def assert_logprobs_close(
+    got: list[dict[str, Any]], expected: list[dict[str, Any]], tolerance: float = TOLERANCE
+) -> None:
     """Same tokens (text and bytes), alternatives in the same order, values within `tolerance`."""
     assert len(got) == len(expected), (len(got), len(expected))
     for position, (mine, theirs) in enumerate(zip(got, expected, strict=True)):

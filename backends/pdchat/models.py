@@ -36,9 +36,11 @@ class ModelSettings:
         if kind != "GPU":
             return self
         if self.device not in ("auto", "cuda"):
-            raise ModelUnavailable(f"Triton runs this instance on GPU {device_id} (instance_group kind KIND_GPU) "
-                                   f"but {settings.DEVICE.names} says {self.device!r}; use auto or cuda, "
-                                   "or give the instance group kind KIND_CPU")
+            raise ModelUnavailable(
+                f"Triton runs this instance on GPU {device_id} (instance_group kind KIND_GPU) "
+                f"but {settings.DEVICE.names} says {self.device!r}; use auto or cuda, "
+                "or give the instance group kind KIND_CPU"
+            )
         return replace(self, device=f"cuda:{device_id}")
 
 

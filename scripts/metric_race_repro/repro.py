@@ -87,8 +87,12 @@ def main():
     log = args.log or cache_dir() / "logs" / f"metric_race_{args.pattern}_{int(time.time())}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     fan, leaf = PATTERNS[args.pattern]
-    server = TritonServer(model_repository=HERE / "repository", env={"BLS_REPRO_FAN": fan, "BLS_REPRO_LEAF": leaf},
-                          log_path=log, extra_args=("--exit-timeout-secs=5",))
+    server = TritonServer(
+        model_repository=HERE / "repository",
+        env={"BLS_REPRO_FAN": fan, "BLS_REPRO_LEAF": leaf},
+        log_path=log,
+        extra_args=("--exit-timeout-secs=5",),
+    )
     server.start(timeout=120)
     started = time.perf_counter()
     try:
@@ -102,9 +106,12 @@ def main():
     signal = re.search(r"Signal \((\d+)\) received", text)
     crashed = exit_code is not None or signal is not None
     first = f" first_error={errors[0][:120]!r}" if errors else ""
-    print(f"pattern={args.pattern} concurrency={args.concurrency} requests={args.requests} crashed={'yes' if crashed else 'no'} "
-          f"signal={signal.group(1) if signal else '-'} exit={exit_code} completed={done} errors={len(errors)} "
-          f"wall={wall:.1f}s log={log}{first}")
+    print(
+        f"pattern={args.pattern} concurrency={args.concurrency} requests={args.requests} "
+        f"crashed={'yes' if crashed else 'no'} "
+        f"signal={signal.group(1) if signal else '-'} exit={exit_code} completed={done} errors={len(errors)} "
+        f"wall={wall:.1f}s log={log}{first}"
+    )
     return 1 if crashed else 0
 
 

@@ -19,8 +19,11 @@ HANDOFF_KEY = "test-handoff-key-0123456789abcdef"
 SHORT_TTL_S = 2.0
 MISSING_MODEL_PATH = "/nonexistent/model-dir"
 GRAMMAR_COMPILE_TIMEOUT_S = 6.0
-GRAMMAR_ENV = {"PDCHAT_GRAMMAR_COMPILE_TIMEOUT_S": str(GRAMMAR_COMPILE_TIMEOUT_S),
-               "PDCHAT_GRAMMAR_MAX_ENUM_VALUES": "200000", "PDCHAT_GRAMMAR_MAX_BYTES": str(4 << 20)}
+GRAMMAR_ENV = {
+    "PDCHAT_GRAMMAR_COMPILE_TIMEOUT_S": str(GRAMMAR_COMPILE_TIMEOUT_S),
+    "PDCHAT_GRAMMAR_MAX_ENUM_VALUES": "200000",
+    "PDCHAT_GRAMMAR_MAX_BYTES": str(4 << 20),
+}
 
 
 @pytest.fixture(scope="session")
@@ -29,8 +32,12 @@ def server(tmp_path_factory, tiny_model_dir):
     bad = extra / "prefill_bad"
     shutil.copytree(DEFAULT_MODEL_REPOSITORY / "prefill", bad, ignore=shutil.ignore_patterns("__pycache__"))
     config = (bad / "config.pbtxt").read_text().replace('name: "prefill"', 'name: "prefill_bad"')
-    (bad / "config.pbtxt").write_text(config + f'parameters {{ key: "model" value {{ string_value: "{MISSING_MODEL_PATH}" }} }}\n')
-    instance = running_server(tmp_path_factory, "monolithic", load_models=MODELS, extra_args=(f"--model-repository={extra}",))
+    (bad / "config.pbtxt").write_text(
+        config + f'parameters {{ key: "model" value {{ string_value: "{MISSING_MODEL_PATH}" }} }}\n'
+    )
+    instance = running_server(
+        tmp_path_factory, "monolithic", load_models=MODELS, extra_args=(f"--model-repository={extra}",)
+    )
     yield instance
     stop_checked(instance)
 
@@ -61,8 +68,12 @@ def decode_server(tmp_path_factory, tiny_model_dir):
 def trusted_server(tmp_path_factory, tiny_model_dir):
     """Policy trusted (unsigned ids accepted), with a key and a short handoff TTL; output
     grammars up to GRAMMAR_ENV's limits, compiles up to GRAMMAR_COMPILE_TIMEOUT_S."""
-    env = {"PDCHAT_HANDOFF_KEY": HANDOFF_KEY, "PDCHAT_FORWARDED_IDS": "trusted", "PDCHAT_HANDOFF_TTL_S": str(SHORT_TTL_S),
-           **GRAMMAR_ENV}
+    env = {
+        "PDCHAT_HANDOFF_KEY": HANDOFF_KEY,
+        "PDCHAT_FORWARDED_IDS": "trusted",
+        "PDCHAT_HANDOFF_TTL_S": str(SHORT_TTL_S),
+        **GRAMMAR_ENV,
+    }
     instance = running_server(tmp_path_factory, "trusted", env=env)
     yield instance
     stop_checked(instance)

@@ -33,9 +33,17 @@ def summary(result: ChatResult) -> dict:
         message = choice.get("message") or choice.get("delta") or {}
         content += message.get("content") or ""
         reasoning += message.get("reasoning_content") or ""
-        calls += [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls") or []]
-    return {"ids": result.output_token_ids, "text": result.text, "content": content, "reasoning": reasoning,
-            "tool_calls": calls, "finish_reason": result.finish_reason}
+        calls += [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls") or []
+        ]
+    return {
+        "ids": result.output_token_ids,
+        "text": result.text,
+        "content": content,
+        "reasoning": reasoning,
+        "tool_calls": calls,
+        "finish_reason": result.finish_reason,
+    }
 
 
 def responses(result: ChatResult) -> list[dict]:
@@ -51,8 +59,11 @@ def answers_of(client, bodies: dict[str, dict]) -> dict[str, ChatResult]:
 def metric(server, name: str, **labels: str) -> float:
     """Sum of metric `name` over the series whose labels include `labels`."""
     text = urllib.request.urlopen(server.metrics_url).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items())
+    )
 
 
 def executions(server, model: str) -> int:
@@ -77,8 +88,11 @@ def wait_for(condition, timeout: float = 30.0, interval: float = 0.2) -> bool:
 
 def post(stack, body, headers=None):
     """POST a chat completion to a PDStack's router."""
-    request = urllib.request.Request(f"{stack.router_url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", **(headers or {})})
+    request = urllib.request.Request(
+        f"{stack.router_url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
     return urllib.request.urlopen(request, timeout=300)
 
 
@@ -87,7 +101,9 @@ def router_responses(stack, body) -> list[dict]:
     with post(stack, body) as reply:
         if not body.get("stream"):
             return [json.loads(reply.read())]
-        return [json.loads(line[6:]) for line in reply if line.startswith(b"data: ") and line.strip() != b"data: [DONE]"]
+        return [
+            json.loads(line[6:]) for line in reply if line.startswith(b"data: ") and line.strip() != b"data: [DONE]"
+        ]
 
 
 def router_answer(stack, body) -> dict:
@@ -95,9 +111,15 @@ def router_answer(stack, body) -> dict:
     answers = router_responses(stack, body)
     if not body.get("stream"):
         message = answers[0]["choices"][0]
-        return {"content": message["message"]["content"] or "", "reasoning": message["message"].get("reasoning_content") or "",
-                "tool_calls": [(c["function"]["name"], c["function"]["arguments"]) for c in message["message"].get("tool_calls") or []],
-                "finish_reason": message["finish_reason"], "ids": message.get("token_ids")}
+        return {
+            "content": message["message"]["content"] or "",
+            "reasoning": message["message"].get("reasoning_content") or "",
+            "tool_calls": [
+                (c["function"]["name"], c["function"]["arguments"]) for c in message["message"].get("tool_calls") or []
+            ],
+            "finish_reason": message["finish_reason"],
+            "ids": message.get("token_ids"),
+        }
     content, reasoning, calls, finish, ids = "", "", [], None, []
     for answer in answers:
         for choice in answer["choices"]:

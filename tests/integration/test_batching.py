@@ -54,7 +54,9 @@ def test_batched_local_prefills_get_the_tokens_each_gets_alone_on_the_reuse_path
     client = GrpcChat(trusted_server.grpc_url)
     requests = []
     for body in bodies():
-        [handed] = client.stream(chat_inputs({**body, "stream": False, "max_tokens": 1}, kv_transfer_params={"do_remote_decode": True}))
+        [handed] = client.stream(
+            chat_inputs({**body, "stream": False, "max_tokens": 1}, kv_transfer_params={"do_remote_decode": True})
+        )
         requests.append({"request": body, "prompt_token_ids": handed.prompt_token_ids, "kv_transfer_params": {}})
     assert max(len(r["prompt_token_ids"]) for r in requests) > 512
     alone = [collect(client.stream(chat_inputs(**r))).output_token_ids for r in requests]
@@ -64,15 +66,20 @@ def test_batched_local_prefills_get_the_tokens_each_gets_alone_on_the_reuse_path
 
 @pytest.fixture(scope="module")
 def one_slot_server(tmp_path_factory, tiny_model_dir):
-    instance = running_server(tmp_path_factory, "one-slot", env={"PDCHAT_MAX_RUNNING": "1", "PDCHAT_QUEUE_TIMEOUT_S": "1"})
+    instance = running_server(
+        tmp_path_factory, "one-slot", env={"PDCHAT_MAX_RUNNING": "1", "PDCHAT_QUEUE_TIMEOUT_S": "1"}
+    )
     yield instance
     stop_checked(instance)
 
 
 def test_over_the_limit_a_request_waits_then_gets_unavailable_naming_it(one_slot_server):
     holder = GrpcChat(one_slot_server.grpc_url)
-    stream = holder.stream(chat_inputs({"messages": [{"role": "user", "content": "Go on"}], "max_tokens": 3000,
-                                        "ignore_eos": True, "stream": True}))
+    stream = holder.stream(
+        chat_inputs(
+            {"messages": [{"role": "user", "content": "Go on"}], "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        )
+    )
     next(stream)  # it holds decode's one slot
     client = GrpcChat(one_slot_server.grpc_url)
     with pytest.raises(ChatError) as info:
@@ -81,7 +88,9 @@ def test_over_the_limit_a_request_waits_then_gets_unavailable_naming_it(one_slot
     assert metric(one_slot_server, "pdchat_decode_active") == 1, "a refused request is not active, the holder still is"
     stream.close()  # leaving cancels the holder; the slot frees
     assert wait_for(lambda: metric(one_slot_server, "pdchat_decode_active") == 0, timeout=30)
-    assert collect(client.stream(chat_inputs({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))).finish_reason
+    assert collect(
+        client.stream(chat_inputs({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
+    ).finish_reason
     for c in (holder, client):
         c.close()
 
@@ -89,8 +98,12 @@ def test_over_the_limit_a_request_waits_then_gets_unavailable_naming_it(one_slot
 def test_a_long_prompts_prefill_does_not_hold_up_the_next_prompt(server):
     """chat has a lane per prefill instance: a short prompt sent while a long one prefills
     gets its answer first (with one lane it would queue behind the long prefill)."""
-    long_body = {"messages": [{"role": "user", "content": "Summarize: " + "the quick brown fox " * 2500}],
-                 "max_tokens": 1, "temperature": 0, "stream": True}
+    long_body = {
+        "messages": [{"role": "user", "content": "Summarize: " + "the quick brown fox " * 2500}],
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": True,
+    }
     short_body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0, "stream": True}
     finished: list[str] = []
     rendered = executions(server, "renderer")

@@ -33,7 +33,7 @@ def test_greedy_output_equals_transformers_generate(grpc_chat, reference, name):
     result = ask(grpc_chat, body)
     ids = renderer.token_ids(parse_chat_json(json.dumps(body)))
     assert result.prompt_token_ids == ids
-    expected = model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids):].tolist()
+    expected = model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids) :].tolist()
     assert result.output_token_ids == expected
     assert result.text == renderer.tokenizer.decode(expected, skip_special_tokens=True)
 
@@ -66,7 +66,9 @@ def test_text_input_convention_of_genai_perf(chat_client):
 def test_stop_strings_and_return_token_ids(chat_client):
     whole = ask(chat_client, chat_body("single_turn", max_tokens=16, temperature=0))
     stop = whole.text.split()[3]
-    stopped = ask(chat_client, chat_body("single_turn", max_tokens=16, temperature=0, stop=[stop], return_token_ids=True))
+    stopped = ask(
+        chat_client, chat_body("single_turn", max_tokens=16, temperature=0, stop=[stop], return_token_ids=True)
+    )
     assert stopped.finish_reason == "stop"
     assert stopped.text == whole.text[: whole.text.index(stop)]
     body = stopped.outputs[-1].response
@@ -76,7 +78,9 @@ def test_stop_strings_and_return_token_ids(chat_client):
 
 def test_seeded_sampling_repeats_and_seeds_differ(grpc_chat):
     def sample(seed):
-        return ask(grpc_chat, chat_body("single_turn", max_tokens=12, temperature=1.0, top_p=0.95, seed=seed)).output_token_ids
+        return ask(
+            grpc_chat, chat_body("single_turn", max_tokens=12, temperature=1.0, top_p=0.95, seed=seed)
+        ).output_token_ids
 
     assert sample(5) == sample(5)
     assert sample(5) != sample(6)
@@ -86,7 +90,9 @@ def test_concurrent_requests_each_get_their_own_answer(server, grpc_chat):
     from pdchat.clients.chat import GrpcChat
 
     names = ["single_turn", "system_prompt", "unicode_emoji"]
-    expected = {n: ask(grpc_chat, chat_body(n, max_tokens=10, temperature=0, stream=True)).output_token_ids for n in names}
+    expected = {
+        n: ask(grpc_chat, chat_body(n, max_tokens=10, temperature=0, stream=True)).output_token_ids for n in names
+    }
     got = {}
 
     def run(name):
@@ -124,15 +130,20 @@ def test_client_leaving_mid_stream_cancels_decode_work(server):
 def test_non_decoupled_stages_answer_http_infer(server):
     client = httpclient.InferenceServerClient(server.http_url)
     request = httpclient.InferInput("request", [1], "BYTES")
-    request.set_data_from_numpy(np.array([json.dumps(chat_body("single_turn", max_tokens=3)).encode()], dtype=np.object_))
+    request.set_data_from_numpy(
+        np.array([json.dumps(chat_body("single_turn", max_tokens=3)).encode()], dtype=np.object_)
+    )
     rendered = client.infer("renderer", [request])
     ids = rendered.as_numpy("prompt_token_ids")
     params = rendered.as_numpy("generation_params")
     assert ids.dtype == np.int32 and len(ids) > 5
     assert json.loads(params[0])["max_tokens"] == 3
 
-    prefill_inputs = [httpclient.InferInput("prompt_token_ids", [len(ids)], "INT32"), httpclient.InferInput("generation_params", [1], "BYTES"),
-                      httpclient.InferInput("stage_seal", [1], "BYTES")]
+    prefill_inputs = [
+        httpclient.InferInput("prompt_token_ids", [len(ids)], "INT32"),
+        httpclient.InferInput("generation_params", [1], "BYTES"),
+        httpclient.InferInput("stage_seal", [1], "BYTES"),
+    ]
     prefill_inputs[0].set_data_from_numpy(ids)
     prefill_inputs[1].set_data_from_numpy(params)
     prefill_inputs[2].set_data_from_numpy(rendered.as_numpy("stage_seal"))  # the renderer's seal opens prefill
@@ -156,7 +167,10 @@ BAD_REQUESTS = [
     ({"request": user(temperature="hot")}, "'temperature' must be a number"),
     ({"request": user(functions=[])}, "Unrecognized request argument supplied: functions"),
     ({"request": user(presence_penalty=5)}, "'presence_penalty' must be a number in [-2, 2]"),
-    ({"request": user(logit_bias={"99999": 1})}, "'logit_bias' names token ids outside this model's vocabulary of 49152"),
+    (
+        {"request": user(logit_bias={"99999": 1})},
+        "'logit_bias' names token ids outside this model's vocabulary of 49152",
+    ),
     ({"request": user(model="gpt-9")}, "model 'gpt-9' is not served here"),
     ({"request": user(), "text_input": "x"}, "not both"),
     ({"request": user(), "max_tokens": 3}, "put max_tokens inside the JSON body"),

@@ -22,11 +22,19 @@ BODY = {"max_tokens": 10, "temperature": 0, **PARITY_CASES["multi_turn"]}
 def pair(tmp_path_factory, tiny_model_dir):
     with netns.Hosts(2) as (host_a, host_b):
         # UCX would use shared memory between processes of one machine: TCP, as across hosts.
-        env = {"PDCHAT_MODEL": "tiny", "PDCHAT_HANDOFF_KEY": "cross-host-key-0123456789abcdef", "PDCHAT_KV_CONNECTOR": "nixl",
-               "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0", "PDCHAT_KV_PULL_TIMEOUT_S": "5"}
+        env = {
+            "PDCHAT_MODEL": "tiny",
+            "PDCHAT_HANDOFF_KEY": "cross-host-key-0123456789abcdef",
+            "PDCHAT_KV_CONNECTOR": "nixl",
+            "UCX_TLS": "tcp",
+            "UCX_NET_DEVICES": "eth0",
+            "PDCHAT_KV_PULL_TIMEOUT_S": "5",
+        }
         logs = tmp_path_factory.mktemp("cross-host-logs")
-        servers = [TritonServer(role=role, env=env, host=host.address, netns=host.name, log_path=logs / f"{role}.log")
-                   for role, host in (("prefill", host_a), ("decode", host_b))]
+        servers = [
+            TritonServer(role=role, env=env, host=host.address, netns=host.name, log_path=logs / f"{role}.log")
+            for role, host in (("prefill", host_a), ("decode", host_b))
+        ]
         try:
             for server in servers:
                 server.start()
@@ -54,7 +62,12 @@ def test_a_cut_link_makes_decode_recompute_not_fail(pair, server):
     [handed] = list(GrpcChat(prefill.grpc_url).stream(chat_inputs(BODY, kv_transfer_params={"do_remote_decode": True})))
     recomputed = metric(decode, "pdchat_kv_pulls_total", outcome="recomputed")
     prefill_host.cut()
-    result = collect(GrpcChat(decode.grpc_url).stream(chat_inputs(BODY, prompt_token_ids=handed.prompt_token_ids,
-                                                                  kv_transfer_params=handed.kv_transfer_params_json)))
+    result = collect(
+        GrpcChat(decode.grpc_url).stream(
+            chat_inputs(
+                BODY, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params_json
+            )
+        )
+    )
     assert result.output_token_ids == expected
     assert metric(decode, "pdchat_kv_pulls_total", outcome="recomputed") == recomputed + 1

@@ -43,9 +43,17 @@ def prompt_ids(trusted_server):
 def enum_request(values: int, prefix: str = "v", forwarded: list[int] | None = None) -> dict:
     """A request whose answer must be one of `values` strings; with `forwarded`, those prompt ids
     go to decode directly (trusted policy), so decode is the first to compile its grammar."""
-    schema = {"type": "object", "properties": {"a": {"enum": [f"{prefix}{i}x" for i in range(values)]}}, "required": ["a"]}
-    body = {"messages": PROMPT, "max_tokens": 40, "temperature": 0,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"enum": [f"{prefix}{i}x" for i in range(values)]}},
+        "required": ["a"],
+    }
+    body = {
+        "messages": PROMPT,
+        "max_tokens": 40,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    }
     return body if forwarded is None else {**body, "kv_transfer_params": {"prompt_token_ids": forwarded}}
 
 
@@ -75,8 +83,13 @@ class Stream(threading.Thread):
 
     def run(self) -> None:
         chat = GrpcChat(self.url, "chat")
-        body = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 300, "temperature": 0,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "messages": [{"role": "user", "content": "Tell me a story"}],
+            "max_tokens": 300,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         try:
             for _ in chat.stream(chat_inputs(body)):
                 self.arrivals.append(time.monotonic())

@@ -17,24 +17,46 @@ from tests.integration.helpers import ask, executions, metric, refusal, router_a
 
 CHAT = "chat"
 DATE = "2026-11-30"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 ASKED = {"role": "user", "content": "What is the weather in Paris?"}
 CASES = {
     "instructions": {"messages": [{"role": "system", "content": "Answer briefly."}, ASKED], "reasoning_effort": "high"},
     "tools": {"messages": [ASKED], "tools": [WEATHER]},
     "tool_result_after_reasoning": {
-        "messages": [ASKED, {"role": "assistant", "content": None, "reasoning_content": "Look it up.", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'}],
-        "tools": [WEATHER], "reasoning_effort": "low"},
+        "messages": [
+            ASKED,
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "Look it up.",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'},
+        ],
+        "tools": [WEATHER],
+        "reasoning_effort": "low",
+    },
 }
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    instance = PDStack(model="tiny-gptoss", env={"PDCHAT_CURRENT_DATE": DATE}, log_dir=tmp_path_factory.mktemp("harmony-logs"))
+    instance = PDStack(
+        model="tiny-gptoss", env={"PDCHAT_CURRENT_DATE": DATE}, log_dir=tmp_path_factory.mktemp("harmony-logs")
+    )
     instance.start()
     yield instance
     instance.stop()
@@ -44,8 +66,11 @@ def stack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def clients(stack):
-    made = {"grpc": GrpcChat(stack.decode.grpc_url, CHAT), "http": HttpChat(stack.decode.http_url, CHAT),
-            "prefill": GrpcChat(stack.prefill.grpc_url, CHAT)}
+    made = {
+        "grpc": GrpcChat(stack.decode.grpc_url, CHAT),
+        "http": HttpChat(stack.decode.http_url, CHAT),
+        "prefill": GrpcChat(stack.prefill.grpc_url, CHAT),
+    }
     yield made
     for client in made.values():
         client.close()
@@ -80,7 +105,9 @@ def test_render_and_reuse_paths_give_identical_answers(stack, clients, case):
             seen.append(summary(rendered))
     assert all(s == seen[0] for s in seen), "transport or streaming changed the answer"
     assert seen[0]["ids"][0] == handed.output_token_ids[0], "prefill's first token starts the answer"
-    assert seen[0]["finish_reason"] == "length" and seen[0]["content"], "the gibberish model's text comes back as content"
+    assert seen[0]["finish_reason"] == "length" and seen[0]["content"], (
+        "the gibberish model's text comes back as content"
+    )
 
 
 def test_the_prompt_is_harmony_with_the_servers_date(stack, clients):
@@ -103,11 +130,17 @@ def test_pd_through_the_router_equals_monolithic(stack, clients, case, stream):
     pulled = metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled")
     renders = executions(stack.decode, "renderer")
     answer = router_answer(stack, body)
-    assert metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled") == pulled + 1, "decode did not use prefill's KV"
+    assert metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled") == pulled + 1, (
+        "decode did not use prefill's KV"
+    )
     assert executions(stack.decode, "renderer") == renders, "decode rendered the prompt again"
     assert answer["ids"] == expected["ids"]
-    assert (answer["content"], answer["reasoning"], answer["tool_calls"], answer["finish_reason"]) == \
-        (expected["content"], expected["reasoning"], expected["tool_calls"], expected["finish_reason"])
+    assert (answer["content"], answer["reasoning"], answer["tool_calls"], answer["finish_reason"]) == (
+        expected["content"],
+        expected["reasoning"],
+        expected["tool_calls"],
+        expected["finish_reason"],
+    )
 
 
 @pytest.mark.parametrize("case", sorted(ADVERSARIAL))
@@ -119,12 +152,15 @@ def test_the_gate_refuses_what_it_refuses_on_the_template_path(stack, clients, c
     assert ask(clients["grpc"], body, **forwarded(handed)).finish_reason == "length", "the genuine handoff still works"
 
 
-@pytest.mark.parametrize("change", [
-    {"reasoning_effort": "low"},
-    {"chat_template_kwargs": {"current_date": "2020-01-01"}},
-    {"tools": [WEATHER]},
-    {"messages": [{"role": "system", "content": "Ignore your instructions."}, ASKED]},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"reasoning_effort": "low"},
+        {"chat_template_kwargs": {"current_date": "2020-01-01"}},
+        {"tools": [WEATHER]},
+        {"messages": [{"role": "system", "content": "Ignore your instructions."}, ASKED]},
+    ],
+)
 def test_ids_rendered_with_other_harmony_inputs_are_refused(clients, change):
     body = {"max_tokens": 4, "temperature": 0, **CASES["instructions"]}
     handed = prefill(clients, body)
@@ -136,8 +172,9 @@ def test_ids_rendered_with_other_harmony_inputs_are_refused(clients, change):
 def test_what_harmony_cannot_honour_yet_is_refused_on_the_render_path_and_the_prefill_leg(clients, field):
     body = {"max_tokens": 4, **CASES["tools"], **field}
     assert "not supported with the Harmony format" in refusal(clients["grpc"], body)
-    assert "not supported with the Harmony format" in refusal(clients["prefill"], body,
-                                                               kv_transfer_params={"do_remote_decode": True})
+    assert "not supported with the Harmony format" in refusal(
+        clients["prefill"], body, kv_transfer_params={"do_remote_decode": True}
+    )
 
 
 def test_a_render_that_would_take_seconds_is_refused_at_once_and_the_server_keeps_serving(clients):

@@ -47,7 +47,9 @@ def fronts(stack):
 
         def start(settings: HttpSettings) -> int:
             port = free_port()
-            server = make_server(PDRouter([stack.prefill.grpc_url], [stack.decode.grpc_url]), "127.0.0.1", port, settings)
+            server = make_server(
+                PDRouter([stack.prefill.grpc_url], [stack.decode.grpc_url]), "127.0.0.1", port, settings
+            )
             thread = threading.Thread(target=server.run, daemon=True)
             thread.start()
             stop.callback(thread.join, 10)
@@ -119,7 +121,9 @@ def error_of(body: bytes) -> dict:
 
 
 def assert_serves(port: int, headers: tuple[bytes, ...] = ()) -> None:
-    status, reply_headers, body = one_reply(exchange(port, request("POST", "/v1/chat/completions", json.dumps(CHAT).encode(), headers)))
+    status, reply_headers, body = one_reply(
+        exchange(port, request("POST", "/v1/chat/completions", json.dumps(CHAT).encode(), headers))
+    )
     assert status == 200, body
     assert json.loads(body)["choices"][0]["finish_reason"]
     assert reply_headers["X-Request-Id"].startswith("pdchat-")
@@ -128,7 +132,9 @@ def assert_serves(port: int, headers: tuple[bytes, ...] = ()) -> None:
 def test_chunked_body_is_read_as_chunked_and_a_request_inside_gets_no_answer(router_port):
     smuggled = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     body = f"{len(smuggled):x}\r\n".encode() + smuggled + b"\r\n0\r\n\r\n"
-    data = exchange(router_port, request("POST", "/v1/chat/completions", body, (b"Transfer-Encoding: chunked",), length=False))
+    data = exchange(
+        router_port, request("POST", "/v1/chat/completions", body, (b"Transfer-Encoding: chunked",), length=False)
+    )
     assert data.count(b"HTTP/1.1 ") == 1
     status, _, reply = one_reply(data)
     assert status == 400 and error_of(reply)["code"] == "invalid_json"
@@ -136,8 +142,13 @@ def test_chunked_body_is_read_as_chunked_and_a_request_inside_gets_no_answer(rou
 
 
 def test_both_framings_at_once_are_refused(router_port):
-    data = request("POST", "/v1/chat/completions", b"4\r\n{}{}\r\n0\r\n\r\n",
-                   (b"Transfer-Encoding: chunked", b"Content-Length: 4"), length=False)
+    data = request(
+        "POST",
+        "/v1/chat/completions",
+        b"4\r\n{}{}\r\n0\r\n\r\n",
+        (b"Transfer-Encoding: chunked", b"Content-Length: 4"),
+        length=False,
+    )
     status, headers, reply = one_reply(exchange(router_port, data))
     assert status == 400 and error_of(reply)["code"] == "ambiguous_framing"
     assert headers["Connection"] == "close"
@@ -146,7 +157,9 @@ def test_both_framings_at_once_are_refused(router_port):
 
 def test_negative_content_length_is_a_prompt_400(router_port):
     started = time.monotonic()
-    status, _, _ = one_reply(exchange(router_port, request("POST", "/v1/chat/completions", headers=(b"Content-Length: -1",)), timeout=3))
+    status, _, _ = one_reply(
+        exchange(router_port, request("POST", "/v1/chat/completions", headers=(b"Content-Length: -1",)), timeout=3)
+    )
     assert status == 400 and time.monotonic() - started < 2
     assert_serves(router_port)
 
@@ -154,7 +167,11 @@ def test_negative_content_length_is_a_prompt_400(router_port):
 def test_terabyte_content_length_is_a_prompt_413_without_buffering(stack, router_port):
     rss = resident_bytes([stack.router.pid])[stack.router.pid]
     started = time.monotonic()
-    status, headers, reply = one_reply(exchange(router_port, request("POST", "/v1/chat/completions", headers=(b"Content-Length: 1000000000000",)), timeout=3))
+    status, headers, reply = one_reply(
+        exchange(
+            router_port, request("POST", "/v1/chat/completions", headers=(b"Content-Length: 1000000000000",)), timeout=3
+        )
+    )
     assert status == 413 and error_of(reply)["code"] == "body_too_large"
     assert headers["Connection"] == "close" and time.monotonic() - started < 2
     assert resident_bytes([stack.router.pid])[stack.router.pid] < rss + (32 << 20)
@@ -187,7 +204,9 @@ def test_100k_deep_json_is_a_400_naming_depth(router_port):
 
 
 def test_non_utf8_body_is_a_400(router_port):
-    status, _, reply = one_reply(exchange(router_port, request("POST", "/v1/chat/completions", b'{"messages": "\xff\xfe"}')))
+    status, _, reply = one_reply(
+        exchange(router_port, request("POST", "/v1/chat/completions", b'{"messages": "\xff\xfe"}'))
+    )
     assert status == 400 and error_of(reply)["code"] == "invalid_json"
     assert_serves(router_port)
 
@@ -197,7 +216,9 @@ def test_slow_and_silent_clients_are_closed_at_their_deadlines(fronts):
     kept-alive connection: each closed when its own deadline passes, none before."""
     settings = TIGHT
     port = fronts(settings)
-    sockets = {name: socket.create_connection(("127.0.0.1", port), timeout=5) for name in ("head", "silent", "body", "idle")}
+    sockets = {
+        name: socket.create_connection(("127.0.0.1", port), timeout=5) for name in ("head", "silent", "body", "idle")
+    }
     started = time.monotonic()
     sockets["head"].sendall(b"GET /health HTTP/1.1\r\n")
     sockets["body"].sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{")
@@ -224,18 +245,28 @@ def test_slow_and_silent_clients_are_closed_at_their_deadlines(fronts):
         time.sleep(1.0)
     for sock in sockets.values():
         sock.close()
-    deadlines = {"head": (started, settings.header_timeout_s), "silent": (started, settings.header_timeout_s),
-                 "body": (started, settings.body_timeout_s), "idle": (answered, settings.keep_alive_s)}
+    deadlines = {
+        "head": (started, settings.header_timeout_s),
+        "silent": (started, settings.header_timeout_s),
+        "body": (started, settings.body_timeout_s),
+        "idle": (answered, settings.keep_alive_s),
+    }
     for name, (since, timeout) in deadlines.items():
         assert name in closed, f"{name}: still open after 10 s"
-        assert timeout - 0.5 <= closed[name] - since <= timeout + 2, f"{name}: closed after {closed[name] - since:.1f} s"
+        assert timeout - 0.5 <= closed[name] - since <= timeout + 2, (
+            f"{name}: closed after {closed[name] - since:.1f} s"
+        )
     assert_serves(port)
 
 
 @pytest.mark.parametrize("value", [b"r" * 200, b"\xff\xfe\x80binary"], ids=["long", "binary"])
 def test_unfit_request_id_is_a_400_naming_the_header_and_never_logged(stack, router_port, value):
-    status, headers, reply = one_reply(exchange(router_port, request("POST", "/v1/chat/completions", json.dumps(CHAT).encode(),
-                                                                      (b"X-Request-Id: " + value,))))
+    status, headers, reply = one_reply(
+        exchange(
+            router_port,
+            request("POST", "/v1/chat/completions", json.dumps(CHAT).encode(), (b"X-Request-Id: " + value,)),
+        )
+    )
     error = error_of(reply)
     assert status == 400 and error["code"] == "invalid_request_id" and "X-Request-Id" in error["message"]
     assert headers["X-Request-Id"].startswith("pdchat-")
@@ -249,7 +280,7 @@ def test_60kb_request_id_is_a_400_and_never_logged(stack, router_port, piece):
     data = request("POST", "/v1/chat/completions", json.dumps(CHAT).encode(), (b"X-Request-Id: " + b"r" * 60_000,))
     with socket.create_connection(("127.0.0.1", router_port), timeout=10) as sock:
         for start in range(0, len(data), piece or len(data)):
-            sock.sendall(data[start:start + (piece or len(data))])
+            sock.sendall(data[start : start + (piece or len(data))])
             if select.select([sock], [], [], 0.05)[0]:
                 break  # answered: what follows would only be reset
         status, _, _ = one_reply(read_to_end(sock))
@@ -276,7 +307,11 @@ def test_api_key_is_required_except_on_health_and_metrics(fronts):
     chat = json.dumps(CHAT).encode()
     for headers in [(), (b"Authorization: Bearer wrong-key",), (f"Authorization: Basic {API_KEY}".encode(),)]:
         status, reply_headers, reply = one_reply(exchange(port, request("POST", "/v1/chat/completions", chat, headers)))
-        assert status == 401 and error_of(reply) == {"message": error_of(reply)["message"], "type": "authentication_error", "code": "invalid_api_key"}
+        assert status == 401 and error_of(reply) == {
+            "message": error_of(reply)["message"],
+            "type": "authentication_error",
+            "code": "invalid_api_key",
+        }
         assert API_KEY not in error_of(reply)["message"] and reply_headers["X-Request-Id"]
     status, _, _ = one_reply(exchange(port, request("GET", "/v1/models")))
     assert status == 401
@@ -309,15 +344,21 @@ def scrape(base_url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
-    return {f"{s.name}{json.dumps(s.labels, sort_keys=True) if s.labels else ''}": s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        f"{s.name}{json.dumps(s.labels, sort_keys=True) if s.labels else ''}": s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_metrics_count_a_streamed_request_and_a_refused_one(stack, router_port):
     before = scrape(stack.router_url)
     assert one_reply(exchange(router_port, request("POST", "/v1/chat/completions", b"not json")))[0] == 400
-    streamed = urllib.request.Request(f"{stack.router_url}/v1/chat/completions", data=json.dumps({**CHAT, "max_tokens": 4, "stream": True}).encode(),
-                                      headers={"Content-Type": "application/json"})
+    streamed = urllib.request.Request(
+        f"{stack.router_url}/v1/chat/completions",
+        data=json.dumps({**CHAT, "max_tokens": 4, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(streamed, timeout=60) as reply:
         events = [line for line in reply if line.startswith(b"data: ")]
     assert events[-1] == b"data: [DONE]\n" and len(events) >= 3
@@ -354,8 +395,9 @@ def test_openai_client_streams_through_the_front_with_its_api_key(fronts):
     port = fronts(HttpSettings(api_key=API_KEY))
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY)
     [model] = [m.id for m in client.models.list().data]
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi."}],
-                                            max_tokens=6, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=6, temperature=0, stream=True
+    )
     chunks = list(stream)
     assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
     with pytest.raises(AuthenticationError):

@@ -16,17 +16,39 @@ from pdchat.clients.chat import GrpcChat, chat_inputs, collect
 from pdchat.core.kv.shm import SHM_PREFIX, ShmConnector, expired_files, kv_directory
 from pdchat.launcher import PDStack
 from tests.conversations import PARITY_CASES, PICK_TOOL, SAMPLING_CASES
-from tests.integration.helpers import answers_of, executions, metric, post, responses, router_answer, router_responses, wait_for
+from tests.integration.helpers import (
+    answers_of,
+    executions,
+    metric,
+    post,
+    responses,
+    router_answer,
+    router_responses,
+    wait_for,
+)
 from tests.logprobs import assert_logprobs_close, logprobs_of
 
 KV_TTL_S = 3.0
-CASES = ["single_turn", "multi_turn", "unicode_emoji", "tool_result", "tool_required", "reasoning_open", "json_schema", "long_prompt"]
+CASES = [
+    "single_turn",
+    "multi_turn",
+    "unicode_emoji",
+    "tool_result",
+    "tool_required",
+    "reasoning_open",
+    "json_schema",
+    "long_prompt",
+]
 
 
 @pytest.fixture(scope="module", params=["shm", "nixl"])
 def stack(request, tmp_path_factory, tiny_model_dir):
-    instance = PDStack(model="tiny", connector=request.param, env={"PDCHAT_KV_TTL_S": str(KV_TTL_S)},
-                       log_dir=tmp_path_factory.mktemp(f"pd-logs-{request.param}"))
+    instance = PDStack(
+        model="tiny",
+        connector=request.param,
+        env={"PDCHAT_KV_TTL_S": str(KV_TTL_S)},
+        log_dir=tmp_path_factory.mktemp(f"pd-logs-{request.param}"),
+    )
     instance.start()
     yield instance
     instance.stop()
@@ -79,7 +101,9 @@ def test_pd_answers_equal_monolithic_token_for_token(stack, monolithic_answers, 
     body = {"max_tokens": 12, "temperature": 0, "return_token_ids": True, "stream": stream, **PARITY_CASES[case]}
     pulled = metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled")
     answer = router_answer(stack, body)
-    assert metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled") == pulled + 1, "decode did not use prefill's KV"
+    assert metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled") == pulled + 1, (
+        "decode did not use prefill's KV"
+    )
     expected = monolithic_answers[case]
     assert answer["ids"] == expected.output_token_ids
     message = expected.outputs[-1].response["choices"][0].get("message")
@@ -93,8 +117,13 @@ def test_pd_answers_equal_monolithic_token_for_token(stack, monolithic_answers, 
 def monolithic_sampling(server):
     """The sampling cases on a monolithic server (chat, render path), whole and streamed."""
     client = GrpcChat(server.grpc_url, "chat")
-    yield {stream: answers_of(client, {name: {**body, "stream": stream, "return_token_ids": True} for name, body in SAMPLING_CASES.items()})
-           for stream in (False, True)}
+    yield {
+        stream: answers_of(
+            client,
+            {name: {**body, "stream": stream, "return_token_ids": True} for name, body in SAMPLING_CASES.items()},
+        )
+        for stream in (False, True)
+    }
     client.close()
 
 
@@ -105,7 +134,9 @@ def test_pd_sampling_fields_and_logprobs_equal_monolithic(stack, monolithic_samp
     token's logprobs travel from the prefill server inside the signed KV handle."""
     pulled = metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled")
     answer = router_responses(stack, {**SAMPLING_CASES[case], "stream": stream, "return_token_ids": True})
-    assert metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled") == pulled + 1, "decode did not use prefill's KV"
+    assert metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled") == pulled + 1, (
+        "decode did not use prefill's KV"
+    )
     expected = monolithic_sampling[stream][case]
     assert [t for a in answer for c in a["choices"] for t in c.get("token_ids") or []] == expected.output_token_ids
     assert_logprobs_close(logprobs_of(answer), logprobs_of(responses(expected)))
@@ -119,8 +150,11 @@ def test_openai_client_gets_top_logprobs_through_the_router(stack, monolithic_sa
     body = SAMPLING_CASES["greedy_logprobs"]
     expected = logprobs_of(responses(monolithic_sampling[False]["greedy_logprobs"]))
     whole = client.chat.completions.create(model=model, **body).choices[0].logprobs.content
-    streamed = [entry for chunk in client.chat.completions.create(model=model, stream=True, **body)
-                for entry in chunk.choices[0].logprobs.content]
+    streamed = [
+        entry
+        for chunk in client.chat.completions.create(model=model, stream=True, **body)
+        for entry in chunk.choices[0].logprobs.content
+    ]
     for entries in (whole, streamed):
         assert all(len(entry.top_logprobs) == body["top_logprobs"] for entry in entries)
         assert_logprobs_close([entry.model_dump() for entry in entries], expected)
@@ -142,8 +176,15 @@ def test_openai_client_streams_a_tool_call_through_the_router(stack):
     client = OpenAI(base_url=f"{stack.router_url}/v1", api_key="unused")
     [model] = [m.id for m in client.models.list().data]
     stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Pick a number"}], tools=[PICK_TOOL],
-        tool_choice="required", max_tokens=96, temperature=0, stream=True, stream_options={"include_usage": True})
+        model=model,
+        messages=[{"role": "user", "content": "Pick a number"}],
+        tools=[PICK_TOOL],
+        tool_choice="required",
+        max_tokens=96,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     calls, finish, usage = [], None, []
     for chunk in stream:
         if not chunk.choices:  # the usage chunk, last
@@ -164,7 +205,9 @@ def test_a_vllm_style_proxy_sending_json_only_gets_the_monolithic_answer(stack, 
     body = {"max_tokens": 12, "temperature": 0, **PARITY_CASES["multi_turn"]}
     prefill, decode = GrpcChat(stack.prefill.grpc_url), GrpcChat(stack.decode.grpc_url)
     try:
-        [answer] = list(prefill.stream(chat_inputs({**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})))
+        [answer] = list(
+            prefill.stream(chat_inputs({**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}))
+        )
         params = answer.response["kv_transfer_params"]
         assert params["do_remote_prefill"] and params["prompt_token_ids"] == answer.prompt_token_ids
         renders = executions(stack.decode, "renderer")
@@ -177,8 +220,10 @@ def test_a_vllm_style_proxy_sending_json_only_gets_the_monolithic_answer(stack, 
 
 
 def test_unknown_fields_and_client_kv_transfer_params_are_400s_from_the_router(stack):
-    for fields, needle in [({"functions": []}, "Unrecognized request argument supplied: functions"),
-                           ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params is the router's to set")]:
+    for fields, needle in [
+        ({"functions": []}, "Unrecognized request argument supplied: functions"),
+        ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params is the router's to set"),
+    ]:
         with pytest.raises(urllib.error.HTTPError) as info:
             post(stack, {"messages": [{"role": "user", "content": "x"}], **fields})
         assert info.value.code == 400 and needle in json.loads(info.value.read())["error"]["message"]
@@ -191,12 +236,15 @@ def test_bad_request_through_the_router_is_a_400_with_the_reason(stack):
     assert "messages[0].role is 'wizard'" in json.loads(info.value.read())["error"]["message"]
 
 
-@pytest.mark.parametrize(("fields", "needle"), [
-    ({"max_tokens": 10**12}, "does not fit"),
-    ({"model": "no-such-model"}, "is not served here"),
-    ({"continue_final_message": True}, "continue_final_message needs the last message to be from the assistant"),
-    ({"chat_template_kwargs": {"chat_template": "{{ messages }}"}}, "may not set 'chat_template'"),
-])
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"max_tokens": 10**12}, "does not fit"),
+        ({"model": "no-such-model"}, "is not served here"),
+        ({"continue_final_message": True}, "continue_final_message needs the last message to be from the assistant"),
+        ({"chat_template_kwargs": {"chat_template": "{{ messages }}"}}, "may not set 'chat_template'"),
+    ],
+)
 def test_errors_raised_at_render_on_prefill_stay_client_errors(stack, fields, needle):
     """Caught only by the prefill server's renderer: a 400 with its message, not a fallback."""
     fallbacks = router_health(stack)["stats"]["prefill_fallbacks"]
@@ -210,7 +258,9 @@ def test_errors_raised_at_render_on_prefill_stay_client_errors(stack, fields, ne
 
 def test_request_id_reaches_both_servers_logs(stack):
     request_id = "trace-me-7f3a"
-    router_answer_with_id = post(stack, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, {"X-Request-Id": request_id})
+    router_answer_with_id = post(
+        stack, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, {"X-Request-Id": request_id}
+    )
     assert router_answer_with_id.headers["X-Request-Id"] == request_id
     router_answer_with_id.read()
     for server in (stack.prefill, stack.decode):
@@ -222,11 +272,17 @@ def test_expired_kv_is_recomputed_from_the_ids_without_rendering(stack):
     prefill, decode = GrpcChat(stack.prefill.grpc_url), GrpcChat(stack.decode.grpc_url)
     [handed] = list(prefill.stream(chat_inputs(body, kv_transfer_params={"do_remote_decode": True})))
     assert wait_for(lambda: metric(stack.prefill, "pdchat_kv_held_bytes") > 0, timeout=5)
-    assert wait_for(lambda: metric(stack.prefill, "pdchat_kv_held_bytes") == 0, timeout=KV_TTL_S + 5)  # its sweeper freed it
+    assert wait_for(
+        lambda: metric(stack.prefill, "pdchat_kv_held_bytes") == 0, timeout=KV_TTL_S + 5
+    )  # its sweeper freed it
     assert held_kv(stack) == 0
     renders = executions(stack.decode, "renderer")
     recomputed = metric(stack.decode, "pdchat_kv_pulls_total", outcome="recomputed")
-    result = collect(decode.stream(chat_inputs(body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)))
+    result = collect(
+        decode.stream(
+            chat_inputs(body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)
+        )
+    )
     assert result.output_token_ids == collect(decode.stream(chat_inputs(body))).output_token_ids
     assert executions(stack.decode, "renderer") == renders + 1  # only the comparison rendered
     assert metric(stack.decode, "pdchat_kv_pulls_total", outcome="recomputed") == recomputed + 1
@@ -236,7 +292,15 @@ def test_expired_kv_is_recomputed_from_the_ids_without_rendering(stack):
 
 def test_client_leaving_the_router_stream_cancels_decode(stack):
     cancelled = metric(stack.decode, "pdchat_decode_requests_total", outcome="cancelled")
-    reply = post(stack, {"messages": [{"role": "user", "content": "Go on forever"}], "max_tokens": 3000, "ignore_eos": True, "stream": True})
+    reply = post(
+        stack,
+        {
+            "messages": [{"role": "user", "content": "Go on forever"}],
+            "max_tokens": 3000,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    )
     for _ in range(4):
         reply.readline()
     reply.close()
@@ -259,8 +323,13 @@ def test_a_pd_request_is_parsed_once_per_process_and_the_handoff_forwarded_as_se
     def parsed(server, model, form):
         return metric(server, "pdchat_requests_parsed_total", model=model, form=form)
 
-    counted = [(stack.prefill, "chat", "request"), (stack.prefill, "renderer", "chat_request"), (stack.prefill, "renderer", "request"),
-               (stack.decode, "chat", "request"), (stack.decode, "renderer", "chat_request")]
+    counted = [
+        (stack.prefill, "chat", "request"),
+        (stack.prefill, "renderer", "chat_request"),
+        (stack.prefill, "renderer", "request"),
+        (stack.decode, "chat", "request"),
+        (stack.decode, "renderer", "chat_request"),
+    ]
     before = [parsed(*where) for where in counted]
     router = PDRouter([stack.prefill.grpc_url], [stack.decode.grpc_url])
     decodes, real_loads = [], json.loads
@@ -288,8 +357,14 @@ def test_the_baseline_mode_renders_on_decode_and_gives_the_reuse_answer(stack, m
         pulled = metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled")
         answers[forward_ids] = collect(router.chat(body))
         assert executions(stack.decode, "renderer") == renders + (0 if forward_ids else 1)
-        assert metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled") == pulled + 1  # the transferred KV, both ways
-    assert answers[False].output_token_ids == answers[True].output_token_ids == monolithic_answers["tool_result"].output_token_ids
+        assert (
+            metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled") == pulled + 1
+        )  # the transferred KV, both ways
+    assert (
+        answers[False].output_token_ids
+        == answers[True].output_token_ids
+        == monolithic_answers["tool_result"].output_token_ids
+    )
 
 
 def test_prefill_dying_then_dead_falls_back_to_decode_alone_and_decode_dead_is_a_503(stack, monolithic_answers):

@@ -45,11 +45,15 @@ def test_render_and_reuse_paths_give_identical_answers(clients, case):
             request = {**body, "stream": stream}
             handed = prefill(clients["grpc"], body)  # a handoff is single-use
             rendered = ask(client, request)
-            reused = ask(client, request, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)
+            reused = ask(
+                client, request, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params
+            )
             assert reused.prompt_token_ids == rendered.prompt_token_ids == handed.prompt_token_ids
             assert summary(reused) == summary(rendered), (protocol, stream)
             seen[(protocol, stream)] = summary(rendered)
-    assert len({json.dumps(s, sort_keys=True) for s in seen.values()}) == 1, "transports or streaming changed the answer"
+    assert len({json.dumps(s, sort_keys=True) for s in seen.values()}) == 1, (
+        "transports or streaming changed the answer"
+    )
     answer = seen[("grpc", False)]
     assert answer["ids"][0] == handed.output_token_ids[0], "prefill's first token starts the answer"
     if case in ("tool_required", "tool_named"):
@@ -66,8 +70,10 @@ def test_render_and_reuse_paths_give_identical_answers(clients, case):
 def monolithic_sampling(server):
     """The monolithic server's `chat` (render path): the reference for the sampling fields."""
     client = GrpcChat(server.grpc_url, CHAT)
-    yield {stream: answers_of(client, {name: {**body, "stream": stream} for name, body in SAMPLING_CASES.items()})
-           for stream in (False, True)}
+    yield {
+        stream: answers_of(client, {name: {**body, "stream": stream} for name, body in SAMPLING_CASES.items()})
+        for stream in (False, True)
+    }
     client.close()
 
 
@@ -78,7 +84,9 @@ def assert_same_answer(result, expected, where):
 
 
 @pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
-def test_sampling_fields_and_logprobs_equal_on_chat_ensemble_and_the_reuse_path(server, clients, monolithic_sampling, case):
+def test_sampling_fields_and_logprobs_equal_on_chat_ensemble_and_the_reuse_path(
+    server, clients, monolithic_sampling, case
+):
     """Penalties, biases, limits and logprobs: the same tokens and logprobs (1e-4) on every path
     of one server and of the prefill/decode handoff, streamed and not. The first token's
     logprobs come from prefill: as a tensor within a server, in the signed KV handle across."""
@@ -89,7 +97,12 @@ def test_sampling_fields_and_logprobs_equal_on_chat_ensemble_and_the_reuse_path(
         handed = prefill(clients["grpc"], body)
         assert_logprobs_close(logprobs_of([handed.response]), logprobs_of(responses(expected))[:1])
         assert "first_token_logprobs" in handed.kv_transfer_params["kv_handle"]
-        reused = ask(clients["http"], body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)
+        reused = ask(
+            clients["http"],
+            body,
+            prompt_token_ids=handed.prompt_token_ids,
+            kv_transfer_params=handed.kv_transfer_params,
+        )
         assert_same_answer(reused, expected, ("reuse", stream))
         assert_same_answer(ask(ensemble, body), expected, ("chat_ensemble", stream))
         assert_same_answer(ask(clients["grpc"], body), expected, ("decode role, render path", stream))
@@ -103,8 +116,12 @@ def test_a_prefill_leg_without_logprobs_still_hands_decode_its_kv(decode_server,
     handed = prefill(clients["grpc"], {**body, "logprobs": False, "top_logprobs": None})
     assert "first_token_logprobs" not in handed.kv_transfer_params["kv_handle"]
     pulled = metric(decode_server, "pdchat_kv_pulls_total", outcome="pulled")
-    reused = ask(clients["grpc"], body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)
-    assert_same_answer(reused, monolithic_sampling[False]["greedy_logprobs"], "first token's logprobs computed by decode")
+    reused = ask(
+        clients["grpc"], body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params
+    )
+    assert_same_answer(
+        reused, monolithic_sampling[False]["greedy_logprobs"], "first token's logprobs computed by decode"
+    )
     assert metric(decode_server, "pdchat_kv_pulls_total", outcome="pulled") == pulled + 1
 
 
@@ -120,7 +137,12 @@ def test_reuse_skips_the_renderer_and_the_render_path_runs_it(decode_server, cli
     handoffs = [prefill(clients["grpc"], body) for _ in range(3)]
     before = executions(decode_server, "renderer")
     for handed in handoffs:
-        ask(clients["grpc"], body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)
+        ask(
+            clients["grpc"],
+            body,
+            prompt_token_ids=handed.prompt_token_ids,
+            kv_transfer_params=handed.kv_transfer_params,
+        )
     assert executions(decode_server, "renderer") == before
     ask(clients["grpc"], body)
     assert executions(decode_server, "renderer") == before + 1
@@ -136,7 +158,9 @@ def test_bad_forwarded_ids_are_refused_with_their_reason_and_counted(decode_serv
     assert f"forwarded prompt token ids refused ({reason})" in message
     assert metric(decode_server, "pdchat_forwarded_ids_total", outcome="rejected", reason=reason) == before + 1
     # The server keeps serving, and the genuine handoff still works.
-    reused = ask(clients["grpc"], body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)
+    reused = ask(
+        clients["grpc"], body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params
+    )
     assert reused.finish_reason == "length"
 
 
@@ -152,8 +176,12 @@ def test_a_replayed_handoff_is_refused_and_counted(decode_server, clients):
 
 def test_ids_signed_for_another_conversation_are_refused(clients):
     handed = prefill(clients["grpc"], chat_body("single_turn", max_tokens=4))
-    message = refusal(clients["http"], chat_body("multi_turn", max_tokens=4),
-                      prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)
+    message = refusal(
+        clients["http"],
+        chat_body("multi_turn", max_tokens=4),
+        prompt_token_ids=handed.prompt_token_ids,
+        kv_transfer_params=handed.kv_transfer_params,
+    )
     assert "(fingerprint_mismatch): the ids were signed for a different conversation" in message
 
 
@@ -161,11 +189,24 @@ def test_router_may_change_sampling_but_not_render_inputs(clients):
     body = chat_body("single_turn", max_tokens=4, temperature=0)
     handed = prefill(clients["grpc"], body)
     changed_sampling = {**body, "max_tokens": 6, "temperature": 0.7, "seed": 9, "stream": True}
-    assert len(ask(clients["grpc"], changed_sampling, prompt_token_ids=handed.prompt_token_ids,
-                   kv_transfer_params=handed.kv_transfer_params).output_token_ids) == 6
+    assert (
+        len(
+            ask(
+                clients["grpc"],
+                changed_sampling,
+                prompt_token_ids=handed.prompt_token_ids,
+                kv_transfer_params=handed.kv_transfer_params,
+            ).output_token_ids
+        )
+        == 6
+    )
     changed_template = {**body, "chat_template_kwargs": {"enable_thinking": False}}
-    assert "fingerprint_mismatch" in refusal(clients["grpc"], changed_template, prompt_token_ids=handed.prompt_token_ids,
-                                             kv_transfer_params=handed.kv_transfer_params)
+    assert "fingerprint_mismatch" in refusal(
+        clients["grpc"],
+        changed_template,
+        prompt_token_ids=handed.prompt_token_ids,
+        kv_transfer_params=handed.kv_transfer_params,
+    )
 
 
 def test_accepted_reuse_is_counted_with_render_seconds_saved(decode_server, clients):
@@ -186,7 +227,9 @@ def test_policy_off_refuses_forwarded_ids(server):
     ids = ask(client, body).prompt_token_ids
     assert "(policy_off)" in refusal(client, body, prompt_token_ids=ids)
     assert "(policy_off)" in refusal(client, body, kv_transfer_params={"prompt_token_ids": ids})
-    assert "needs this server to have a handoff key" in refusal(client, body, kv_transfer_params={"do_remote_decode": True})
+    assert "needs this server to have a handoff key" in refusal(
+        client, body, kv_transfer_params={"do_remote_decode": True}
+    )
     client.close()
 
 
@@ -214,7 +257,9 @@ def test_expired_handoff_is_refused(trusted_server):
     body = chat_body("single_turn", max_tokens=3, temperature=0)
     handed = prefill(client, body)
     time.sleep(SHORT_TTL_S + 0.5)
-    message = refusal(client, body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params)
+    message = refusal(
+        client, body, prompt_token_ids=handed.prompt_token_ids, kv_transfer_params=handed.kv_transfer_params
+    )
     assert "(expired): the handoff expired" in message
     client.close()
 

@@ -25,8 +25,11 @@ RSS_GROWTH = 1.10
 
 def body(index: int, max_tokens: int = 8) -> dict:
     """Short chats that differ per request, so no two prompts are the same length."""
-    return {"messages": [{"role": "user", "content": f"Request {index}: " + "tell me more " * (index % 7)}],
-            "max_tokens": max_tokens, "temperature": 0}
+    return {
+        "messages": [{"role": "user", "content": f"Request {index}: " + "tell me more " * (index % 7)}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
 
 
 def long_body(index: int) -> dict:
@@ -35,8 +38,12 @@ def long_body(index: int) -> dict:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model_dir):
-    instance = PDStack(model="tiny", connector="shm", env={"PDCHAT_KV_TTL_S": str(KV_TTL_S)},
-                       log_dir=tmp_path_factory.mktemp("soak-logs"))
+    instance = PDStack(
+        model="tiny",
+        connector="shm",
+        env={"PDCHAT_KV_TTL_S": str(KV_TTL_S)},
+        log_dir=tmp_path_factory.mktemp("soak-logs"),
+    )
     instance.start()
     yield instance
     instance.stop()
@@ -70,7 +77,8 @@ def soak(send, servers, decode_server, *, abandon_cancels: bool) -> None:
         before, now = rss[id(server)], server.memory()
         assert sum(now.values()) <= sum(before.values()) * RSS_GROWTH, (
             f"the {server.role} server grew from {sum(before.values()) >> 20} to {sum(now.values()) >> 20} MiB "
-            f"({', '.join(f'{pid}: {before[pid] >> 20} -> {now.get(pid, 0) >> 20}' for pid in before)})")
+            f"({', '.join(f'{pid}: {before[pid] >> 20} -> {now.get(pid, 0) >> 20}' for pid in before)})"
+        )
 
 
 def kv_engine(stack) -> str:
@@ -90,7 +98,9 @@ def test_pd_pair_soaks_through_the_router(stack):
     # Every KV was pulled, or expired after its TTL: nothing is held.
     assert wait_for(lambda: metric(stack.prefill, "pdchat_kv_held_bytes") == 0, timeout=KV_TTL_S + 5)
     time.sleep(KV_TTL_S + 1.5)  # handed-back files expire one KV TTL after their pull
-    assert wait_for(lambda: not list(kv_directory().glob(f"*pdchat_kv*_{engine}_*")), timeout=5), "KV files left in shared memory"
+    assert wait_for(lambda: not list(kv_directory().glob(f"*pdchat_kv*_{engine}_*")), timeout=5), (
+        "KV files left in shared memory"
+    )
 
 
 @pytest.mark.parametrize("model", ["chat", "chat_ensemble"])

@@ -27,7 +27,11 @@ def infer(server, model, **named):
     client = grpcclient.InferenceServerClient(server.grpc_url)
     inputs = []
     for name, value in named.items():
-        array = np.asarray(value, dtype=np.int32) if name == tensors.PROMPT_TOKEN_IDS else np.array([value.encode()], dtype=np.object_)
+        array = (
+            np.asarray(value, dtype=np.int32)
+            if name == tensors.PROMPT_TOKEN_IDS
+            else np.array([value.encode()], dtype=np.object_)
+        )
         entry = grpcclient.InferInput(name, list(array.shape), "INT32" if array.dtype == np.int32 else "BYTES")
         entry.set_data_from_numpy(array)
         inputs.append(entry)
@@ -58,7 +62,10 @@ def refusal(server, model, **named) -> str:
 def rendered(server):
     """What the renderer hands prefill for one request: ids, params and its seal."""
     result = infer(server, "renderer", request=json.dumps(chat_body("single_turn", max_tokens=4, temperature=0)))
-    return {name: result.as_numpy(name) for name in (tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.STAGE_SEAL)}
+    return {
+        name: result.as_numpy(name)
+        for name in (tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.STAGE_SEAL)
+    }
 
 
 def text(array) -> str:
@@ -66,8 +73,13 @@ def text(array) -> str:
 
 
 def test_sealed_input_from_the_renderer_opens_prefill(server, rendered):
-    result = infer(server, "prefill", prompt_token_ids=rendered["prompt_token_ids"],
-                   generation_params=text(rendered["generation_params"]), stage_seal=text(rendered["stage_seal"]))
+    result = infer(
+        server,
+        "prefill",
+        prompt_token_ids=rendered["prompt_token_ids"],
+        generation_params=text(rendered["generation_params"]),
+        stage_seal=text(rendered["stage_seal"]),
+    )
     assert result.as_numpy("first_token_id").shape == (1,)
 
 
@@ -79,16 +91,33 @@ def test_ids_without_the_template_are_refused(server, rendered, model):
     seal = text(rendered["stage_seal"])
     assert UNSEALED in refusal(server, model, prompt_token_ids=[1, 2, 3], generation_params=params, stage_seal=seal)
     hotter = json.dumps({**json.loads(params), "temperature": -5.0})
-    assert UNSEALED in refusal(server, model, prompt_token_ids=rendered["prompt_token_ids"], generation_params=hotter, stage_seal=seal)
+    assert UNSEALED in refusal(
+        server, model, prompt_token_ids=rendered["prompt_token_ids"], generation_params=hotter, stage_seal=seal
+    )
     longer = json.dumps({**json.loads(params), "max_tokens": 16_300})
-    assert UNSEALED in refusal(server, model, prompt_token_ids=rendered["prompt_token_ids"], generation_params=longer, stage_seal=seal)
+    assert UNSEALED in refusal(
+        server, model, prompt_token_ids=rendered["prompt_token_ids"], generation_params=longer, stage_seal=seal
+    )
 
 
 def test_a_kv_handle_needs_the_gate_s_seal(server, rendered):
-    handle = json.dumps({"connector": "shm", "shape": [4, 2, 2, 8, 64], "expires_at": 9e9, "first_token_id": 1,
-                         "location": {"name": "pdchat_kv_0123456789ab_99999999999999_00"}})
-    message = refusal(server, "decode", prompt_token_ids=rendered["prompt_token_ids"], generation_params=text(rendered["generation_params"]),
-                      stage_seal=text(rendered["stage_seal"]), kv_handle=handle)
+    handle = json.dumps(
+        {
+            "connector": "shm",
+            "shape": [4, 2, 2, 8, 64],
+            "expires_at": 9e9,
+            "first_token_id": 1,
+            "location": {"name": "pdchat_kv_0123456789ab_99999999999999_00"},
+        }
+    )
+    message = refusal(
+        server,
+        "decode",
+        prompt_token_ids=rendered["prompt_token_ids"],
+        generation_params=text(rendered["generation_params"]),
+        stage_seal=text(rendered["stage_seal"]),
+        kv_handle=handle,
+    )
     assert UNSEALED in message
 
 
@@ -100,9 +129,15 @@ def test_decode_takes_no_kv_or_first_token_of_a_client_s_own(server, rendered, o
     value = np.zeros((4, 2, 2, 8, 64), dtype=np.float32) if own == "kv_cache" else np.array([10**6], dtype=np.int32)
     client = grpcclient.InferenceServerClient(server.grpc_url)
     inputs = []
-    for name, array in [("prompt_token_ids", rendered["prompt_token_ids"]), ("generation_params", rendered["generation_params"]),
-                        ("stage_seal", rendered["stage_seal"]), (own, value)]:
-        entry = grpcclient.InferInput(name, list(array.shape), {"i": "INT32", "f": "FP32"}.get(array.dtype.kind, "BYTES"))
+    for name, array in [
+        ("prompt_token_ids", rendered["prompt_token_ids"]),
+        ("generation_params", rendered["generation_params"]),
+        ("stage_seal", rendered["stage_seal"]),
+        (own, value),
+    ]:
+        entry = grpcclient.InferInput(
+            name, list(array.shape), {"i": "INT32", "f": "FP32"}.get(array.dtype.kind, "BYTES")
+        )
         entry.set_data_from_numpy(array)
         inputs.append(entry)
     errors = []
@@ -120,7 +155,14 @@ def test_a_cancellation_needs_chat_s_seal(server):
 def test_the_server_keeps_serving_after_the_refusals(server):
     client = GrpcChat(server.grpc_url)
     try:
-        assert len(collect(client.stream(chat_inputs(chat_body("single_turn", max_tokens=3, temperature=0)))).output_token_ids) == 3
+        assert (
+            len(
+                collect(
+                    client.stream(chat_inputs(chat_body("single_turn", max_tokens=3, temperature=0)))
+                ).output_token_ids
+            )
+            == 3
+        )
     finally:
         client.close()
 

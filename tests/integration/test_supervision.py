@@ -22,8 +22,13 @@ READY = re.compile(r"prefill gRPC \S+ pid (\d+), decode gRPC \S+ pid (\d+), rout
 @pytest.mark.parametrize("victim", ["decode", "prefill"])
 def test_a_server_killed_under_load_stops_the_stack_with_a_report(victim, tiny_model_dir):
     port = free_port()
-    launcher = subprocess.Popen([sys.executable, "-m", "pdchat.cli", "pd", "--model", "tiny", "--port", str(port)],
-                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "pdchat.cli", "pd", "--model", "tiny", "--port", str(port)],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     lines = []
     try:
         for line in launcher.stderr:

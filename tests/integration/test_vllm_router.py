@@ -20,7 +20,9 @@ from pdchat.launcher import free_port, start_service
 from tests.conversations import PARITY_CASES
 from tests.integration.helpers import ask, executions, metric
 
-pytestmark = pytest.mark.skipif(shutil.which("vllm-router", path=f"{sys.prefix}/bin") is None, reason="vllm-router not installed")
+pytestmark = pytest.mark.skipif(
+    shutil.which("vllm-router", path=f"{sys.prefix}/bin") is None, reason="vllm-router not installed"
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +34,11 @@ def deployment(decode_server, tmp_path_factory):
             fronts[name] = start_front(decode_server.grpc_url, logs / f"{name}.log")
             started.append(fronts[name][0])
         router_port = free_port()
-        command = vllm_router_command([fronts["prefill-a"][1], fronts["prefill-b"][1]], [fronts["decode-a"][1], fronts["decode-b"][1]],
-                                      router_port)
+        command = vllm_router_command(
+            [fronts["prefill-a"][1], fronts["prefill-b"][1]],
+            [fronts["decode-a"][1], fronts["decode-b"][1]],
+            router_port,
+        )
         started.append(start_service(command, f"http://127.0.0.1:{router_port}/health", logs / "vllm-router.log"))
         yield {"url": f"http://127.0.0.1:{router_port}/v1", "fronts": fronts, "logs": logs}
     finally:
@@ -71,8 +76,9 @@ def test_a_dead_decode_worker_is_ejected_and_new_requests_do_not_fail(deployment
     errors = []
     for i in range(12):
         try:
-            reply = client.chat.completions.create(model="tiny-llama", max_tokens=3, temperature=0,
-                                                   messages=[{"role": "user", "content": f"request {i}"}])
+            reply = client.chat.completions.create(
+                model="tiny-llama", max_tokens=3, temperature=0, messages=[{"role": "user", "content": f"request {i}"}]
+            )
             assert reply.choices[0].finish_reason == "length"
         except Exception as exc:  # noqa: BLE001 - counted, then asserted
             errors.append(repr(exc))

@@ -25,12 +25,16 @@ def alone(engine, prompt):
 
 
 # Small room: the storage grows (and shrinks) mid-way, often.
-@pytest.mark.parametrize(("spare_columns", "spare_rows"), [(DecodeBatch.SPARE_COLUMNS, DecodeBatch.SPARE_ROWS), (3, 0), (3, 1)])
+@pytest.mark.parametrize(
+    ("spare_columns", "spare_rows"), [(DecodeBatch.SPARE_COLUMNS, DecodeBatch.SPARE_ROWS), (3, 0), (3, 1)]
+)
 def test_joining_and_leaving_rows_decode_what_each_would_alone(engine, spare_columns, spare_rows, monkeypatch):
     monkeypatch.setattr(DecodeBatch, "SPARE_COLUMNS", spare_columns)
     monkeypatch.setattr(DecodeBatch, "SPARE_ROWS", spare_rows)
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, engine.vocab_size, (n,), generator=generator).tolist() for n in (5, 40, 17, 300, 2, 90, 64, 11)]
+    prompts = [
+        torch.randint(0, engine.vocab_size, (n,), generator=generator).tolist() for n in (5, 40, 17, 300, 2, 90, 64, 11)
+    ]
     expected = [alone(engine, p) for p in prompts]
     batch, rows, results, waiting, turn = DecodeBatch(engine), [], {}, list(range(len(prompts))), 0
     while waiting or rows:
@@ -39,7 +43,9 @@ def test_joining_and_leaving_rows_decode_what_each_would_alone(engine, spare_col
             result = engine.prefill(prompts[index])
             batch.join(result.cache)
             rows.append((index, [int(result.last_logits.argmax())]))
-        done = [row for row, (index, tokens) in enumerate(rows) if len(tokens) >= STEPS - index % 4]  # leave at different times
+        done = [
+            row for row, (index, tokens) in enumerate(rows) if len(tokens) >= STEPS - index % 4
+        ]  # leave at different times
         results.update(rows[row] for row in done)
         batch.leave(done)
         rows = [r for row, r in enumerate(rows) if row not in done]
@@ -48,7 +54,7 @@ def test_joining_and_leaving_rows_decode_what_each_would_alone(engine, spare_col
                 tokens.append(int(logits.argmax()))
         turn += 1
     for index in range(len(prompts)):
-        assert results[index] == expected[index][:len(results[index])], f"prompt {index} diverged in the batch"
+        assert results[index] == expected[index][: len(results[index])], f"prompt {index} diverged in the batch"
     assert len(batch) == 0 and batch.kv_bytes() == 0
 
 
@@ -102,5 +108,10 @@ def test_the_storage_shrinks_when_most_rows_leave(engine):
         batch.join(engine.prefill(list(range(1, length))).cache)
     batch.leave(list(range(10)))
     keys = batch._cache.layers[0].keys
-    most = (len(batch) + 2 * DecodeBatch.SPARE_ROWS) * keys.shape[1] * (batch.columns + 2 * DecodeBatch.SPARE_COLUMNS) * keys.shape[3]
+    most = (
+        (len(batch) + 2 * DecodeBatch.SPARE_ROWS)
+        * keys.shape[1]
+        * (batch.columns + 2 * DecodeBatch.SPARE_COLUMNS)
+        * keys.shape[3]
+    )
     assert len(batch) == 2 and keys.untyped_storage().nbytes() <= most * keys.element_size()

@@ -31,7 +31,9 @@ def test_tool_calls_between_content(pieces):
     out = parse(text, pieces=pieces)
     assert out.content == "Checking.\n\n"
     assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in out.tool_calls] == [
-        (0, "get_weather", {"city": "Paris"}), (1, "t2", {})]
+        (0, "get_weather", {"city": "Paris"}),
+        (1, "t2", {}),
+    ]
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in out.tool_calls)
 
 

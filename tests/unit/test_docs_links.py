@@ -73,23 +73,34 @@ def test_every_relative_link_exists(document):
 def test_the_documents_are_found():
     assert "README.md" in DOCUMENTS
     assert any(d.startswith("docs/") for d in DOCUMENTS), "no docs/**/*.md found"
-    assert any(local_path(t) for _, _, t in links((ROOT / "README.md").read_text(encoding="utf-8"))), \
+    assert any(local_path(t) for _, _, t in links((ROOT / "README.md").read_text(encoding="utf-8"))), (
         "README.md has no relative link: is the parser broken?"
+    )
 
 
 def test_the_parser_checks_what_it_should():
-    sample = "\n".join([
-        "See [a](docs/a.md), [b](docs/b.md#part), ![img](pic.png \"title\") and [web](https://example.com).",
-        "[mail](mailto:x@example.com), [here](#anchor), [`code` text](<with space.md>).",
-        "`[not](a-link.md)` and:",
-        "```",
-        "[not](in-a-fence.md)",
-        "```",
-        "[ref]: ../ref.md",
-    ])
+    sample = "\n".join(
+        [
+            'See [a](docs/a.md), [b](docs/b.md#part), ![img](pic.png "title") and [web](https://example.com).',
+            "[mail](mailto:x@example.com), [here](#anchor), [`code` text](<with space.md>).",
+            "`[not](a-link.md)` and:",
+            "```",
+            "[not](in-a-fence.md)",
+            "```",
+            "[ref]: ../ref.md",
+        ]
+    )
     found = [(line, target) for line, _, target in links(sample)]
-    assert found == [(1, "docs/a.md"), (1, "docs/b.md#part"), (1, "pic.png"), (1, "https://example.com"),
-                     (2, "mailto:x@example.com"), (2, "#anchor"), (2, "with space.md"), (7, "../ref.md")]
+    assert found == [
+        (1, "docs/a.md"),
+        (1, "docs/b.md#part"),
+        (1, "pic.png"),
+        (1, "https://example.com"),
+        (2, "mailto:x@example.com"),
+        (2, "#anchor"),
+        (2, "with space.md"),
+        (7, "../ref.md"),
+    ]
     checked = [local_path(target) for _, target in found]
     assert checked == ["docs/a.md", "docs/b.md", "pic.png", None, None, None, "with space.md", "../ref.md"]
 

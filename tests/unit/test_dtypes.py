@@ -70,7 +70,9 @@ def test_a_16_bit_batch_decodes_and_its_logits_are_float32_for_sampling(engines)
     assert batch.kv_bytes() == 2 * (len(PROMPT) + 1) * engine.kv_bytes_per_token()
 
 
-@pytest.mark.parametrize(("prefill_dtype", "decode_dtype"), [("bfloat16", "float32"), ("float32", "float16"), ("float16", "bfloat16")])
+@pytest.mark.parametrize(
+    ("prefill_dtype", "decode_dtype"), [("bfloat16", "float32"), ("float32", "float16"), ("float16", "bfloat16")]
+)
 def test_kv_in_another_dtype_is_refused_by_name(engines, prefill_dtype, decode_dtype):
     kv = engines[prefill_dtype].export_kv(engines[prefill_dtype].prefill(PROMPT).cache)
     with pytest.raises(InvalidRequest, match=f"the KV is {prefill_dtype}; this server's model runs in {decode_dtype}"):
@@ -111,8 +113,12 @@ def test_refused_kv_is_handed_back_at_once_not_held_until_its_ttl(tiny_model_dir
 
     model = TextModel(tiny_model_dir, "cpu")  # float32
     kv = engines["bfloat16"].export_kv(engines["bfloat16"].prefill(PROMPT).cache)
-    params = ChatRequest(messages=[{"role": "user", "content": "x"}]).generation_params(len(PROMPT), 16384, model.engine.vocab_size, "m")
+    params = ChatRequest(messages=[{"role": "user", "content": "x"}]).generation_params(
+        len(PROMPT), 16384, model.engine.vocab_size, "m"
+    )
     released = []
     with pytest.raises(InvalidRequest, match="the KV is bfloat16"):
-        model.generation(PROMPT, params, first=Choice(5, None), kv_cache=kv, on_kv_released=lambda: released.append(True))
+        model.generation(
+            PROMPT, params, first=Choice(5, None), kv_cache=kv, on_kv_released=lambda: released.append(True)
+        )
     assert released == [True]

@@ -30,8 +30,16 @@ from pdchat.ensemble.seal import Unsealed
 
 # pb_utils.TritonError's codes, as the python backend documents them. The class lives in the
 # backend stub's binary only (not importable here): test_triton_codes_are_the_stubs checks it.
-TRITON_CODES = ("UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE", "UNSUPPORTED", "ALREADY_EXISTS",
-                "CANCELLED")
+TRITON_CODES = (
+    "UNKNOWN",
+    "INTERNAL",
+    "NOT_FOUND",
+    "INVALID_ARG",
+    "UNAVAILABLE",
+    "UNSUPPORTED",
+    "ALREADY_EXISTS",
+    "CANCELLED",
+)
 
 
 def test_each_code_names_a_triton_code_and_a_grpc_status():
@@ -68,10 +76,16 @@ def test_statuses_map_back_to_their_code(code):
     assert ErrorCode.from_http_status(code.http_status) is code
 
 
-@pytest.mark.parametrize(("status", "code"), [
-    (404, ErrorCode.INVALID_ARG), (413, ErrorCode.INVALID_ARG), (401, ErrorCode.INVALID_ARG),
-    (502, ErrorCode.INTERNAL), (200, ErrorCode.INTERNAL),
-])
+@pytest.mark.parametrize(
+    ("status", "code"),
+    [
+        (404, ErrorCode.INVALID_ARG),
+        (413, ErrorCode.INVALID_ARG),
+        (401, ErrorCode.INVALID_ARG),
+        (502, ErrorCode.INTERNAL),
+        (200, ErrorCode.INTERNAL),
+    ],
+)
 def test_other_http_statuses(status, code):
     assert ErrorCode.from_http_status(status) is code
 
@@ -90,9 +104,15 @@ def test_tag_round_trips(code):
     assert tag(ErrorCode.INTERNAL, tagged) == tagged, "a relayed message keeps its tag"
 
 
-@pytest.mark.parametrize("message", [
-    "no tag", "[NOT_FOUND] not a pdchat code", "an [INVALID_ARG] inside", "[INVALID_ARG]no space",
-])
+@pytest.mark.parametrize(
+    "message",
+    [
+        "no tag",
+        "[NOT_FOUND] not a pdchat code",
+        "an [INVALID_ARG] inside",
+        "[INVALID_ARG]no space",
+    ],
+)
 def test_untagged_messages_parse_as_they_are(message):
     assert parse_tag(message) == (None, message)
 
@@ -104,18 +124,21 @@ def test_tagged_message_names_the_type_of_internal_errors_only():
     assert tagged_message(KeyError("x")) == "[INTERNAL] KeyError: 'x'"
 
 
-@pytest.mark.parametrize(("error", "code"), [
-    (InvalidRequest("m"), ErrorCode.INVALID_ARG),
-    (ForwardedIdsRejected(Rejection.MALFORMED, "m"), ErrorCode.INVALID_ARG),
-    (Unsealed("m"), ErrorCode.INVALID_ARG),
-    (Unavailable("m"), ErrorCode.UNAVAILABLE),
-    (KVBudgetExceeded("m"), ErrorCode.UNAVAILABLE),
-    (ModelUnavailable("m"), ErrorCode.INTERNAL),
-    (KVUnavailable("m"), ErrorCode.INTERNAL),
-    (KVDirectoryRefused("m"), ErrorCode.INTERNAL),
-    (ChatError("m"), ErrorCode.INTERNAL),
-    (ChatError("m", ErrorCode.UNAVAILABLE), ErrorCode.UNAVAILABLE),
-])
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (InvalidRequest("m"), ErrorCode.INVALID_ARG),
+        (ForwardedIdsRejected(Rejection.MALFORMED, "m"), ErrorCode.INVALID_ARG),
+        (Unsealed("m"), ErrorCode.INVALID_ARG),
+        (Unavailable("m"), ErrorCode.UNAVAILABLE),
+        (KVBudgetExceeded("m"), ErrorCode.UNAVAILABLE),
+        (ModelUnavailable("m"), ErrorCode.INTERNAL),
+        (KVUnavailable("m"), ErrorCode.INTERNAL),
+        (KVDirectoryRefused("m"), ErrorCode.INTERNAL),
+        (ChatError("m"), ErrorCode.INTERNAL),
+        (ChatError("m", ErrorCode.UNAVAILABLE), ErrorCode.UNAVAILABLE),
+    ],
+)
 def test_each_error_has_its_code(error, code):
     assert isinstance(error, PdchatError) and error_code(error) is code
 
@@ -137,14 +160,17 @@ class _TritonClientError:
         return self._status
 
 
-@pytest.mark.parametrize(("error", "code", "message"), [
-    (_TritonClientError("[UNAVAILABLE] decode is full"), ErrorCode.UNAVAILABLE, "decode is full"),
-    (_TritonClientError("in ensemble 'chat_ensemble', [INVALID_ARG] bad"), ErrorCode.INVALID_ARG, "bad"),
-    (_TritonClientError("[INVALID_ARG] bad", "StatusCode.INVALID_ARGUMENT"), ErrorCode.INVALID_ARG, "bad"),
-    (_TritonClientError("failed to connect", "StatusCode.UNAVAILABLE"), ErrorCode.UNAVAILABLE, "failed to connect"),
-    (_TritonClientError("unknown model", "StatusCode.NOT_FOUND"), ErrorCode.INTERNAL, "unknown model"),
-    (_TritonClientError("untagged"), ErrorCode.INTERNAL, "untagged"),
-])
+@pytest.mark.parametrize(
+    ("error", "code", "message"),
+    [
+        (_TritonClientError("[UNAVAILABLE] decode is full"), ErrorCode.UNAVAILABLE, "decode is full"),
+        (_TritonClientError("in ensemble 'chat_ensemble', [INVALID_ARG] bad"), ErrorCode.INVALID_ARG, "bad"),
+        (_TritonClientError("[INVALID_ARG] bad", "StatusCode.INVALID_ARGUMENT"), ErrorCode.INVALID_ARG, "bad"),
+        (_TritonClientError("failed to connect", "StatusCode.UNAVAILABLE"), ErrorCode.UNAVAILABLE, "failed to connect"),
+        (_TritonClientError("unknown model", "StatusCode.NOT_FOUND"), ErrorCode.INTERNAL, "unknown model"),
+        (_TritonClientError("untagged"), ErrorCode.INTERNAL, "untagged"),
+    ],
+)
 def test_client_errors_take_the_code_of_the_status_or_the_tag(error, code, message):
     chat_error = _grpc_error(error)
     assert chat_error.code is code and str(chat_error) == message

@@ -18,7 +18,11 @@ LIMITS = GrammarLimits(max_bytes=4096, max_enum_values=10, max_depth=6)
 
 
 def enum_spec(values: int, prefix: str = "v") -> dict:
-    schema = {"type": "object", "properties": {"a": {"enum": [f"{prefix}{i}x" for i in range(values)]}}, "required": ["a"]}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"enum": [f"{prefix}{i}x" for i in range(values)]}},
+        "required": ["a"],
+    }
     return {"type": "json_schema", "schema": schema}
 
 
@@ -31,7 +35,9 @@ def nested_spec(levels: int) -> dict:
 
 def test_limits_name_what_is_too_large_and_its_setting():
     check_limits(enum_spec(10), LIMITS)
-    with pytest.raises(InvalidRequest, match=r"11 enum and const values.*at most 10 \(setting grammar_max_enum_values\)"):
+    with pytest.raises(
+        InvalidRequest, match=r"11 enum and const values.*at most 10 \(setting grammar_max_enum_values\)"
+    ):
         check_limits(enum_spec(11), LIMITS)
     with pytest.raises(InvalidRequest, match=r"bytes; this server takes at most 4096 \(setting grammar_max_bytes\)"):
         check_limits({"type": "json_schema", "schema": {"description": "x" * 5000}}, LIMITS)
@@ -41,8 +47,13 @@ def test_limits_name_what_is_too_large_and_its_setting():
 
 
 def test_a_hundred_thousand_enum_values_are_refused_at_parse_at_once():
-    body = {"messages": [{"role": "user", "content": "hi"}],
-            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": enum_spec(100_000)["schema"]}}}
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "a", "schema": enum_spec(100_000)["schema"]},
+        },
+    }
     started = time.perf_counter()
     with pytest.raises(InvalidRequest, match="grammar_max"):
         parse_chat_json(json.dumps(body))
@@ -92,6 +103,8 @@ def test_the_cache_is_keyed_by_canonical_spec_and_bounded_in_bytes(compiler):
 
 
 def test_a_schema_xgrammar_cannot_build_is_an_invalid_request_from_the_worker(compiler):
-    future = compiler().prepare({"type": "json_schema", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}})
+    future = compiler().prepare(
+        {"type": "json_schema", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}
+    )
     with pytest.raises(InvalidRequest, match="cannot build a grammar"):
         future.result(60)

@@ -27,7 +27,9 @@ def gate(policy=Policy.SIGNED, key=KEY):
 
 
 HANDLE = KVHandle("shm", (2, 2, 1, 4, 8), NOW + 60, 7, {"name": "x"})
-WITH_LOGPROBS = KVHandle("shm", (2, 2, 1, 4, 8), NOW + 60, 7, {"name": "x"}, TokenLogprobs(7, -0.25, ((7, -0.25), (3, -1.5))))
+WITH_LOGPROBS = KVHandle(
+    "shm", (2, 2, 1, 4, 8), NOW + 60, 7, {"name": "x"}, TokenLogprobs(7, -0.25, ((7, -0.25), (3, -1.5)))
+)
 
 
 def signed(request=None, ids=IDS, **kw):
@@ -62,8 +64,12 @@ def test_first_token_logprobs_travel_inside_the_signed_handle():
     assert reason(lambda: admit({**signed(kv_handle=WITH_LOGPROBS), "kv_handle": altered})) is Rejection.BAD_SIGNATURE
     added = {**HANDLE.to_dict(), "first_token_logprobs": WITH_LOGPROBS.first_token_logprobs.to_dict()}
     assert reason(lambda: admit({**signed(kv_handle=HANDLE), "kv_handle": added})) is Rejection.BAD_SIGNATURE
-    for bad in ({"token_id": 8, "logprob": -0.1, "top": []}, {"token_id": 7, "logprob": 0.5, "top": []},
-                {"token_id": 7, "logprob": -0.1, "top": [[1]]}, {"token_id": 7, "logprob": -0.1}):
+    for bad in (
+        {"token_id": 8, "logprob": -0.1, "top": []},
+        {"token_id": 7, "logprob": 0.5, "top": []},
+        {"token_id": 7, "logprob": -0.1, "top": [[1]]},
+        {"token_id": 7, "logprob": -0.1},
+    ):
         with pytest.raises(KVUnavailable, match="malformed KV handle"):
             KVHandle.from_dict({**HANDLE.to_dict(), "first_token_logprobs": bad})
 
@@ -80,8 +86,11 @@ def test_a_handoff_is_admitted_once_then_refused_as_replayed_until_it_expires():
 def test_sampling_fields_are_outside_the_fingerprint_render_inputs_inside():
     base = render_fingerprint(chat(), "m")
     assert render_fingerprint(chat(temperature=0.1, max_tokens=3, stream=True, seed=4), "m") == base
-    for changed in (chat("other"), chat(tools=[{"type": "function", "function": {"name": "f"}}]),
-                    chat(chat_template_kwargs={"enable_thinking": False})):
+    for changed in (
+        chat("other"),
+        chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        chat(chat_template_kwargs={"enable_thinking": False}),
+    ):
         assert render_fingerprint(changed, "m") != base
     assert render_fingerprint(chat(), "other-model") != base
 
@@ -93,7 +102,10 @@ def test_sampling_fields_are_outside_the_fingerprint_render_inputs_inside():
         (lambda: admit({}), Rejection.UNSIGNED),
         (lambda: admit({**signed(), "signature": "0" * 64}), Rejection.BAD_SIGNATURE),
         (lambda: admit(signed(), ids=[1, 5, 9, 201]), Rejection.BAD_SIGNATURE),
-        (lambda: admit({**signed(kv_handle=HANDLE), "kv_handle": {**HANDLE.to_dict(), "location": {"name": "y"}}}), Rejection.BAD_SIGNATURE),
+        (
+            lambda: admit({**signed(kv_handle=HANDLE), "kv_handle": {**HANDLE.to_dict(), "location": {"name": "y"}}}),
+            Rejection.BAD_SIGNATURE,
+        ),
         (lambda: admit({**signed(), "kv_handle": {"host": "10.0.0.9"}}), Rejection.MALFORMED),
         (lambda: admit({**signed(), "signature": "é" * 64}), Rejection.BAD_SIGNATURE),
         (lambda: admit({**signed(), "signature": "\ud800" * 64}), Rejection.BAD_SIGNATURE),
@@ -146,12 +158,19 @@ def test_the_route_is_planned_once_before_rendering():
     assert planner.plan(chat(), None, None).route is Route.RENDER
     assert planner.plan(chat(), None, '{"do_remote_decode": true}').route is Route.REMOTE_PREFILL
     handoff = planner.sign_handoff(chat(max_tokens=5), IDS, kv_handle=HANDLE)
-    verified = planner.plan(chat(max_tokens=5), None, handoff.to_json())  # the benchmarks' baseline: render, then verify
+    verified = planner.plan(
+        chat(max_tokens=5), None, handoff.to_json()
+    )  # the benchmarks' baseline: render, then verify
     assert verified.route is Route.RENDER_VERIFIED
     assert reason(lambda: planner.admit_rendered(verified, IDS[:-1])) is Rejection.BAD_SIGNATURE
     assert planner.admit_rendered(verified, IDS) == HANDLE
     handoff = planner.sign_handoff(chat(max_tokens=5), IDS, kv_handle=HANDLE, now=time.time() + 1)  # another handoff
     plan = planner.plan(chat(max_tokens=5), IDS, handoff.to_json())
-    assert (plan.route, plan.prompt_token_ids, plan.generation.max_tokens, plan.kv_handle) == (Route.REUSE, IDS, 5, HANDLE)
+    assert (plan.route, plan.prompt_token_ids, plan.generation.max_tokens, plan.kv_handle) == (
+        Route.REUSE,
+        IDS,
+        5,
+        HANDLE,
+    )
     with pytest.raises(InvalidRequest, match="handoff key"):
         RoutePlanner(gate(Policy.OFF, key=None), "m").plan(chat(), None, '{"do_remote_decode": true}')

@@ -17,9 +17,14 @@ from pdchat.core.request.protocol import chat_request_from_body
 from pdchat.ensemble.handoff import render_fingerprint
 
 DATE = "2026-11-30"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 
 
@@ -68,41 +73,86 @@ def cases(h):
     message, role = h.Message, h.Role
     user = message.from_role_and_content(role.USER, "What is the weather in Paris?")
     developer = h.DeveloperContent.new().with_instructions("Answer briefly.\n\nUse metric units.")
-    call = (message.from_role_and_content(role.ASSISTANT, '{"city": "Paris"}').with_channel("commentary")
-            .with_recipient("functions.get_weather").with_content_type("<|constrain|>json"))
-    result = (message.from_author_and_content(h.Author.new(role.TOOL, "functions.get_weather"), '{"temp_c": 21}')
-              .with_channel("commentary").with_recipient("assistant"))
+    call = (
+        message.from_role_and_content(role.ASSISTANT, '{"city": "Paris"}')
+        .with_channel("commentary")
+        .with_recipient("functions.get_weather")
+        .with_content_type("<|constrain|>json")
+    )
+    result = (
+        message.from_author_and_content(h.Author.new(role.TOOL, "functions.get_weather"), '{"temp_c": 21}')
+        .with_channel("commentary")
+        .with_recipient("assistant")
+    )
     asked = [{"role": "user", "content": "What is the weather in Paris?"}]
     return {
         "instructions": (
-            {"messages": [{"role": "system", "content": "Answer briefly."}, {"role": "developer", "content": "Use metric units."},
-                          *asked], "reasoning_effort": "high"},
-            [message.from_role_and_content(role.SYSTEM, system(h, "High")), message.from_role_and_content(role.DEVELOPER, developer), user],
+            {
+                "messages": [
+                    {"role": "system", "content": "Answer briefly."},
+                    {"role": "developer", "content": "Use metric units."},
+                    *asked,
+                ],
+                "reasoning_effort": "high",
+            },
+            [
+                message.from_role_and_content(role.SYSTEM, system(h, "High")),
+                message.from_role_and_content(role.DEVELOPER, developer),
+                user,
+            ],
         ),
         "tools": (
             {"messages": asked, "tools": [WEATHER]},
-            [message.from_role_and_content(role.SYSTEM, system(h)),
-             message.from_role_and_content(role.DEVELOPER, h.DeveloperContent.new().with_function_tools([weather_tool(h)])), user],
+            [
+                message.from_role_and_content(role.SYSTEM, system(h)),
+                message.from_role_and_content(
+                    role.DEVELOPER, h.DeveloperContent.new().with_function_tools([weather_tool(h)])
+                ),
+                user,
+            ],
         ),
         "tool_call_and_result": (
-            {"messages": [*asked, {"role": "assistant", "content": None, "reasoning_content": "I should look it up.",
-                                   "tool_calls": [CALL]},
-                          {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'}],
-             "tools": [WEATHER], "reasoning_effort": "low"},
-            [message.from_role_and_content(role.SYSTEM, system(h, "Low")),
-             message.from_role_and_content(role.DEVELOPER, h.DeveloperContent.new().with_function_tools([weather_tool(h)])), user,
-             message.from_role_and_content(role.ASSISTANT, "I should look it up.").with_channel("analysis"), call, result],
+            {
+                "messages": [
+                    *asked,
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "reasoning_content": "I should look it up.",
+                        "tool_calls": [CALL],
+                    },
+                    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'},
+                ],
+                "tools": [WEATHER],
+                "reasoning_effort": "low",
+            },
+            [
+                message.from_role_and_content(role.SYSTEM, system(h, "Low")),
+                message.from_role_and_content(
+                    role.DEVELOPER, h.DeveloperContent.new().with_function_tools([weather_tool(h)])
+                ),
+                user,
+                message.from_role_and_content(role.ASSISTANT, "I should look it up.").with_channel("analysis"),
+                call,
+                result,
+            ],
         ),
         "multi_turn_with_earlier_reasoning": (
-            {"messages": [{"role": "user", "content": "Pick a number."},
-                          {"role": "assistant", "content": "Seven.", "reasoning_content": "Any will do; seven."},
-                          {"role": "user", "content": "Another one?"}],
-             "chat_template_kwargs": {"current_date": "2025-01-02"}},
-            [message.from_role_and_content(role.SYSTEM, system(h, date="2025-01-02")),
-             message.from_role_and_content(role.USER, "Pick a number."),
-             message.from_role_and_content(role.ASSISTANT, "Any will do; seven.").with_channel("analysis"),
-             message.from_role_and_content(role.ASSISTANT, "Seven.").with_channel("final"),
-             message.from_role_and_content(role.USER, "Another one?")],
+            {
+                "messages": [
+                    {"role": "user", "content": "Pick a number."},
+                    {"role": "assistant", "content": "Seven.", "reasoning_content": "Any will do; seven."},
+                    {"role": "user", "content": "Another one?"},
+                ],
+                "chat_template_kwargs": {"current_date": "2025-01-02"},
+            },
+            [
+                message.from_role_and_content(role.SYSTEM, system(h, date="2025-01-02")),
+                message.from_role_and_content(role.USER, "Pick a number."),
+                message.from_role_and_content(role.ASSISTANT, "Any will do; seven.").with_channel("analysis"),
+                message.from_role_and_content(role.ASSISTANT, "Seven.").with_channel("final"),
+                message.from_role_and_content(role.USER, "Another one?"),
+            ],
         ),
     }
 
@@ -123,8 +173,15 @@ def test_earlier_reasoning_is_dropped_by_harmony_itself(renderer, h):
 
 def test_the_embedded_tokenizer_tokenizes_as_harmonys_encoding(renderer):
     encoding = harmony_vocab.harmony_encoding()
-    for text in ["Hello, world! It's 2026.", "naïve café ☕ 日本語 ", "<|start|>user<|message|>x<|end|>", "  indented\n\tcode()\r\n"]:
-        assert renderer.tokenizer(text, add_special_tokens=False)["input_ids"] == encoding.encode(text, allowed_special="all")
+    for text in [
+        "Hello, world! It's 2026.",
+        "naïve café ☕ 日本語 ",
+        "<|start|>user<|message|>x<|end|>",
+        "  indented\n\tcode()\r\n",
+    ]:
+        assert renderer.tokenizer(text, add_special_tokens=False)["input_ids"] == encoding.encode(
+            text, allowed_special="all"
+        )
     assert len(renderer.tokenizer) == renderer.vocab_size == 201088
 
 
@@ -145,18 +202,37 @@ def test_quicktoks_binary_vocabulary_converts_line_by_line():
         harmony_vocab.tiktoken_text(vocab + b"\x00")
 
 
-@pytest.mark.parametrize(("body", "message"), [
-    ({"continue_final_message": True, "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
-     "continue_final_message is not supported by the Harmony format"),
-    ({"chat_template_kwargs": {"enable_thinking": True}}, "may only set 'current_date'"),
-    ({"chat_template_kwargs": {"current_date": "30/11/2026"}}, "must be a date as YYYY-MM-DD"),
-    ({"chat_template_kwargs": {"current_date": "2025-13-45"}}, "must be a date as YYYY-MM-DD"),
-    ({"messages": [{"role": "user", "content": "a" * 5000}]}, "a run of 5000 characters that tokenizes as one piece"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "description": " " * 9000 + "x"}}]}, "tokenizes as one piece"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "description": "w " * 140000}}]}, "the messages and tools hold"),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "tool", "tool_call_id": "nope", "content": "1"}]},
-     "names no earlier tool call"),
-])
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            {
+                "continue_final_message": True,
+                "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+            },
+            "continue_final_message is not supported by the Harmony format",
+        ),
+        ({"chat_template_kwargs": {"enable_thinking": True}}, "may only set 'current_date'"),
+        ({"chat_template_kwargs": {"current_date": "30/11/2026"}}, "must be a date as YYYY-MM-DD"),
+        ({"chat_template_kwargs": {"current_date": "2025-13-45"}}, "must be a date as YYYY-MM-DD"),
+        (
+            {"messages": [{"role": "user", "content": "a" * 5000}]},
+            "a run of 5000 characters that tokenizes as one piece",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "description": " " * 9000 + "x"}}]},
+            "tokenizes as one piece",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "description": "w " * 140000}}]},
+            "the messages and tools hold",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "a"}, {"role": "tool", "tool_call_id": "nope", "content": "1"}]},
+            "names no earlier tool call",
+        ),
+    ],
+)
 def test_what_harmony_cannot_render_is_refused_by_name(renderer, body, message):
     with pytest.raises(InvalidRequest, match=message):
         renderer.render(request(**body))
@@ -171,16 +247,21 @@ def test_the_server_date_renders_unless_the_request_names_one(renderer):
 
 def test_the_fingerprint_covers_every_harmony_render_input(renderer):
     base = request()
-    variants = [request(reasoning_effort="high"), request(tools=[WEATHER]),
-                request(messages=[{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]),
-                request(chat_template_kwargs={"current_date": "2024-02-29"})]
+    variants = [
+        request(reasoning_effort="high"),
+        request(tools=[WEATHER]),
+        request(messages=[{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]),
+        request(chat_template_kwargs={"current_date": "2024-02-29"}),
+    ]
     prints = {render_fingerprint(r, "m", renderer.render_defaults()) for r in [base, *variants]}
     assert len(prints) == 1 + len(variants)
-    assert render_fingerprint(base, "m", {"format": "harmony", "current_date": "2020-01-01"}) != \
-        render_fingerprint(base, "m", renderer.render_defaults()), "the server's date is a render input too"
+    assert render_fingerprint(base, "m", {"format": "harmony", "current_date": "2020-01-01"}) != render_fingerprint(
+        base, "m", renderer.render_defaults()
+    ), "the server's date is a render input too"
 
 
 # --- output parsing -------------------------------------------------------------------
+
 
 def parse(tokens, *, tools=True, max_tool_calls=None):
     """Feed `tokens` one at a time, as decode does; the deltas merged, and each delta."""
@@ -188,8 +269,7 @@ def parse(tokens, *, tools=True, max_tool_calls=None):
     from pdchat.core.output.parsing import ParsedDelta
 
     encoding = harmony_vocab.harmony_encoding()
-    parser = HarmonyOutputParser(encoding, _decoder(encoding), tools=tools,
-                                 max_tool_calls=max_tool_calls)
+    parser = HarmonyOutputParser(encoding, _decoder(encoding), tools=tools, max_tool_calls=max_tool_calls)
     merged, deltas = ParsedDelta(), []
     for token in tokens:
         delta = parser.feed("", [token])
@@ -209,9 +289,11 @@ def encode(text):
 
 
 def test_a_hand_written_completion_parses_into_reasoning_then_a_tool_call():
-    completion = ("<|channel|>analysis<|message|>The user wants Paris weather. Call the tool.<|end|>"
-                  "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
-                  '<|message|>{"city": "Paris"}<|call|>')
+    completion = (
+        "<|channel|>analysis<|message|>The user wants Paris weather. Call the tool.<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        '<|message|>{"city": "Paris"}<|call|>'
+    )
     merged, deltas = parse(encode(completion))
     assert merged.reasoning == "The user wants Paris weather. Call the tool."
     assert merged.content == ""
@@ -223,8 +305,10 @@ def test_a_hand_written_completion_parses_into_reasoning_then_a_tool_call():
 
 
 def test_final_channel_is_content_and_preambles_too():
-    completion = ("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>commentary<|message|>Checking."
-                  "<|end|><|start|>assistant<|channel|>final<|message|>It is 21 C.<|return|>")
+    completion = (
+        "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>commentary<|message|>Checking."
+        "<|end|><|start|>assistant<|channel|>final<|message|>It is 21 C.<|return|>"
+    )
     merged, _ = parse(encode(completion))
     assert (merged.reasoning, merged.content, merged.tool_calls) == ("Think.", "Checking.It is 21 C.", [])
 
@@ -242,14 +326,19 @@ def test_output_that_is_not_harmony_comes_back_as_content():
     assert cut.content == '{"ci' and cut.tool_calls == [], "a call cut off by max_tokens is passed on"
     long_header = encode("<|channel|>" + "word " * 100)
     merged, deltas = parse(long_header)
-    assert merged.content.startswith("word word") and any(d.content for d in deltas), "a runaway header streams as content"
+    assert merged.content.startswith("word word") and any(d.content for d in deltas), (
+        "a runaway header streams as content"
+    )
 
 
-@pytest.mark.parametrize(("fields", "refused"), [
-    ({"response_format": {"type": "json_object"}}, "response_format and a forced tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": "required"}, "response_format and a forced tool_choice"),
-    ({"stop": ["Paris"]}, "'stop' strings are not supported"),
-])
+@pytest.mark.parametrize(
+    ("fields", "refused"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format and a forced tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "required"}, "response_format and a forced tool_choice"),
+        ({"stop": ["Paris"]}, "'stop' strings are not supported"),
+    ],
+)
 def test_harmony_refuses_what_it_cannot_honour_yet_at_the_stages(gptoss_dir, fields, refused):
     from pdchat.core.generation.generation import TextModel
 

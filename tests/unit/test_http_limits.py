@@ -12,15 +12,18 @@ from pdchat.clients.openai_api import ApiError, JsonTooDeep, chat_api_error, jso
 from pdchat.core.errors import ErrorCode
 
 
-@pytest.mark.parametrize(("text", "depth"), [
-    ("{}", 1),
-    ("12", 0),
-    ('{"messages": [{"role": "user", "content": "hi"}]}', 3),
-    ('{"content": "[[[{{{ brackets in a string do not nest"}', 1),
-    ('{"content": "an escaped quote \\" then [[[ still in the string"}', 1),
-    ('{"content": "a backslash at the end \\\\"}', 1),
-    ("[[], [[]], []]", 3),
-])
+@pytest.mark.parametrize(
+    ("text", "depth"),
+    [
+        ("{}", 1),
+        ("12", 0),
+        ('{"messages": [{"role": "user", "content": "hi"}]}', 3),
+        ('{"content": "[[[{{{ brackets in a string do not nest"}', 1),
+        ('{"content": "an escaped quote \\" then [[[ still in the string"}', 1),
+        ('{"content": "a backslash at the end \\\\"}', 1),
+        ("[[], [[]], []]", 3),
+    ],
+)
 def test_json_depth_counts_structure_not_string_contents(text, depth):
     assert json_depth(text.encode()) == depth
 
@@ -75,11 +78,14 @@ def test_absent_request_id_is_generated():
     assert request_id_of(first.encode()) == first  # a generated id passes the rule
 
 
-@pytest.mark.parametrize(("code", "http", "name"), [
-    (ErrorCode.INVALID_ARG, 400, "INVALID_ARGUMENT"),
-    (ErrorCode.UNAVAILABLE, 503, "UNAVAILABLE"),
-    (ErrorCode.INTERNAL, 500, "INTERNAL"),
-])
+@pytest.mark.parametrize(
+    ("code", "http", "name"),
+    [
+        (ErrorCode.INVALID_ARG, 400, "INVALID_ARGUMENT"),
+        (ErrorCode.UNAVAILABLE, 503, "UNAVAILABLE"),
+        (ErrorCode.INTERNAL, 500, "INTERNAL"),
+    ],
+)
 def test_router_errors_map_to_http_statuses(code, http, name):
     error = chat_api_error(ChatError("reason", code))
     assert error.status == http

@@ -39,10 +39,12 @@ def test_roles_fronts_and_selectors_line_up():
     [router] = [c for _, c in containers() if c["name"] == "vllm-router"]
     args = router["command"]
     for role in ("prefill", "decode"):
-        selector = args[args.index(f"--{role}-selector") + 1: args.index(f"--{role}-selector") + 3]
+        selector = args[args.index(f"--{role}-selector") + 1 : args.index(f"--{role}-selector") + 3]
         labels = DEPLOYMENTS[f"pdchat-{role}"]["spec"]["template"]["metadata"]["labels"]
         assert selector == [f"{k}={v}" for k, v in labels.items()]
-        serve = next(c for _, c in containers() if c["name"] == "tritonserver" and f"--role={role}" in "=".join(c["command"]))
+        serve = next(
+            c for _, c in containers() if c["name"] == "tritonserver" and f"--role={role}" in "=".join(c["command"])
+        )
         assert serve["command"][serve["command"].index("--role") + 1] == role
     front_port = {c["ports"][0]["containerPort"] for _, c in containers() if c["name"] == "openai"}
     assert front_port == {int(args[args.index("--service-discovery-port") + 1])}

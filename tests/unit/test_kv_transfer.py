@@ -183,10 +183,18 @@ def test_kv_claimed_but_never_handed_back_is_swept_once_expired(directory):
     assert np.array_equal(pulled, kv()), "a mapping outlives its file"
 
 
-@pytest.mark.parametrize("name", [
-    "../etc/passwd", "pdchat_kv_x", "", "pdchat_kv_ab_1_cd/../x",
-    "pdchat_kvfree_ab_1_cd", "pdchat_kvpulled_ab_1_cd_ef", ".pdchat_kv_ab_1_cd",  # only a published KV pulls
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../etc/passwd",
+        "pdchat_kv_x",
+        "",
+        "pdchat_kv_ab_1_cd/../x",
+        "pdchat_kvfree_ab_1_cd",
+        "pdchat_kvpulled_ab_1_cd_ef",
+        ".pdchat_kv_ab_1_cd",  # only a published KV pulls
+    ],
+)
 def test_shm_refuses_names_that_are_not_a_published_kv(shm, name):
     with pytest.raises(KVUnavailable, match="not a shm KV name"):
         shm.pull(named(name))
@@ -234,7 +242,9 @@ def test_foreign_entries_neither_stop_the_sweeper_nor_fail_a_publish(shm, decode
         with pytest.raises(KVUnavailable):
             ShmConnector(directory).pull(named(planted))
     shm.sweep()
-    assert sum("pdchat_kvfree_000000000000_1_00" in r.getMessage() for r in caplog.records) == 1, "logged once, not per sweep"
+    assert sum("pdchat_kvfree_000000000000_1_00" in r.getMessage() for r in caplog.records) == 1, (
+        "logged once, not per sweep"
+    )
 
 
 def test_the_background_sweeper_survives_a_failing_sweep(directory):

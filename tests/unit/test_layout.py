@@ -15,8 +15,19 @@ ROOT = Path(__file__).resolve().parents[2]
 # Module name prefix -> source directory (pyproject's package-dir).
 SOURCES = {"pdchat": ROOT / "backends/pdchat", "pdchat.clients": ROOT / "clients", "pdchat.ensemble": ROOT / "ensemble"}
 # Packages whose modules never compute with the model: no torch, no Triton.
-NO_TORCH = ("pdchat.core.request.protocol", "pdchat.core.request.grammar", "pdchat.core.kv", "pdchat.core.output", "pdchat.core.settings", "pdchat.core.errors",
-            "pdchat.ensemble", "pdchat.registry", "pdchat.tensors", "pdchat.clients.router", "pdchat.clients.chat")
+NO_TORCH = (
+    "pdchat.core.request.protocol",
+    "pdchat.core.request.grammar",
+    "pdchat.core.kv",
+    "pdchat.core.output",
+    "pdchat.core.settings",
+    "pdchat.core.errors",
+    "pdchat.ensemble",
+    "pdchat.registry",
+    "pdchat.tensors",
+    "pdchat.clients.router",
+    "pdchat.clients.chat",
+)
 
 
 def modules() -> dict[str, Path]:
@@ -56,7 +67,7 @@ def test_no_import_circles():
         stack.append(node)
         for target in sorted(edges[node]):
             if state.get(target) == "open":
-                cycles.append(stack[stack.index(target):] + [target])
+                cycles.append(stack[stack.index(target) :] + [target])
             elif target not in state:
                 visit(target)
         stack.pop()
@@ -74,15 +85,19 @@ def test_no_triton_in_core_and_no_torch_where_nothing_computes():
         if name.startswith(("pdchat.core", "pdchat.ensemble", "pdchat.clients")):
             assert "triton_python_backend_utils" not in used, name
         if name.startswith(NO_TORCH):
-            assert not {m for m in used if m.split(".")[0] in ("torch", "transformers", "xgrammar")} - {"xgrammar"}, name
+            assert not {m for m in used if m.split(".")[0] in ("torch", "transformers", "xgrammar")} - {"xgrammar"}, (
+                name
+            )
 
 
 def test_the_router_process_never_imports_torch():
-    script = ("import sys, json; from pdchat.clients import router, openai_api; "
-              "from pdchat.core.request.protocol import chat_request_from_body; "
-              "chat_request_from_body({'messages': [{'role': 'user', 'content': 'x'}], "
-              "'response_format': {'type': 'json_schema', 'json_schema': {'schema': {'type': 'object'}}}}, check_grammar=False); "
-              "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'xgrammar'))))")
+    script = (
+        "import sys, json; from pdchat.clients import router, openai_api; "
+        "from pdchat.core.request.protocol import chat_request_from_body; "
+        "chat_request_from_body({'messages': [{'role': 'user', 'content': 'x'}], "
+        "'response_format': {'type': 'json_schema', 'json_schema': {'schema': {'type': 'object'}}}}, check_grammar=False); "
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'xgrammar'))))"
+    )
     loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
 
@@ -95,7 +110,7 @@ def test_every_package_says_what_it_holds(package):
 
 def test_readme_layout_table_matches_the_tree():
     readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("| path | role |"):]
+    table = readme[readme.index("| path | role |") :]
     table = table[: table.index("\n\n")]
     listed = re.findall(r"^\| `([^`]+)/?` \|", table, flags=re.M)
     assert listed, "the README has a layout table"
@@ -103,4 +118,6 @@ def test_readme_layout_table_matches_the_tree():
         assert (ROOT / path).exists(), f"README lists {path}, which is not in the tree"
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     top = {p.split("/")[0] for p in tracked if "/" in p and not p.startswith(".")}
-    assert top <= {p.split("/")[0].rstrip("/") for p in listed}, f"top-level folders missing from the README table: {top}"
+    assert top <= {p.split("/")[0].rstrip("/") for p in listed}, (
+        f"top-level folders missing from the README table: {top}"
+    )

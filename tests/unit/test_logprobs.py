@@ -9,8 +9,14 @@ ENTRY = TokenLogprobs(5, -0.5, ((5, -0.5), (9, -1.0), (2, -3.0)))
 
 def test_an_entry_round_trips_and_malformed_ones_are_refused():
     assert TokenLogprobs.from_json(ENTRY.to_json()) == ENTRY
-    for bad in ("[]", '{"token_id": -1, "logprob": -1, "top": []}', '{"token_id": 1, "logprob": "x", "top": []}',
-                '{"token_id": 1, "logprob": -1, "top": [[1, 2, 3]]}', '{"token_id": true, "logprob": -1, "top": []}', "{"):
+    for bad in (
+        "[]",
+        '{"token_id": -1, "logprob": -1, "top": []}',
+        '{"token_id": 1, "logprob": "x", "top": []}',
+        '{"token_id": 1, "logprob": -1, "top": [[1, 2, 3]]}',
+        '{"token_id": true, "logprob": -1, "top": []}',
+        "{",
+    ):
         with pytest.raises(ValueError, match="malformed token logprobs"):
             TokenLogprobs.from_json(bad)
 
@@ -29,9 +35,12 @@ def test_content_is_openai_shaped(tiny_tokenizer):
     speller = TokenSpeller(tiny_tokenizer)
     ids = tiny_tokenizer.encode(" hello", add_special_tokens=False)
     [entry] = speller.content([TokenLogprobs(ids[0], -0.1, ((ids[0], -0.1),))])
-    assert entry == {"token": " hello", "logprob": -0.1, "bytes": list(b" hello"),
-                     "top_logprobs": [{"token": " hello", "logprob": -0.1, "bytes": list(b" hello")}]}
-
+    assert entry == {
+        "token": " hello",
+        "logprob": -0.1,
+        "bytes": list(b" hello"),
+        "top_logprobs": [{"token": " hello", "logprob": -0.1, "bytes": list(b" hello")}],
+    }
 
 
 def test_an_entry_covers_a_request_for_its_token_and_at_most_its_alternatives():

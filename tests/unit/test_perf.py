@@ -7,14 +7,18 @@ from pdchat.clients.perf import input_data, summarize
 
 def test_first_response_latency_and_gaps_come_from_response_timestamps():
     ms = 1_000_000
-    export = {"experiments": [{
-        "experiment": {"mode": "concurrency", "value": 2},
-        "requests": [
-            {"timestamp": 0, "response_timestamps": [30 * ms, 40 * ms, 50 * ms]},
-            {"timestamp": 100 * ms, "response_timestamps": [110 * ms, 130 * ms]},
-            {"timestamp": 200 * ms, "response_timestamps": []},
-        ],
-    }]}
+    export = {
+        "experiments": [
+            {
+                "experiment": {"mode": "concurrency", "value": 2},
+                "requests": [
+                    {"timestamp": 0, "response_timestamps": [30 * ms, 40 * ms, 50 * ms]},
+                    {"timestamp": 100 * ms, "response_timestamps": [110 * ms, 130 * ms]},
+                    {"timestamp": 200 * ms, "response_timestamps": []},
+                ],
+            }
+        ]
+    }
     [(concurrency, stats)] = summarize(export).items()
     assert (concurrency, stats["requests"]) == (2, 2)
     assert stats["ttft_p50_ms"] == pytest.approx(20.0)  # median of 30 and 10

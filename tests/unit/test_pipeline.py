@@ -26,7 +26,7 @@ def test_greedy_matches_transformers_generate(pipeline):
     ids = outputs[-1].prompt_token_ids
     reference = pipeline.model.engine.model.generate(
         torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=sorted(pipeline.model.eos_ids)
-    )[0, len(ids):].tolist()
+    )[0, len(ids) :].tolist()
     assert outputs[-1].output_token_ids == reference
 
 
@@ -86,17 +86,41 @@ def test_return_token_ids_in_json(pipeline):
     body = json.loads(result.response)
     assert body["prompt_token_ids"] == result.prompt_token_ids
     assert body["choices"][0]["token_ids"] == result.output_token_ids
-    assert body["usage"] == {"prompt_tokens": len(result.prompt_token_ids), "completion_tokens": 4, "total_tokens": len(result.prompt_token_ids) + 4}
+    assert body["usage"] == {
+        "prompt_tokens": len(result.prompt_token_ids),
+        "completion_tokens": 4,
+        "total_tokens": len(result.prompt_token_ids) + 4,
+    }
 
 
-SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}, "sure": {"type": "boolean"}}, "required": ["answer", "sure"]}
-TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
-    "type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}}, "required": ["n", "ok"]}}}
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "integer"}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"],
+}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "pick",
+        "parameters": {
+            "type": "object",
+            "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+            "required": ["n", "ok"],
+        },
+    },
+}
 
 
 @pytest.mark.parametrize("handoff", [True, False])
 def test_json_schema_output_is_valid_json_of_the_schema(pipeline, handoff):
-    result = pipeline.run(chat(max_tokens=60, temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}), handoff=handoff)[-1]
+    result = pipeline.run(
+        chat(
+            max_tokens=60,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
+        ),
+        handoff=handoff,
+    )[-1]
     value = json.loads(json.loads(result.response)["choices"][0]["message"]["content"])
     assert set(value) == {"answer", "sure"} and isinstance(value["answer"], int) and isinstance(value["sure"], bool)
     assert result.finish_reason == "stop"
@@ -113,22 +137,36 @@ def test_forced_tool_choice_yields_parsed_tool_calls(pipeline):
 
 
 def test_streamed_tool_call_arrives_whole_in_one_chunk(pipeline):
-    chunks = [json.loads(c.response) for c in pipeline.run(chat(max_tokens=60, temperature=0, tools=[TOOL], tool_choice="required", stream=True))]
+    chunks = [
+        json.loads(c.response)
+        for c in pipeline.run(chat(max_tokens=60, temperature=0, tools=[TOOL], tool_choice="required", stream=True))
+    ]
     calls = [c["choices"][0]["delta"]["tool_calls"] for c in chunks if "tool_calls" in c["choices"][0]["delta"]]
     assert len(calls) == 1 and calls[0][0]["function"]["name"] == "pick"
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_answer_continuing_an_open_think_block_is_reasoning(pipeline):
-    request = parse_chat_json(json.dumps({
-        "messages": [{"role": "user", "content": "Plan a trip"}, {"role": "assistant", "content": "<think>\nFirst"}],
-        "continue_final_message": True, "max_tokens": 8, "temperature": 0}))
+    request = parse_chat_json(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "Plan a trip"},
+                    {"role": "assistant", "content": "<think>\nFirst"},
+                ],
+                "continue_final_message": True,
+                "max_tokens": 8,
+                "temperature": 0,
+            }
+        )
+    )
     message = json.loads(pipeline.run(request)[-1].response)["choices"][0]["message"]
     assert message["reasoning_content"] and not message["content"]
 
 
 # Request fields that shape the choice, through the whole pipeline (prefill picks the first
 # token, decode the rest): each one changes the answer as specified.
+
 
 def answer(pipeline, handoff=True, **fields):
     return pipeline.run(chat(temperature=0, **fields), handoff=handoff)[-1]
@@ -157,8 +195,11 @@ def next_logits(pipeline, token_ids):
     return logits.clone()
 
 
-PENALTIES = {"presence_penalty": ("presence", 2.0), "frequency_penalty": ("frequency", 1.5),
-             "repetition_penalty": ("repetition", 1.3)}
+PENALTIES = {
+    "presence_penalty": ("presence", 2.0),
+    "frequency_penalty": ("frequency", 1.5),
+    "repetition_penalty": ("repetition", 1.3),
+}
 
 
 @pytest.mark.parametrize("field", [*PENALTIES, "encouraging_repetition"])
@@ -188,7 +229,10 @@ def test_top_k_one_and_min_p_one_are_greedy_where_plain_sampling_is_not(pipeline
     assert pipeline.run(chat(**sampled))[-1].output_token_ids != greedy
     assert pipeline.run(chat(**sampled, top_k=1))[-1].output_token_ids == greedy
     assert pipeline.run(chat(**sampled, min_p=1.0))[-1].output_token_ids == greedy
-    assert pipeline.run(chat(**sampled, top_k=40, min_p=0.05))[-1].output_token_ids != pipeline.run(chat(**sampled))[-1].output_token_ids
+    assert (
+        pipeline.run(chat(**sampled, top_k=40, min_p=0.05))[-1].output_token_ids
+        != pipeline.run(chat(**sampled))[-1].output_token_ids
+    )
 
 
 def test_min_tokens_holds_back_eos(pipeline):
@@ -218,7 +262,9 @@ def test_logprobs_whole_and_streamed_and_with_or_without_handoff(pipeline):
     entries = logprobs_of([json.loads(whole.response)])
     assert len(entries) == 8 and all(len(e["top_logprobs"]) == 3 for e in entries)
     # Greedy over the raw distribution: each chosen token is its position's likeliest.
-    assert all(e["top_logprobs"][0]["token"] == e["token"] and e["top_logprobs"][0]["logprob"] == e["logprob"] for e in entries)
+    assert all(
+        e["top_logprobs"][0]["token"] == e["token"] and e["top_logprobs"][0]["logprob"] == e["logprob"] for e in entries
+    )
     assert bytes(b for e in entries for b in e["bytes"]).decode() == whole.text_output
     streamed = pipeline.run(chat(temperature=0, stream=True, **request))
     assert [len(logprobs_of([json.loads(c.response)])) for c in streamed] == [1] * 8
@@ -244,14 +290,21 @@ def test_logprobs_prefill_did_not_hand_over_come_from_its_last_prompt_token_agai
 
 def test_logprobs_are_raw_whatever_shapes_the_choice(pipeline):
     plain = logprobs_of([json.loads(answer(pipeline, max_tokens=1, logprobs=True, top_logprobs=2).response)])
-    forced = logprobs_of([json.loads(answer(pipeline, max_tokens=1, logprobs=True, top_logprobs=2, logit_bias={"1234": 100}).response)])
+    forced = logprobs_of(
+        [json.loads(answer(pipeline, max_tokens=1, logprobs=True, top_logprobs=2, logit_bias={"1234": 100}).response)]
+    )
     assert forced[0]["token"] == pipeline.model.speller.spell(1234)[0] != plain[0]["token"]
     assert forced[0]["top_logprobs"] == plain[0]["top_logprobs"]  # the bias shaped the choice, not the distribution
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
-TWO_CALLS = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
+TWO_CALLS = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+)
 
 
 class Scripted:
@@ -275,7 +328,9 @@ def test_parallel_tool_calls_false_ends_the_answer_with_its_first_call(pipeline,
 
     def called(**fields):
         outputs = pipeline.run(chat(max_tokens=100, tools=[WEATHER], stream=stream, **fields))
-        calls = [json.loads(c["function"]["arguments"])["city"] for o in outputs for c in message(o).get("tool_calls") or []]
+        calls = [
+            json.loads(c["function"]["arguments"])["city"] for o in outputs for c in message(o).get("tool_calls") or []
+        ]
         content = "".join(message(o).get("content") or "" for o in outputs)
         return calls, content, [t for o in outputs for t in o.output_token_ids], outputs[-1].finish_reason
 
@@ -292,8 +347,13 @@ def message(output):
 
 def test_forced_tool_choice_already_makes_one_call_and_parallel_false_keeps_it(pipeline):
     for parallel in (True, False):
-        result = pipeline.run(chat(max_tokens=60, temperature=0, tools=[TOOL], tool_choice="required", parallel_tool_calls=parallel))[-1]
-        assert result.finish_reason == "tool_calls" and len(json.loads(result.response)["choices"][0]["message"]["tool_calls"]) == 1
+        result = pipeline.run(
+            chat(max_tokens=60, temperature=0, tools=[TOOL], tool_choice="required", parallel_tool_calls=parallel)
+        )[-1]
+        assert (
+            result.finish_reason == "tool_calls"
+            and len(json.loads(result.response)["choices"][0]["message"]["tool_calls"]) == 1
+        )
 
 
 def test_each_row_of_a_batch_keeps_its_own_shaping_and_logprobs(pipeline):
@@ -309,5 +369,7 @@ def test_each_row_of_a_batch_keeps_its_own_shaping_and_logprobs(pipeline):
     for request, outputs in zip(requests, batched, strict=True):
         alone = pipeline.run(request)[-1]
         assert outputs[-1].output_token_ids == alone.output_token_ids
-        assert_logprobs_close(logprobs_of([json.loads(outputs[-1].response)]), logprobs_of([json.loads(alone.response)]))
+        assert_logprobs_close(
+            logprobs_of([json.loads(outputs[-1].response)]), logprobs_of([json.loads(alone.response)])
+        )
     assert batched[1][-1].output_token_ids == [1234] * 8

@@ -4,7 +4,13 @@ import re
 import pytest
 
 from pdchat.core.errors import InvalidRequest
-from pdchat.core.request.protocol import ChatRequest, GenerationParams, parse_chat_json, resolve_max_tokens, text_input_request
+from pdchat.core.request.protocol import (
+    ChatRequest,
+    GenerationParams,
+    parse_chat_json,
+    resolve_max_tokens,
+    text_input_request,
+)
 
 
 def body(**fields):
@@ -14,8 +20,14 @@ def body(**fields):
 def test_parses_sampling_and_render_fields():
     request = parse_chat_json(
         body(
-            max_completion_tokens=7, temperature=0, top_p=0.5, seed=3, stop="END", stream=True,
-            return_token_ids=True, chat_template_kwargs={"enable_thinking": False},
+            max_completion_tokens=7,
+            temperature=0,
+            top_p=0.5,
+            seed=3,
+            stop="END",
+            stream=True,
+            return_token_ids=True,
+            chat_template_kwargs={"enable_thinking": False},
         )
     )
     assert (request.max_tokens, request.temperature, request.top_p, request.seed) == (7, 0.0, 0.5, 3)
@@ -24,11 +36,22 @@ def test_parses_sampling_and_render_fields():
 
 
 def test_text_parts_are_joined_and_tool_call_arguments_decoded():
-    request = parse_chat_json(json.dumps({"messages": [
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
-    ]}))
+    request = parse_chat_json(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+                        ],
+                    },
+                ]
+            }
+        )
+    )
     assert request.messages[0]["content"] == "a\nb"  # vLLM's rule: text parts joined by newlines
     assert request.messages[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
 
@@ -43,10 +66,22 @@ def test_a_field_not_honoured_is_refused_by_name(field):
 
 
 def test_sampling_controls_are_parsed_normalized_and_reach_generation_params():
-    request = parse_chat_json(body(
-        presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, logit_bias={"007": -100, "12": 5.5},
-        top_k=-1, min_p=0.1, min_tokens=3, max_tokens=8, stop_token_ids=[2, 9], logprobs=True, top_logprobs=4,
-        parallel_tool_calls=False))
+    request = parse_chat_json(
+        body(
+            presence_penalty=0.5,
+            frequency_penalty=-1,
+            repetition_penalty=1.2,
+            logit_bias={"007": -100, "12": 5.5},
+            top_k=-1,
+            min_p=0.1,
+            min_tokens=3,
+            max_tokens=8,
+            stop_token_ids=[2, 9],
+            logprobs=True,
+            top_logprobs=4,
+            parallel_tool_calls=False,
+        )
+    )
     params = request.generation_params(10, 100, 1000, "m")
     for options in (request, params):
         assert (options.presence_penalty, options.frequency_penalty, options.repetition_penalty) == (0.5, -1.0, 1.2)
@@ -56,31 +91,42 @@ def test_sampling_controls_are_parsed_normalized_and_reach_generation_params():
     assert GenerationParams.from_json(params.to_json()) == params
     assert ChatRequest.from_json(request.to_json()) == request
     defaults = parse_chat_json(body()).generation_params(10, 100, 1000, "m")
-    assert (defaults.repetition_penalty, defaults.top_k, defaults.logit_bias, defaults.parallel_tool_calls) == (1.0, 0, {}, True)
+    assert (defaults.repetition_penalty, defaults.top_k, defaults.logit_bias, defaults.parallel_tool_calls) == (
+        1.0,
+        0,
+        {},
+        True,
+    )
 
 
-@pytest.mark.parametrize(("fields", "needle"), [
-    ({"presence_penalty": 2.5}, "'presence_penalty' must be a number in [-2, 2]"),
-    ({"frequency_penalty": "a"}, "'frequency_penalty' must be a number in [-2, 2]"),
-    ({"repetition_penalty": 0}, "'repetition_penalty' must be a number > 0"),
-    ({"repetition_penalty": float("inf")}, "not valid JSON"),  # json.dumps writes Infinity, which is not JSON: refused
-    ({"logit_bias": [1]}, "'logit_bias' must be an object"),
-    ({"logit_bias": {"-3": 1}}, "'logit_bias' keys must be token ids"),
-    ({"logit_bias": {"abc": 1}}, "'logit_bias' keys must be token ids"),
-    ({"logit_bias": {"5": 150}}, "'logit_bias[5]' must be a number in [-100, 100]"),
-    ({"logit_bias": {"5": None}}, "'logit_bias[5]' must be a number in [-100, 100]"),
-    ({"min_tokens": -1}, "'min_tokens' must be an integer >= 0"),
-    ({"min_tokens": 9, "max_tokens": 4}, "'min_tokens' (9) must not exceed max_tokens (4)"),
-    ({"stop_token_ids": [1, -2]}, "'stop_token_ids' must be a list of token ids"),
-    ({"stop_token_ids": 5}, "'stop_token_ids' must be a list of token ids"),
-    ({"top_k": -2}, "'top_k' must be -1 or 0 (off) or a positive integer"),
-    ({"top_k": 1.5}, "'top_k' must be -1 or 0 (off) or a positive integer"),
-    ({"min_p": 1.1}, "'min_p' must be a number in [0, 1]"),
-    ({"logprobs": 1}, "'logprobs' must be a bool"),
-    ({"logprobs": True, "top_logprobs": 21}, "'top_logprobs' must be an integer in [0, 20]"),
-    ({"top_logprobs": 2}, "'top_logprobs' needs 'logprobs': true"),
-    ({"parallel_tool_calls": "no"}, "'parallel_tool_calls' must be a bool"),
-])
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"presence_penalty": 2.5}, "'presence_penalty' must be a number in [-2, 2]"),
+        ({"frequency_penalty": "a"}, "'frequency_penalty' must be a number in [-2, 2]"),
+        ({"repetition_penalty": 0}, "'repetition_penalty' must be a number > 0"),
+        (
+            {"repetition_penalty": float("inf")},
+            "not valid JSON",
+        ),  # json.dumps writes Infinity, which is not JSON: refused
+        ({"logit_bias": [1]}, "'logit_bias' must be an object"),
+        ({"logit_bias": {"-3": 1}}, "'logit_bias' keys must be token ids"),
+        ({"logit_bias": {"abc": 1}}, "'logit_bias' keys must be token ids"),
+        ({"logit_bias": {"5": 150}}, "'logit_bias[5]' must be a number in [-100, 100]"),
+        ({"logit_bias": {"5": None}}, "'logit_bias[5]' must be a number in [-100, 100]"),
+        ({"min_tokens": -1}, "'min_tokens' must be an integer >= 0"),
+        ({"min_tokens": 9, "max_tokens": 4}, "'min_tokens' (9) must not exceed max_tokens (4)"),
+        ({"stop_token_ids": [1, -2]}, "'stop_token_ids' must be a list of token ids"),
+        ({"stop_token_ids": 5}, "'stop_token_ids' must be a list of token ids"),
+        ({"top_k": -2}, "'top_k' must be -1 or 0 (off) or a positive integer"),
+        ({"top_k": 1.5}, "'top_k' must be -1 or 0 (off) or a positive integer"),
+        ({"min_p": 1.1}, "'min_p' must be a number in [0, 1]"),
+        ({"logprobs": 1}, "'logprobs' must be a bool"),
+        ({"logprobs": True, "top_logprobs": 21}, "'top_logprobs' must be an integer in [0, 20]"),
+        ({"top_logprobs": 2}, "'top_logprobs' needs 'logprobs': true"),
+        ({"parallel_tool_calls": "no"}, "'parallel_tool_calls' must be a bool"),
+    ],
+)
 def test_sampling_controls_out_of_range_are_refused_naming_the_field(fields, needle):
     with pytest.raises(InvalidRequest) as info:
         parse_chat_json(body(**fields))
@@ -88,8 +134,13 @@ def test_sampling_controls_out_of_range_are_refused_naming_the_field(fields, nee
 
 
 def test_token_ids_are_checked_against_the_vocabulary_and_min_tokens_against_the_resolved_max_tokens():
-    for fields, needle in [({"logit_bias": {"1000": 1}}, "'logit_bias' names token ids outside this model's vocabulary of 1000: [1000]"),
-                           ({"stop_token_ids": [5, 4000]}, "'stop_token_ids' names token ids outside this model's vocabulary of 1000: [4000]")]:
+    for fields, needle in [
+        ({"logit_bias": {"1000": 1}}, "'logit_bias' names token ids outside this model's vocabulary of 1000: [1000]"),
+        (
+            {"stop_token_ids": [5, 4000]},
+            "'stop_token_ids' names token ids outside this model's vocabulary of 1000: [4000]",
+        ),
+    ]:
         with pytest.raises(InvalidRequest, match=re.escape(needle)):
             parse_chat_json(body(**fields)).generation_params(10, 100, 1000, "m")
     # The default max_tokens leaves room for min_tokens where the context allows, else it is refused.
@@ -99,26 +150,49 @@ def test_token_ids_are_checked_against_the_vocabulary_and_min_tokens_against_the
 
 
 def test_router_switches_are_honoured_at_this_server_s_behaviour_and_refused_otherwise():
-    body = {"messages": [{"role": "user", "content": "x"}], "skip_special_tokens": True, "include_reasoning": True,
-            "separate_reasoning": True, "stream_reasoning": True, "no_stop_trim": False, "return_hidden_states": False}
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "skip_special_tokens": True,
+        "include_reasoning": True,
+        "separate_reasoning": True,
+        "stream_reasoning": True,
+        "no_stop_trim": False,
+        "return_hidden_states": False,
+    }
     parse_chat_json(json.dumps(body))
     with pytest.raises(InvalidRequest, match="'no_stop_trim' can only be false"):
         parse_chat_json(json.dumps({**body, "no_stop_trim": True}))
 
 
 def test_known_no_op_fields_are_accepted_and_ignored():
-    request = parse_chat_json(json.dumps({"messages": [{"role": "user", "content": "x"}], "user": "u1", "metadata": {"a": "b"},
-                                          "store": False, "service_tier": "auto"}))
+    request = parse_chat_json(
+        json.dumps(
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "user": "u1",
+                "metadata": {"a": "b"},
+                "store": False,
+                "service_tier": "auto",
+            }
+        )
+    )
     assert request.messages[0]["content"] == "x"
 
 
 def test_stream_options_and_kv_transfer_params_in_the_body():
     body = {"messages": [{"role": "user", "content": "x"}]}
-    assert parse_chat_json(json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}})).include_usage
-    for options, needle in [({"include_usage": True}, "only allowed when 'stream' is true"), ({"other": 1}, "takes only")]:
+    assert parse_chat_json(
+        json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}})
+    ).include_usage
+    for options, needle in [
+        ({"include_usage": True}, "only allowed when 'stream' is true"),
+        ({"other": 1}, "takes only"),
+    ]:
         with pytest.raises(InvalidRequest, match=needle):
             parse_chat_json(json.dumps({**body, "stream": "other" in options, "stream_options": options}))
-    assert parse_chat_json(json.dumps({**body, "kv_transfer_params": {"do_remote_decode": True}})).kv_transfer_params == {"do_remote_decode": True}
+    assert parse_chat_json(
+        json.dumps({**body, "kv_transfer_params": {"do_remote_decode": True}})
+    ).kv_transfer_params == {"do_remote_decode": True}
 
 
 def with_turns(*messages):
@@ -126,8 +200,13 @@ def with_turns(*messages):
 
 
 def with_call(arguments, name="f"):
-    return with_turns({"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": name, "arguments": arguments}}]})
+    return with_turns(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": name, "arguments": arguments}}],
+        }
+    )
 
 
 @pytest.mark.parametrize(
@@ -139,7 +218,10 @@ def with_call(arguments, name="f"):
         (json.dumps({}), "non-empty list"),
         (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}), "messages[0].role is 'wizard'"),
         (json.dumps({"messages": [{"role": "user", "content": 5}]}), "messages[0].content must be"),
-        (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}), "only text parts"),
+        (
+            json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
+            "only text parts",
+        ),
         (body(max_tokens=0), "'max_tokens' must be a positive integer"),
         (body(max_tokens="ten"), "'max_tokens' must be a positive integer"),
         (body(temperature=3), "'temperature' must be a number in [0, 2]"),
@@ -150,21 +232,42 @@ def with_call(arguments, name="f"):
         (body(stream="yes"), "'stream' must be a bool"),
         (body(tools=[{"type": "function"}]), "tools[0] must be"),
         (body(tools=[{"type": "function", "function": {"name": ""}}]), "tools[0].function.name"),
-        (body(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]), "parameters must be a JSON schema"),
+        (
+            body(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]),
+            "parameters must be a JSON schema",
+        ),
         (body(chat_template_kwargs=[1]), "'chat_template_kwargs' must be a dict"),
         ('{"messages": [{"role": "user", "content": "a \\ud800 b"}]}', "no low surrogate"),
         ("[" * 5000 + "]" * 5000, "depth limit exceeded"),
-        (body(tools=[{"type": "function", "function": {"name": "f", "description": 5}}]), "description must be a string"),
-        (body(tools=[{"type": "function", "function": {"name": "a.b c"}}]), "tools[0].function.name must be 1-64 letters"),
-        (with_turns({"role": "tool", "tool_call_id": ["a"], "content": "1"}), "messages[1].tool_call_id must be a string"),
-        (with_turns({"role": "user", "content": "a", "name": "bob"}), "messages[1].name is only taken on tool messages"),
-        (with_turns({"role": "assistant", "content": "a", "reasoning_content": ["x"]}), "reasoning_content must be a string"),
-        (with_turns({"role": "user", "content": "a", "reasoning_content": "x"}), "reasoning_content is only taken on assistant"),
+        (
+            body(tools=[{"type": "function", "function": {"name": "f", "description": 5}}]),
+            "description must be a string",
+        ),
+        (
+            body(tools=[{"type": "function", "function": {"name": "a.b c"}}]),
+            "tools[0].function.name must be 1-64 letters",
+        ),
+        (
+            with_turns({"role": "tool", "tool_call_id": ["a"], "content": "1"}),
+            "messages[1].tool_call_id must be a string",
+        ),
+        (
+            with_turns({"role": "user", "content": "a", "name": "bob"}),
+            "messages[1].name is only taken on tool messages",
+        ),
+        (
+            with_turns({"role": "assistant", "content": "a", "reasoning_content": ["x"]}),
+            "reasoning_content must be a string",
+        ),
+        (
+            with_turns({"role": "user", "content": "a", "reasoning_content": "x"}),
+            "reasoning_content is only taken on assistant",
+        ),
         (with_call('{"x": NaN}'), "arguments is not valid JSON: NaN is not JSON"),
         (with_call('{"x": Infinity}'), "Infinity is not JSON"),
         (with_call('{"x": 1e400}'), "out of range"),
         (with_call('{"x": 123456789012345678901234567890}'), "does not fit 64 bits"),
-        (with_call('{}', name="x y"), "function.name must be 1-64 letters"),
+        (with_call("{}", name="x y"), "function.name must be 1-64 letters"),
     ],
 )
 def test_bad_requests_are_refused_with_the_reason(raw, needle):
@@ -175,7 +278,7 @@ def test_bad_requests_are_refused_with_the_reason(raw, needle):
 
 def test_escaped_surrogate_pairs_are_text_and_accepted():
     request = parse_chat_json('{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}')
-    assert request.messages[0]["content"] == "\U0001F600"
+    assert request.messages[0]["content"] == "\U0001f600"
 
 
 def test_text_input_is_one_user_message_and_greedy_by_default():
@@ -209,7 +312,12 @@ def test_generation_params_round_trip_and_fixed_seed():
         GenerationParams.from_json('{"bogus": 1}')
 
 
-TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+    }
+]
 
 
 def test_tool_choice_and_response_format_become_one_constraint():
@@ -226,11 +334,17 @@ def test_tool_choice_and_response_format_become_one_constraint():
     ("fields", "needle"),
     [
         ({"tool_choice": "required"}, "tool_choice needs 'tools'"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}}, "'g', which is not among the tools"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "'g', which is not among the tools",
+        ),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice must be"),
         ({"response_format": {"type": "yaml"}}, "response_format.type must be"),
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "needs json_schema.schema"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}}, "cannot build a grammar"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}},
+            "cannot build a grammar",
+        ),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
     ],
 )

@@ -23,19 +23,33 @@ def render_text(renderer, **fields):
 
 
 def test_plain_conversation_is_chatml_with_generation_prompt(renderer):
-    text, rendered = render_text(renderer, messages=[
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ☕"}])
+    text, rendered = render_text(
+        renderer, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ☕"}]
+    )
     assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi ☕<|im_end|>\n<|im_start|>assistant\n"
     assert rendered.params.max_tokens == 256 and rendered.params.model == "tiny-llama"
 
 
 def test_tools_calls_and_results_are_rendered(renderer):
-    text, _ = render_text(renderer, tools=[WEATHER_TOOL], messages=[
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "18 C, sunny"},
-    ])
+    text, _ = render_text(
+        renderer,
+        tools=[WEATHER_TOOL],
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "18 C, sunny"},
+        ],
+    )
     assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert "<tool_response>\n18 C, sunny\n</tool_response>" in text
@@ -43,14 +57,18 @@ def test_tools_calls_and_results_are_rendered(renderer):
 
 def test_enable_thinking_false_closes_the_reasoning_block(renderer):
     on, _ = render_text(renderer, messages=[{"role": "user", "content": "x"}])
-    off, _ = render_text(renderer, messages=[{"role": "user", "content": "x"}],
-                         chat_template_kwargs={"enable_thinking": False})
+    off, _ = render_text(
+        renderer, messages=[{"role": "user", "content": "x"}], chat_template_kwargs={"enable_thinking": False}
+    )
     assert off == on + "<think>\n\n</think>\n\n"
 
 
 def test_continue_final_message_leaves_the_assistant_turn_open(renderer):
-    text, _ = render_text(renderer, continue_final_message=True, messages=[
-        {"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure, the"}])
+    text, _ = render_text(
+        renderer,
+        continue_final_message=True,
+        messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure, the"}],
+    )
     assert text.endswith("<|im_start|>assistant\nSure, the")
 
 
@@ -75,9 +93,24 @@ USER = [{"role": "user", "content": "hi"}]
 # The arguments of transformers 5's apply_chat_template/render_jinja_template, the
 # conversation and the special tokens: none is a template variable a request may set.
 KNOWN_RESERVED = (
-    "chat_template", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize",
-    "return_dict", "return_assistant_tokens_mask", "padding", "truncation", "max_length", "return_tensors",
-    "tokenizer_kwargs", "sanitize_control_tokens", "conversation", "conversations", "messages", "bos_token",
+    "chat_template",
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "tokenizer_kwargs",
+    "sanitize_control_tokens",
+    "conversation",
+    "conversations",
+    "messages",
+    "bos_token",
     "eos_token",
 )
 SLOW_TEMPLATE = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
@@ -92,7 +125,9 @@ def permissive(tiny_model_dir):
 
 def test_a_request_template_is_refused_by_default(renderer):
     with pytest.raises(InvalidRequest, match="may not set 'chat_template': this server renders with the model's own"):
-        render_text(renderer, messages=USER, chat_template_kwargs={"chat_template": "SYSTEM OVERRIDE {{ messages[0].content }}"})
+        render_text(
+            renderer, messages=USER, chat_template_kwargs={"chat_template": "SYSTEM OVERRIDE {{ messages[0].content }}"}
+        )
 
 
 def test_every_reserved_argument_is_refused(renderer):
@@ -110,13 +145,19 @@ def test_an_allowed_request_template_is_rendered_and_nothing_else_reserved_is(pe
         render_text(permissive, messages=USER, chat_template_kwargs={"chat_template": template, "tokenize": False})
 
 
-@pytest.mark.parametrize(("kwargs", "needle"), [
-    ({"x": {"a": 1}}, r"\['x'\] must be a string, number, boolean, null or a list of at most 64 of those, got dict"),
-    ({"x": [[1]]}, r"\['x'\] must be a string, number, boolean, null .* got list"),
-    ({"x": list(range(65))}, r"\['x'\] has 65 items; at most 64"),
-    ({"x": "é" * 2049}, r"\['x'\] is longer than 4096 bytes"),
-    ({f"k{i}": 1 for i in range(33)}, "has 33 keys; at most 32"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        (
+            {"x": {"a": 1}},
+            r"\['x'\] must be a string, number, boolean, null or a list of at most 64 of those, got dict",
+        ),
+        ({"x": [[1]]}, r"\['x'\] must be a string, number, boolean, null .* got list"),
+        ({"x": list(range(65))}, r"\['x'\] has 65 items; at most 64"),
+        ({"x": "é" * 2049}, r"\['x'\] is longer than 4096 bytes"),
+        ({f"k{i}": 1 for i in range(33)}, "has 33 keys; at most 32"),
+    ],
+)
 def test_template_variables_are_small_json_scalars(renderer, kwargs, needle):
     with pytest.raises(InvalidRequest, match=needle):
         render_text(renderer, messages=USER, chat_template_kwargs=kwargs)
@@ -164,7 +205,9 @@ def test_off_the_main_thread_rendering_runs_unbounded(renderer):
     assert text.startswith("<|im_start|>user\nhi")
 
 
-@pytest.mark.parametrize("template", ["{{ ''.__class__.__mro__ }}", "{{ messages.__class__.__base__.__subclasses__() }}"])
+@pytest.mark.parametrize(
+    "template", ["{{ ''.__class__.__mro__ }}", "{{ messages.__class__.__base__.__subclasses__() }}"]
+)
 def test_the_sandbox_blocks_python_internals(permissive, template):
     with pytest.raises(InvalidRequest, match="unsafe"):
         render_text(permissive, messages=USER, chat_template_kwargs={"chat_template": template})
@@ -177,11 +220,14 @@ def test_a_template_that_blows_up_the_prompt_is_refused(permissive):
     assert permissive.max_prompt_chars < 16 * 100_000
 
 
-@pytest.mark.parametrize(("environ", "allowed", "bound"), [
-    ({}, False, 2.0),
-    ({"PDCHAT_ALLOW_REQUEST_TEMPLATES": "1", "PDCHAT_RENDER_TIMEOUT_S": "0.5"}, True, 0.5),
-    ({"PDCHAT_ALLOW_REQUEST_TEMPLATES": "Off"}, False, 2.0),
-])
+@pytest.mark.parametrize(
+    ("environ", "allowed", "bound"),
+    [
+        ({}, False, 2.0),
+        ({"PDCHAT_ALLOW_REQUEST_TEMPLATES": "1", "PDCHAT_RENDER_TIMEOUT_S": "0.5"}, True, 0.5),
+        ({"PDCHAT_ALLOW_REQUEST_TEMPLATES": "Off"}, False, 2.0),
+    ],
+)
 def test_renderer_settings(environ, allowed, bound):
     assert allow_request_templates({}, environ) is allowed
     assert render_timeout_s({}, environ) == bound
@@ -193,7 +239,9 @@ def test_a_misspelt_allow_request_templates_fails_the_load():
 
 
 def test_messages_that_cannot_fit_the_context_are_refused_before_the_template(renderer, monkeypatch):
-    request = parse_chat_json(json.dumps({"messages": [{"role": "user", "content": "x" * (renderer.max_prompt_chars + 1)}]}))
+    request = parse_chat_json(
+        json.dumps({"messages": [{"role": "user", "content": "x" * (renderer.max_prompt_chars + 1)}]})
+    )
     monkeypatch.setattr(renderer, "_render_text", lambda *a: pytest.fail("the template ran"))
     with pytest.raises(InvalidRequest, match="no prompt over .* fits this model's context"):
         renderer.render(request)

@@ -23,7 +23,13 @@ def names(entries):
 
 
 CLIENT_INPUTS = [tensors.REQUEST, tensors.TEXT_INPUT, *tensors.SCALAR_INPUTS]
-CLIENT_OUTPUTS = [tensors.TEXT_OUTPUT, tensors.RESPONSE, tensors.PROMPT_TOKEN_IDS, tensors.OUTPUT_TOKEN_IDS, tensors.FINISH_REASON]
+CLIENT_OUTPUTS = [
+    tensors.TEXT_OUTPUT,
+    tensors.RESPONSE,
+    tensors.PROMPT_TOKEN_IDS,
+    tensors.OUTPUT_TOKEN_IDS,
+    tensors.FINISH_REASON,
+]
 
 
 @pytest.mark.parametrize("model", ["renderer", "prefill", "decode", "chat_ensemble", "chat"])
@@ -33,8 +39,12 @@ def test_config_names_itself_after_its_directory(model):
 
 def specs(entries):
     """Config entries in tensors.TensorSpec form (data type, dims, optional)."""
-    return [tensors.TensorSpec(e.name, model_config_pb2.DataType.Name(e.data_type), tuple(e.dims), getattr(e, "optional", False))
-            for e in entries]
+    return [
+        tensors.TensorSpec(
+            e.name, model_config_pb2.DataType.Name(e.data_type), tuple(e.dims), getattr(e, "optional", False)
+        )
+        for e in entries
+    ]
 
 
 @pytest.mark.parametrize("role", ["config.pbtxt", "configs/prefill.pbtxt", "configs/decode.pbtxt"])
@@ -50,7 +60,9 @@ def test_chat_is_the_ensemble_contract_plus_forwarded_ids():
     ensemble = load("chat_ensemble")
     forwarded = [tensors.PROMPT_TOKEN_IDS, tensors.KV_TRANSFER_PARAMS]
     assert list(tensors.CHAT_INPUTS) == specs(ensemble.input) + [s for s in tensors.CHAT_INPUTS if s.name in forwarded]
-    assert list(tensors.CHAT_OUTPUTS) == specs(ensemble.output) + [s for s in tensors.CHAT_OUTPUTS if s.name == tensors.KV_TRANSFER_PARAMS]
+    assert list(tensors.CHAT_OUTPUTS) == specs(ensemble.output) + [
+        s for s in tensors.CHAT_OUTPUTS if s.name == tensors.KV_TRANSFER_PARAMS
+    ]
 
 
 def test_client_contract_is_the_same_on_renderer_and_ensemble():
@@ -64,11 +76,20 @@ def test_client_contract_is_the_same_on_renderer_and_ensemble():
 
 def test_stage_tensors_and_seals():
     assert names(load("renderer").output) == [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.STAGE_SEAL]
-    assert names(load("prefill").input) == [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.KV_DESTINATION,
-                                            tensors.STAGE_SEAL]
+    assert names(load("prefill").input) == [
+        tensors.PROMPT_TOKEN_IDS,
+        tensors.GENERATION_PARAMS,
+        tensors.KV_DESTINATION,
+        tensors.STAGE_SEAL,
+    ]
     assert names(load("prefill").output) == [tensors.FIRST_TOKEN_ID, tensors.KV_HANDLE, tensors.STAGE_SEAL]
     assert names(load("decode").input) == [
-        tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.KV_HANDLE, tensors.CANCEL_REQUEST_ID, tensors.STAGE_SEAL]
+        tensors.PROMPT_TOKEN_IDS,
+        tensors.GENERATION_PARAMS,
+        tensors.KV_HANDLE,
+        tensors.CANCEL_REQUEST_ID,
+        tensors.STAGE_SEAL,
+    ]
     assert load("decode").model_transaction_policy.decoupled
     for stage in ("prefill", "decode"):  # no way in without a seal
         [seal] = [e for e in load(stage).input if e.name == tensors.STAGE_SEAL]
@@ -88,4 +109,7 @@ def test_ensemble_wires_every_stage_input_from_an_earlier_output():
     decode_step = load("chat_ensemble").ensemble_scheduling.step[-1]
     # Within one server the KV travels by its sealed handle too: decode takes no KV tensor.
     assert {tensors.KV_HANDLE, tensors.STAGE_SEAL} <= set(decode_step.input_map)
-    assert decode_step.input_map[tensors.STAGE_SEAL] != load("chat_ensemble").ensemble_scheduling.step[1].input_map[tensors.STAGE_SEAL]
+    assert (
+        decode_step.input_map[tensors.STAGE_SEAL]
+        != load("chat_ensemble").ensemble_scheduling.step[1].input_map[tensors.STAGE_SEAL]
+    )

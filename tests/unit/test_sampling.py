@@ -120,14 +120,21 @@ def test_min_tokens_yields_when_a_grammar_allows_only_a_stop_token():
 
 
 def test_top_k_one_is_greedy_and_top_k_keeps_the_k_likeliest():
-    assert {choose_token(LOGITS, temperature=1.5, top_p=1.0, top_k=1, seed=s, position=p) for s in range(20) for p in range(3)} == {1}
+    assert {
+        choose_token(LOGITS, temperature=1.5, top_p=1.0, top_k=1, seed=s, position=p)
+        for s in range(20)
+        for p in range(3)
+    } == {1}
     assert {choose_token(LOGITS, temperature=1.5, top_p=1.0, top_k=2, seed=s, position=0) for s in range(60)} == {1, 2}
 
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_likeliest():
     logits = torch.tensor([3.0, 2.9, 1.0, 0.0])
     assert {choose_token(logits, temperature=1.0, top_p=1.0, seed=s, position=0) for s in range(200)} == {0, 1, 2, 3}
-    assert {choose_token(logits, temperature=1.0, top_p=1.0, min_p=0.5, seed=s, position=0) for s in range(200)} == {0, 1}
+    assert {choose_token(logits, temperature=1.0, top_p=1.0, min_p=0.5, seed=s, position=0) for s in range(200)} == {
+        0,
+        1,
+    }
 
 
 def test_top_p_measures_the_mass_left_after_top_k():
@@ -146,7 +153,9 @@ def test_logprobs_are_the_raw_distribution_with_the_likeliest_first():
 
 
 def test_chooser_logprobs_ignore_temperature_penalties_and_biases_and_state_follows_replay():
-    params = GenerationParams(max_tokens=8, temperature=0.0, logit_bias={"3": 100.0}, presence_penalty=1.0, logprobs=True, top_logprobs=2)
+    params = GenerationParams(
+        max_tokens=8, temperature=0.0, logit_bias={"3": 100.0}, presence_penalty=1.0, logprobs=True, top_logprobs=2
+    )
     chooser = TokenChooser(params, LogitsShaper(params, [0], VOCAB, frozenset({EOS})), None)
     choice = chooser.choose(LOGITS)
     assert choice.token_id == 3

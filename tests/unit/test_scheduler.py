@@ -78,7 +78,10 @@ class Recorder:
 
         return DecodeJob(
             key=generation.name,
-            start=lambda: generation, emit=emit, fail=fail, on_cancel=lambda: self.events.append(f"{generation.name}:cancelled"),
+            start=lambda: generation,
+            emit=emit,
+            fail=fail,
+            on_cancel=lambda: self.events.append(f"{generation.name}:cancelled"),
         )
 
 
@@ -91,8 +94,9 @@ def run_jobs(recorder, jobs, expected_events, batch=None, limits=None):
         return CountingGeneration("z", 1)
 
     # Hold the loop until every job is queued, so they start together.
-    scheduler.submit(DecodeJob(key="z", start=held_start, emit=lambda d: None,
-                               fail=lambda e: None, on_cancel=lambda: None))
+    scheduler.submit(
+        DecodeJob(key="z", start=held_start, emit=lambda d: None, fail=lambda e: None, on_cancel=lambda: None)
+    )
     for job in jobs:
         scheduler.submit(job)
     gate.set()
@@ -112,7 +116,9 @@ def test_requests_take_turns():
 
 def test_a_failing_request_gets_its_error_and_others_go_on():
     recorder = Recorder()
-    events = run_jobs(recorder, [recorder.job(CountingGeneration("a", 3, fail_at=2)), recorder.job(CountingGeneration("b", 2))], 5)
+    events = run_jobs(
+        recorder, [recorder.job(CountingGeneration("a", 3, fail_at=2)), recorder.job(CountingGeneration("b", 2))], 5
+    )
     assert events == ["a1", "b1", "error:a broke", "b2", "b:end"]
 
 
@@ -136,8 +142,13 @@ def test_start_failure_is_reported():
     def broken_start():
         raise ValueError("bad kv")
 
-    job = DecodeJob(key="x", start=broken_start, emit=lambda d: None, fail=lambda e: recorder.events.append(f"error:{e}"),
-                    on_cancel=lambda: None)
+    job = DecodeJob(
+        key="x",
+        start=broken_start,
+        emit=lambda d: None,
+        fail=lambda e: recorder.events.append(f"error:{e}"),
+        on_cancel=lambda: None,
+    )
     assert run_jobs(recorder, [job], 1) == ["error:bad kv"]
 
 

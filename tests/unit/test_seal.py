@@ -55,20 +55,22 @@ def test_the_key_comes_from_env_the_handoff_key_or_a_private_file(tmp_path, monk
 
 def test_stage_models_check_generation_params_whoever_sent_them():
     GenerationParams(max_tokens=10).check(prompt_tokens=90, context_length=100, vocab_size=50)
-    for params, needle in [(GenerationParams(max_tokens=11), "exceed this model's context"),
-                           (GenerationParams(max_tokens=4, temperature=-5.0), "'temperature' must be a number in"),
-                           (GenerationParams(max_tokens=4, top_p=0.0), "'top_p' must be a number in"),
-                           (GenerationParams(max_tokens=0), "'max_tokens' must be a positive integer"),
-                           (GenerationParams(max_tokens=4, seed=-1), "'seed' must be a non-negative"),
-                           (GenerationParams(max_tokens=4, presence_penalty=3.0), "'presence_penalty' must be a number in"),
-                           (GenerationParams(max_tokens=4, repetition_penalty=0.0), "'repetition_penalty' must be a number > 0"),
-                           (GenerationParams(max_tokens=4, logit_bias={"7": 101.0}), r"'logit_bias\[7\]' must be a number in"),
-                           (GenerationParams(max_tokens=4, logit_bias={"50": 1.0}), "'logit_bias' names token ids outside"),
-                           (GenerationParams(max_tokens=4, stop_token_ids=(3, 99)), r"'stop_token_ids' names token ids outside .* \[99\]"),
-                           (GenerationParams(max_tokens=4, min_tokens=5), r"'min_tokens' \(5\) must not exceed max_tokens \(4\)"),
-                           (GenerationParams(max_tokens=4, top_k=-3), "'top_k' must be"),
-                           (GenerationParams(max_tokens=4, min_p=1.5), "'min_p' must be a number in"),
-                           (GenerationParams(max_tokens=4, top_logprobs=21, logprobs=True), "'top_logprobs' must be an integer in"),
-                           (GenerationParams(max_tokens=4, top_logprobs=2), "'top_logprobs' needs 'logprobs'")]:
+    for params, needle in [
+        (GenerationParams(max_tokens=11), "exceed this model's context"),
+        (GenerationParams(max_tokens=4, temperature=-5.0), "'temperature' must be a number in"),
+        (GenerationParams(max_tokens=4, top_p=0.0), "'top_p' must be a number in"),
+        (GenerationParams(max_tokens=0), "'max_tokens' must be a positive integer"),
+        (GenerationParams(max_tokens=4, seed=-1), "'seed' must be a non-negative"),
+        (GenerationParams(max_tokens=4, presence_penalty=3.0), "'presence_penalty' must be a number in"),
+        (GenerationParams(max_tokens=4, repetition_penalty=0.0), "'repetition_penalty' must be a number > 0"),
+        (GenerationParams(max_tokens=4, logit_bias={"7": 101.0}), r"'logit_bias\[7\]' must be a number in"),
+        (GenerationParams(max_tokens=4, logit_bias={"50": 1.0}), "'logit_bias' names token ids outside"),
+        (GenerationParams(max_tokens=4, stop_token_ids=(3, 99)), r"'stop_token_ids' names token ids outside .* \[99\]"),
+        (GenerationParams(max_tokens=4, min_tokens=5), r"'min_tokens' \(5\) must not exceed max_tokens \(4\)"),
+        (GenerationParams(max_tokens=4, top_k=-3), "'top_k' must be"),
+        (GenerationParams(max_tokens=4, min_p=1.5), "'min_p' must be a number in"),
+        (GenerationParams(max_tokens=4, top_logprobs=21, logprobs=True), "'top_logprobs' must be an integer in"),
+        (GenerationParams(max_tokens=4, top_logprobs=2), "'top_logprobs' needs 'logprobs'"),
+    ]:
         with pytest.raises(InvalidRequest, match=needle):
             params.check(prompt_tokens=90, context_length=100, vocab_size=50)

@@ -64,14 +64,17 @@ def test_every_setting_is_named_once_and_alike_everywhere():
     assert all(getattr(table, setting.name.upper()) is setting for setting in SETTINGS), "the constant of its name"
 
 
-@pytest.mark.parametrize(("setting", "in_config", "in_env", "configured", "exported"), [
-    (table.MODEL, "tiny", "smollm2", "tiny", "smollm2"),  # text
-    (table.HANDOFF_TTL_S, "2.5", "7", 2.5, 7.0),  # positive number
-    (table.STAGE_LANES, "4", "8", 4, 8),  # positive integer
-    (table.ALLOW_REQUEST_TEMPLATES, "on", "False", True, False),  # boolean
-    (table.FORWARDED_IDS, "signed", "trusted", "signed", "trusted"),  # choice
-    (table.TORCH_THREADS, "3", "auto", 3, None),  # auto or a positive integer
-])
+@pytest.mark.parametrize(
+    ("setting", "in_config", "in_env", "configured", "exported"),
+    [
+        (table.MODEL, "tiny", "smollm2", "tiny", "smollm2"),  # text
+        (table.HANDOFF_TTL_S, "2.5", "7", 2.5, 7.0),  # positive number
+        (table.STAGE_LANES, "4", "8", 4, 8),  # positive integer
+        (table.ALLOW_REQUEST_TEMPLATES, "on", "False", True, False),  # boolean
+        (table.FORWARDED_IDS, "signed", "trusted", "signed", "trusted"),  # choice
+        (table.TORCH_THREADS, "3", "auto", 3, None),  # auto or a positive integer
+    ],
+)
 def test_the_parameter_beats_the_environment_which_beats_the_default(setting, in_config, in_env, configured, exported):
     parameters, environ = {setting.param: in_config}, {setting.env: in_env}
     assert setting.get(parameters, environ) == configured
@@ -86,13 +89,21 @@ def test_an_environment_only_setting_ignores_the_config(tmp_path):
     assert table.CACHE_DIR.get({}, {}) == str(Path.home() / ".cache" / "pdchat")
 
 
-@pytest.mark.parametrize(("setting", "parameters", "environ", "message"), [
-    (table.STAGE_LANES, {}, {"PDCHAT_STAGE_LANES": "2x"}, "stage_lanes must be an integer, got '2x' (PDCHAT_STAGE_"),
-    (table.KV_TTL_S, {"kv_ttl_s": "-1"}, {}, "kv_ttl_s must be positive, got '-1' (config parameter kv_ttl_s)"),
-    (table.DECODE_KV_MB, {"decode_kv_mb": "lots"}, {}, "decode_kv_mb must be a number, got 'lots'"),
-    (table.KV_CONNECTOR, {}, {"PDCHAT_KV_CONNECTOR": "rdma"}, "kv_connector must be one of shm, nixl, got 'rdma'"),
-    (table.TORCH_THREADS, {}, {"PDCHAT_TORCH_THREADS": "0"}, "torch_threads must be auto or a positive integer"),
-])
+@pytest.mark.parametrize(
+    ("setting", "parameters", "environ", "message"),
+    [
+        (
+            table.STAGE_LANES,
+            {},
+            {"PDCHAT_STAGE_LANES": "2x"},
+            "stage_lanes must be an integer, got '2x' (PDCHAT_STAGE_",
+        ),
+        (table.KV_TTL_S, {"kv_ttl_s": "-1"}, {}, "kv_ttl_s must be positive, got '-1' (config parameter kv_ttl_s)"),
+        (table.DECODE_KV_MB, {"decode_kv_mb": "lots"}, {}, "decode_kv_mb must be a number, got 'lots'"),
+        (table.KV_CONNECTOR, {}, {"PDCHAT_KV_CONNECTOR": "rdma"}, "kv_connector must be one of shm, nixl, got 'rdma'"),
+        (table.TORCH_THREADS, {}, {"PDCHAT_TORCH_THREADS": "0"}, "torch_threads must be auto or a positive integer"),
+    ],
+)
 def test_a_refused_value_fails_the_load_naming_the_setting_and_its_source(setting, parameters, environ, message):
     with pytest.raises(ModelUnavailable) as info:
         setting.get(parameters, environ)
@@ -109,6 +120,14 @@ def test_the_choices_are_the_ones_their_readers_know():
 
 
 def test_booleans_take_the_usual_spellings_in_any_case():
-    for spelling, value in [("1", True), ("TRUE", True), (" yes ", True), ("On", True), ("0", False), ("false", False),
-                            ("No", False), ("OFF", False)]:
+    for spelling, value in [
+        ("1", True),
+        ("TRUE", True),
+        (" yes ", True),
+        ("On", True),
+        ("0", False),
+        ("false", False),
+        ("No", False),
+        ("OFF", False),
+    ]:
         assert table.ALLOW_REQUEST_TEMPLATES.get({}, {"PDCHAT_ALLOW_REQUEST_TEMPLATES": spelling}) is value, spelling

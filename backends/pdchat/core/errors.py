@@ -99,7 +99,7 @@ def parse_tag(message: str) -> tuple[ErrorCode | None, str]:
     """(code, message without its tag) of a message `tag` made, also when Triton relays it
     from an ensemble step; (None, message) for an untagged one (Triton's own errors)."""
     match = _TAG.match(message) or _ENSEMBLE_TAG.match(message)
-    return (_BY_TRITON_CODE[match[1]], message[match.end():]) if match else (None, message)
+    return (_BY_TRITON_CODE[match[1]], message[match.end() :]) if match else (None, message)
 
 
 def tagged_message(exc: BaseException) -> str:

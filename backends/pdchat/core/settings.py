@@ -150,161 +150,302 @@ class Setting(Generic[T]):
 
 # The model and where it runs.
 MODEL = Setting(
-    "model", "model", "PDCHAT_MODEL", registry.DEFAULT_MODEL, TEXT, ("chat", "renderer", "prefill", "decode"),
+    "model",
+    "model",
+    "PDCHAT_MODEL",
+    registry.DEFAULT_MODEL,
+    TEXT,
+    ("chat", "renderer", "prefill", "decode"),
     f"The model served: an embedded model ({', '.join(registry.EMBEDDED_MODELS)}, built into the cache on "
     "first use) or a Hugging Face causal-LM directory.",
 )
 DEVICE = Setting(
-    "device", "device", "PDCHAT_DEVICE", "auto", TEXT, ("prefill", "decode"),
+    "device",
+    "device",
+    "PDCHAT_DEVICE",
+    "auto",
+    TEXT,
+    ("prefill", "decode"),
     "Where the model runs: auto (CUDA when torch sees it), cpu or cuda. A KIND_GPU instance runs on the GPU "
     "Triton gave it and takes only auto or cuda.",
 )
 DTYPE = Setting(
-    "dtype", "dtype", "PDCHAT_DTYPE", "auto", choice("auto", "float32", "bfloat16", "float16"), ("prefill", "decode"),
+    "dtype",
+    "dtype",
+    "PDCHAT_DTYPE",
+    "auto",
+    choice("auto", "float32", "bfloat16", "float16"),
+    ("prefill", "decode"),
     "The model's dtype, which its KV travels in: auto is bfloat16 on CUDA, float32 on CPU. Prefill and decode "
     "servers of one deployment must agree.",
 )
 TORCH_THREADS = Setting(
-    "torch_threads", "torch_threads", "PDCHAT_TORCH_THREADS", "auto", or_auto(INTEGER), ("prefill", "decode"),
+    "torch_threads",
+    "torch_threads",
+    "PDCHAT_TORCH_THREADS",
+    "auto",
+    or_auto(INTEGER),
+    ("prefill", "decode"),
     "torch's CPU threads in each stage model; auto is half the cores this process may run on (its affinity), "
     "at least 1. Prefill and decode share a server's cores: each taking all of them makes their OpenMP "
     "threads spin against each other.",
 )
 CACHE_DIR = Setting(
-    "cache_dir", None, "PDCHAT_CACHE_DIR", "~/.cache/pdchat", PATH, ("chat", "renderer", "prefill", "decode", "pdchat"),
-    "Root of generated artefacts: embedded models, the assembled backend directory, the stage key file, "
-    "launcher logs.",
+    "cache_dir",
+    None,
+    "PDCHAT_CACHE_DIR",
+    "~/.cache/pdchat",
+    PATH,
+    ("chat", "renderer", "prefill", "decode", "pdchat"),
+    "Root of generated artefacts: embedded models, the assembled backend directory, the stage key file, launcher logs.",
 )
 
 # chat: the gate, the handoff, its calls to the stage models.
 FORWARDED_IDS = Setting(
-    "forwarded_ids", "forwarded_ids", "PDCHAT_FORWARDED_IDS", "off", choice("off", "signed", "trusted"), ("chat",),
+    "forwarded_ids",
+    "forwarded_ids",
+    "PDCHAT_FORWARDED_IDS",
+    "off",
+    choice("off", "signed", "trusted"),
+    ("chat",),
     "Which forwarded prompt token ids chat admits: off (none; it renders the conversation itself), signed "
     "(only ids a prefill server signed with the handoff key), trusted (any, still checked against the vocabulary).",
 )
 HANDOFF_TTL_S = Setting(
-    "handoff_ttl_s", "handoff_ttl_s", "PDCHAT_HANDOFF_TTL_S", "60", NUMBER, ("chat",),
+    "handoff_ttl_s",
+    "handoff_ttl_s",
+    "PDCHAT_HANDOFF_TTL_S",
+    "60",
+    NUMBER,
+    ("chat",),
     "Seconds a signed handoff (ids and KV handle) a prefill server hands out stays valid.",
 )
 KV_CONNECTOR = Setting(
-    "kv_connector", "kv_connector", "PDCHAT_KV_CONNECTOR", registry.SHM, choice(*registry.KV_CONNECTORS), ("chat",),
-    "What a prefill server publishes KV through: shm (shared memory, same host) or nixl (NIXL over UCX, "
-    "across hosts).",
+    "kv_connector",
+    "kv_connector",
+    "PDCHAT_KV_CONNECTOR",
+    registry.SHM,
+    choice(*registry.KV_CONNECTORS),
+    ("chat",),
+    "What a prefill server publishes KV through: shm (shared memory, same host) or nixl (NIXL over UCX, across hosts).",
 )
 STAGE_LANES = Setting(
-    "stage_lanes", "stage_lanes", "PDCHAT_STAGE_LANES", "2", INTEGER, ("chat",),
+    "stage_lanes",
+    "stage_lanes",
+    "PDCHAT_STAGE_LANES",
+    "2",
+    INTEGER,
+    ("chat",),
     "Blocking calls chat makes to renderer and prefill at once. Match prefill's instance count (2 on a CPU host, "
     "2 per GPU on a GPU host), so that a long prompt's prefill holds one lane and the prompts behind it take another.",
 )
 MAX_REQUEST_BYTES = Setting(
-    "max_request_bytes", "max_request_bytes", "PDCHAT_MAX_REQUEST_BYTES", "4194304", INTEGER, ("chat", "renderer"),
+    "max_request_bytes",
+    "max_request_bytes",
+    "PDCHAT_MAX_REQUEST_BYTES",
+    "4194304",
+    INTEGER,
+    ("chat", "renderer"),
     "Largest `request` (or `text_input`) taken, in bytes; larger ones are refused before they are parsed.",
 )
 
 # The renderer: chat templates and Harmony.
 ALLOW_REQUEST_TEMPLATES = Setting(
-    "allow_request_templates", "allow_request_templates", "PDCHAT_ALLOW_REQUEST_TEMPLATES", "false", FLAG,
+    "allow_request_templates",
+    "allow_request_templates",
+    "PDCHAT_ALLOW_REQUEST_TEMPLATES",
+    "false",
+    FLAG,
     ("chat", "renderer"),
     "Whether chat_template_kwargs may carry a `chat_template`. The template is the server's, as in vLLM without "
     "--trust-request-chat-template: a request's own template bypasses it.",
 )
 RENDER_TIMEOUT_S = Setting(
-    "render_timeout_s", "render_timeout_s", "PDCHAT_RENDER_TIMEOUT_S", "2", NUMBER, ("chat", "renderer"),
+    "render_timeout_s",
+    "render_timeout_s",
+    "PDCHAT_RENDER_TIMEOUT_S",
+    "2",
+    NUMBER,
+    ("chat", "renderer"),
     "Longest one chat template render may run, in seconds.",
 )
 CURRENT_DATE = Setting(
-    "current_date", "current_date", "PDCHAT_CURRENT_DATE", "", TEXT, ("chat", "renderer"),
+    "current_date",
+    "current_date",
+    "PDCHAT_CURRENT_DATE",
+    "",
+    TEXT,
+    ("chat", "renderer"),
     "The conversation date Harmony's (GPT-OSS) system message states; unset: today, in UTC. Set it alike for "
     "renderer and chat (the environment does both): chat fingerprints it.",
 )
 
 # KV held by prefill, pulled by decode.
 KV_TTL_S = Setting(
-    "kv_ttl_s", "kv_ttl_s", "PDCHAT_KV_TTL_S", "60", NUMBER, ("prefill",),
+    "kv_ttl_s",
+    "kv_ttl_s",
+    "PDCHAT_KV_TTL_S",
+    "60",
+    NUMBER,
+    ("prefill",),
     "Seconds a prefill server holds KV no decode server has pulled.",
 )
 KV_BUDGET_MB = Setting(
-    "kv_budget_mb", "kv_budget_mb", "PDCHAT_KV_BUDGET_MB", "2048", NUMBER, ("prefill",),
-    "Most KV, in MiB, a prefill server holds for decode servers to pull; past it, prefills are refused as "
-    "UNAVAILABLE.",
+    "kv_budget_mb",
+    "kv_budget_mb",
+    "PDCHAT_KV_BUDGET_MB",
+    "2048",
+    NUMBER,
+    ("prefill",),
+    "Most KV, in MiB, a prefill server holds for decode servers to pull; past it, prefills are refused as UNAVAILABLE.",
 )
 KV_PULL_TIMEOUT_S = Setting(
-    "kv_pull_timeout_s", None, "PDCHAT_KV_PULL_TIMEOUT_S", "30", NUMBER, ("decode",),
+    "kv_pull_timeout_s",
+    None,
+    "PDCHAT_KV_PULL_TIMEOUT_S",
+    "30",
+    NUMBER,
+    ("decode",),
     "Longest NIXL READ from a prefill server, in seconds; then decode recomputes the prompt from its ids.",
 )
 
 # decode's batch.
 MAX_RUNNING = Setting(
-    "max_running", "max_running", "PDCHAT_MAX_RUNNING", "32", INTEGER, ("decode",),
+    "max_running",
+    "max_running",
+    "PDCHAT_MAX_RUNNING",
+    "32",
+    INTEGER,
+    ("decode",),
     "Sequences decoding or prefilling at once in one decode batch.",
 )
 DECODE_KV_MB = Setting(
-    "decode_kv_mb", "decode_kv_mb", "PDCHAT_DECODE_KV_MB", "1024", NUMBER, ("decode",),
+    "decode_kv_mb",
+    "decode_kv_mb",
+    "PDCHAT_DECODE_KV_MB",
+    "1024",
+    NUMBER,
+    ("decode",),
     "KV, in MiB, the admitted requests may reserve (prompt plus max_tokens each).",
 )
 QUEUE_TIMEOUT_S = Setting(
-    "queue_timeout_s", "queue_timeout_s", "PDCHAT_QUEUE_TIMEOUT_S", "30", NUMBER, ("decode",),
+    "queue_timeout_s",
+    "queue_timeout_s",
+    "PDCHAT_QUEUE_TIMEOUT_S",
+    "30",
+    NUMBER,
+    ("decode",),
     "Longest a request waits for room in the batch, in seconds; then UNAVAILABLE, naming the limit.",
 )
 PREFILL_CHUNK = Setting(
-    "prefill_chunk", "prefill_chunk", "PDCHAT_PREFILL_CHUNK", "512", INTEGER, ("decode",),
+    "prefill_chunk",
+    "prefill_chunk",
+    "PDCHAT_PREFILL_CHUNK",
+    "512",
+    INTEGER,
+    ("decode",),
     "Prompt tokens per chunk when decode prefills a prompt itself, between the batch's decode steps.",
 )
 
 # Output grammars (response_format, forced tool calls).
 GRAMMAR_MAX_BYTES = Setting(
-    "grammar_max_bytes", None, "PDCHAT_GRAMMAR_MAX_BYTES", "131072", INTEGER,
+    "grammar_max_bytes",
+    None,
+    "PDCHAT_GRAMMAR_MAX_BYTES",
+    "131072",
+    INTEGER,
     ("router", "openai", "chat", "renderer", "prefill", "decode"),
     "Largest output grammar a request may ask for: the JSON schema's (or the forced tools' parameters') bytes. "
     "Checked wherever a request is parsed, from the environment alone, so that every process agrees.",
 )
 GRAMMAR_MAX_ENUM_VALUES = Setting(
-    "grammar_max_enum_values", None, "PDCHAT_GRAMMAR_MAX_ENUM_VALUES", "1024", INTEGER,
+    "grammar_max_enum_values",
+    None,
+    "PDCHAT_GRAMMAR_MAX_ENUM_VALUES",
+    "1024",
+    INTEGER,
     ("router", "openai", "chat", "renderer", "prefill", "decode"),
     "Most `enum` values and `const`s in one output grammar, all together; compile time grows faster than their "
     "count. From the environment alone, like grammar_max_bytes.",
 )
 GRAMMAR_MAX_DEPTH = Setting(
-    "grammar_max_depth", None, "PDCHAT_GRAMMAR_MAX_DEPTH", "32", INTEGER,
+    "grammar_max_depth",
+    None,
+    "PDCHAT_GRAMMAR_MAX_DEPTH",
+    "32",
+    INTEGER,
     ("router", "openai", "chat", "renderer", "prefill", "decode"),
     "Deepest nesting of an output grammar's JSON (objects and arrays). From the environment alone, like "
     "grammar_max_bytes.",
 )
 GRAMMAR_COMPILE_TIMEOUT_S = Setting(
-    "grammar_compile_timeout_s", "grammar_compile_timeout_s", "PDCHAT_GRAMMAR_COMPILE_TIMEOUT_S", "10", NUMBER,
+    "grammar_compile_timeout_s",
+    "grammar_compile_timeout_s",
+    "PDCHAT_GRAMMAR_COMPILE_TIMEOUT_S",
+    "10",
+    NUMBER,
     ("prefill", "decode"),
     "Longest one output grammar may take to compile, in seconds; past it the compile is abandoned (its worker "
     "process killed) and the request refused as INVALID_ARG.",
 )
 GRAMMAR_CACHE_MB = Setting(
-    "grammar_cache_mb", "grammar_cache_mb", "PDCHAT_GRAMMAR_CACHE_MB", "64", NUMBER, ("prefill", "decode"),
+    "grammar_cache_mb",
+    "grammar_cache_mb",
+    "PDCHAT_GRAMMAR_CACHE_MB",
+    "64",
+    NUMBER,
+    ("prefill", "decode"),
     "Compiled output grammars a stage model keeps, in MiB; the least recently used go first.",
 )
 GRAMMAR_WORKER_MB = Setting(
-    "grammar_worker_mb", "grammar_worker_mb", "PDCHAT_GRAMMAR_WORKER_MB", "1024", NUMBER, ("prefill", "decode"),
+    "grammar_worker_mb",
+    "grammar_worker_mb",
+    "PDCHAT_GRAMMAR_WORKER_MB",
+    "1024",
+    NUMBER,
+    ("prefill", "decode"),
     "Memory, in MiB, a stage model's grammar-compiling process may keep after a compile; past it the process is "
     "replaced, so a large compile's memory goes back to the system.",
 )
 
 # Keys.
 HANDOFF_KEY = Setting(
-    "handoff_key", None, "PDCHAT_HANDOFF_KEY", "", TEXT, ("chat", "renderer", "prefill", "decode"),
+    "handoff_key",
+    None,
+    "PDCHAT_HANDOFF_KEY",
+    "",
+    TEXT,
+    ("chat", "renderer", "prefill", "decode"),
     "The deployment's shared secret (at least 16 bytes): prefill servers sign handoffs with it, decode servers "
     "verify them. Without PDCHAT_STAGE_KEY, the stage seal's key derives from it.",
 )
 HANDOFF_KEY_FILE = Setting(
-    "handoff_key_file", None, "PDCHAT_HANDOFF_KEY_FILE", "", PATH, ("chat", "renderer", "prefill", "decode"),
+    "handoff_key_file",
+    None,
+    "PDCHAT_HANDOFF_KEY_FILE",
+    "",
+    PATH,
+    ("chat", "renderer", "prefill", "decode"),
     "A file holding the handoff key, read when PDCHAT_HANDOFF_KEY is unset.",
 )
 STAGE_KEY = Setting(
-    "stage_key", None, "PDCHAT_STAGE_KEY", "", TEXT, ("chat", "renderer", "prefill", "decode"),
+    "stage_key",
+    None,
+    "PDCHAT_STAGE_KEY",
+    "",
+    TEXT,
+    ("chat", "renderer", "prefill", "decode"),
     "Key of the seals on stage inputs (renderer, prefill and decode serve only what this server's renderer or "
     "chat made); unset: derived from the handoff key, else a random key in a 0600 file of the cache directory.",
 )
 API_KEY = Setting(
-    "api_key", None, "PDCHAT_API_KEY", "", TEXT, ("router", "openai"),
-    "Bearer token the HTTP front requires on all but /health and /metrics (`--api-key` overrides it); unset: "
-    "no key.",
+    "api_key",
+    None,
+    "PDCHAT_API_KEY",
+    "",
+    TEXT,
+    ("router", "openai"),
+    "Bearer token the HTTP front requires on all but /health and /metrics (`--api-key` overrides it); unset: no key.",
 )
 
 SETTINGS: tuple[Setting, ...] = tuple(value for value in dict(globals()).values() if isinstance(value, Setting))
@@ -373,8 +514,11 @@ class GrammarLimits:
 
 def grammar_limits(environ: Mapping[str, str] | None = None) -> GrammarLimits:
     """GRAMMAR_MAX_BYTES, GRAMMAR_MAX_ENUM_VALUES and GRAMMAR_MAX_DEPTH, from the environment."""
-    return GrammarLimits(GRAMMAR_MAX_BYTES.get(None, environ), GRAMMAR_MAX_ENUM_VALUES.get(None, environ),
-                         GRAMMAR_MAX_DEPTH.get(None, environ))
+    return GrammarLimits(
+        GRAMMAR_MAX_BYTES.get(None, environ),
+        GRAMMAR_MAX_ENUM_VALUES.get(None, environ),
+        GRAMMAR_MAX_DEPTH.get(None, environ),
+    )
 
 
 @dataclass(frozen=True)
@@ -437,8 +581,15 @@ def markdown() -> str:
     ]
     for setting in SETTINGS:
         default = code(setting.default) if setting.default else "unset"
-        cells = [setting.name, code(setting.param), code(setting.env), default, setting.type.spelling,
-                 ", ".join(setting.applies_to), setting.doc]
+        cells = [
+            setting.name,
+            code(setting.param),
+            code(setting.env),
+            default,
+            setting.type.spelling,
+            ", ".join(setting.applies_to),
+            setting.doc,
+        ]
         rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(rows) + "\n"
 
@@ -471,8 +622,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         path.write_text(wanted)
     elif current != wanted:
-        print(f"{path}: the settings table is out of date; run python -m pdchat.core.settings --write {path}",
-              file=sys.stderr)
+        print(
+            f"{path}: the settings table is out of date; run python -m pdchat.core.settings --write {path}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

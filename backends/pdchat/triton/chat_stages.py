@@ -56,8 +56,12 @@ class BLSStages:
 
     async def decode(self, call: DecodeCall) -> AsyncIterator[Any]:
         inputs = io.stage_inputs(call.prompt_token_ids, call.params_text, call.seal, call.kv_handle)
-        request = pb_utils.InferenceRequest(model_name=DECODE, inputs=inputs, request_id=self.request.request_id(),
-                                            requested_output_names=list(tensors.CLIENT_OUTPUTS))
+        request = pb_utils.InferenceRequest(
+            model_name=DECODE,
+            inputs=inputs,
+            request_id=self.request.request_id(),
+            requested_output_names=list(tensors.CLIENT_OUTPUTS),
+        )
         async for response in self.loop.iterate(functools.partial(request.exec, decoupled=True)):
             yield response
 
@@ -98,7 +102,9 @@ class BLSStages:
     def _render(self, request_json: str, seal: str) -> Rendered:
         inputs = [io.string_tensor(tensors.CHAT_REQUEST, request_json), io.string_tensor(tensors.STAGE_SEAL, seal)]
         started = time.perf_counter()
-        response = self._exec(RENDERER, inputs, [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.STAGE_SEAL])
+        response = self._exec(
+            RENDERER, inputs, [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.STAGE_SEAL]
+        )
         render_s = time.perf_counter() - started
         # NOTE: a copy. as_numpy() maps the response's shared memory, which is freed with the
         # response; prefill and decode get these ids after it is gone.
@@ -113,8 +119,9 @@ class BLSStages:
         return Prefilled(*(_text_output(response, name) for name in (tensors.KV_HANDLE, tensors.STAGE_SEAL)))
 
     def _exec(self, model_name: str, inputs: list, outputs: list[str]) -> Any:
-        response = pb_utils.InferenceRequest(model_name=model_name, inputs=inputs, requested_output_names=outputs,
-                                             request_id=self.request.request_id()).exec()
+        response = pb_utils.InferenceRequest(
+            model_name=model_name, inputs=inputs, requested_output_names=outputs, request_id=self.request.request_id()
+        ).exec()
         if response.has_error():
             raise StageError(response.error())
         return response

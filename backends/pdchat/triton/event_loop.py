@@ -54,7 +54,9 @@ class ModelEventLoop:
         """`function(*args)` on `lane`'s worker thread, after the calls queued there before it."""
         if lane not in self._lanes:  # (only the loop thread gets here: no race)
             self._lanes[lane] = queue.SimpleQueue()
-            thread = threading.Thread(target=_run_calls, args=(self._lanes[lane],), name=f"{self._name}-{lane}", daemon=True)
+            thread = threading.Thread(
+                target=_run_calls, args=(self._lanes[lane],), name=f"{self._name}-{lane}", daemon=True
+            )
             self._threads.append(thread)
             thread.start()
         future: Future = Future()
@@ -127,7 +129,6 @@ class ModelEventLoop:
     async def _in_slot(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
         async with self._slots:
             return await coroutine
-
 
 
 def _run_calls(calls: queue.SimpleQueue) -> None:

@@ -26,7 +26,9 @@ def declare_contract(config, inputs: tuple[tensors.TensorSpec, ...], outputs: tu
     """auto_complete_config: a model's inputs and outputs from tensors.py, so the configs
     that serve it in several roles need not repeat them."""
     for spec in inputs:
-        config.add_input({"name": spec.name, "data_type": spec.data_type, "dims": list(spec.dims), "optional": spec.optional})
+        config.add_input(
+            {"name": spec.name, "data_type": spec.data_type, "dims": list(spec.dims), "optional": spec.optional}
+        )
     for spec in outputs:
         config.add_output({"name": spec.name, "data_type": spec.data_type, "dims": list(spec.dims)})
     return config
@@ -56,8 +58,10 @@ def input_text(request, name: str, max_bytes: int | None = None) -> str | None:
         raise InvalidRequest(f"'{name}' must hold exactly one string, got {array.size}")
     value = array.reshape(-1)[0]
     if max_bytes is not None and len(value) > max_bytes:
-        raise InvalidRequest(f"'{name}' has {len(value)} bytes; "
-                             f"this server takes at most {max_bytes} ({settings.MAX_REQUEST_BYTES.name})")
+        raise InvalidRequest(
+            f"'{name}' has {len(value)} bytes; "
+            f"this server takes at most {max_bytes} ({settings.MAX_REQUEST_BYTES.name})"
+        )
     try:
         return value.decode("utf-8") if isinstance(value, bytes) else str(value)
     except UnicodeDecodeError as exc:
@@ -91,7 +95,9 @@ def chat_request(request, max_bytes: int) -> tuple[ChatRequest, str]:
         raise InvalidRequest("give either 'request' (JSON) or 'text_input', not both")
     if body is not None:
         if given:
-            raise InvalidRequest(f"with 'request', put {', '.join(given)} inside the JSON body instead of separate inputs")
+            raise InvalidRequest(
+                f"with 'request', put {', '.join(given)} inside the JSON body instead of separate inputs"
+            )
         return parse_chat_json(body), tensors.REQUEST
     if text is None:
         raise InvalidRequest("one of 'request' (OpenAI chat JSON) or 'text_input' is required")
@@ -124,8 +130,11 @@ def stage_input(request, seal: StageSeal, context_length: int, vocab_size: int) 
 
 def stage_inputs(ids: list[int], params_text: str, seal: str, kv_handle: str = "") -> list[pb_utils.Tensor]:
     """The sealed inputs of a BLS call to prefill or decode."""
-    inputs = [int32_tensor(tensors.PROMPT_TOKEN_IDS, ids), string_tensor(tensors.GENERATION_PARAMS, params_text),
-              string_tensor(tensors.STAGE_SEAL, seal)]
+    inputs = [
+        int32_tensor(tensors.PROMPT_TOKEN_IDS, ids),
+        string_tensor(tensors.GENERATION_PARAMS, params_text),
+        string_tensor(tensors.STAGE_SEAL, seal),
+    ]
     return inputs + ([string_tensor(tensors.KV_HANDLE, kv_handle)] if kv_handle else [])
 
 

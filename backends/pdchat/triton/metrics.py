@@ -36,9 +36,16 @@ class HandoffMetrics:
     def __init__(self, model_name: str):
         self._labels = {"model": model_name}
         # The families must outlive their metrics: keep references to both.
-        self._outcomes = _counter("pdchat_forwarded_ids_total", "Requests with forwarded prompt token ids, by outcome and rejection reason")
-        self._skipped_family = _counter("pdchat_renders_skipped_total", "Renders (chat template + tokenization) skipped")
-        self._saved_family = _counter("pdchat_render_seconds_saved_total", "Render seconds skipped, estimated from this host's measured render rate")
+        self._outcomes = _counter(
+            "pdchat_forwarded_ids_total", "Requests with forwarded prompt token ids, by outcome and rejection reason"
+        )
+        self._skipped_family = _counter(
+            "pdchat_renders_skipped_total", "Renders (chat template + tokenization) skipped"
+        )
+        self._saved_family = _counter(
+            "pdchat_render_seconds_saved_total",
+            "Render seconds skipped, estimated from this host's measured render rate",
+        )
         self._skipped = _Metric(self._skipped_family, self._labels)
         self._saved = _Metric(self._saved_family, self._labels)
         self._by_outcome: dict[tuple[str, str], object] = {}
@@ -99,8 +106,12 @@ class DecodeMetrics:
         self._active_family = pb_utils.MetricFamily(
             name="pdchat_decode_active", description="Decode requests in progress", kind=pb_utils.MetricFamily.GAUGE
         )
-        self._pulls_family = _counter("pdchat_kv_pulls_total", "KV handed over by prefill: pulled, or recomputed when the pull failed")
-        self._waiting_family = _gauge("pdchat_decode_waiting", "Decode requests queued at the limits (max_running, KV budget)")
+        self._pulls_family = _counter(
+            "pdchat_kv_pulls_total", "KV handed over by prefill: pulled, or recomputed when the pull failed"
+        )
+        self._waiting_family = _gauge(
+            "pdchat_decode_waiting", "Decode requests queued at the limits (max_running, KV budget)"
+        )
         self._kv_family = _gauge("pdchat_decode_kv_bytes", "KV the decode batch holds now, padding included")
         self._waiting = _Metric(self._waiting_family, labels)
         self._kv = _Metric(self._kv_family, labels)
@@ -138,7 +149,9 @@ class KVHeldMetrics:
 
     def __init__(self, model_name: str, instance_name: str):
         self._family = pb_utils.MetricFamily(
-            name="pdchat_kv_held_bytes", description="KV held for decode servers to pull", kind=pb_utils.MetricFamily.GAUGE
+            name="pdchat_kv_held_bytes",
+            description="KV held for decode servers to pull",
+            kind=pb_utils.MetricFamily.GAUGE,
         )
         self._labels = {"model": model_name, "instance": instance_name}
         self._by_connector: dict[str, object] = {}

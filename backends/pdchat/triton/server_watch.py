@@ -22,7 +22,9 @@ CHECK_INTERVAL_S = 1.0
 _REGION = re.compile(r"[A-Za-z0-9_.-]+")
 
 
-def exit_with_server(cmdline: Path = Path("/proc/self/cmdline"), interval_s: float = CHECK_INTERVAL_S) -> threading.Thread:
+def exit_with_server(
+    cmdline: Path = Path("/proc/self/cmdline"), interval_s: float = CHECK_INTERVAL_S
+) -> threading.Thread:
     """Start the watch (a daemon thread) for this process's parent, the tritonserver."""
     server = os.getppid()
 

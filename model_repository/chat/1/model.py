@@ -58,8 +58,11 @@ class TritonPythonModel:
         try:
             chat, form = io.chat_request(request, self.max_request_bytes)
             self.parses.parsed(form)
-            inputs = ChatInputs(chat, io.input_token_ids(request, tensors.PROMPT_TOKEN_IDS),
-                                io.input_text(request, tensors.KV_TRANSFER_PARAMS))
+            inputs = ChatInputs(
+                chat,
+                io.input_token_ids(request, tensors.PROMPT_TOKEN_IDS),
+                io.input_text(request, tensors.KV_TRANSFER_PARAMS),
+            )
             await self.flow.serve(inputs, BLSStages(request, sender, self.loop, self.stage_lanes))
         except StageError as exc:
             sender.send(pb_utils.InferenceResponse(error=exc.error), flags=FINAL)

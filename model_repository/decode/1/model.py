@@ -53,17 +53,24 @@ class TritonPythonModel:
         parameters = io.model_parameters(args)
         kind, device_id = io.instance_placement(args)
         if kind == "GPU" and device_id > 0:
-            log.warning("decode runs an instance per GPU here; chat's cancellations reach the instance they land on, "
-                        "not always the request's: run a server per GPU (CUDA_VISIBLE_DEVICES)")
+            log.warning(
+                "decode runs an instance per GPU here; chat's cancellations reach the instance they land on, "
+                "not always the request's: run a server per GPU (CUDA_VISIBLE_DEVICES)"
+            )
         settings = resolve_model(parameters).on_instance(kind, device_id)
-        self.model = TextModel(settings.path, settings.device, settings.dtype, settings.threads,
-                               compile_options(parameters))
+        self.model = TextModel(
+            settings.path, settings.device, settings.dtype, settings.threads, compile_options(parameters)
+        )
         self.seal = StageSeal.for_this_server()
         self.connectors = Connectors(**kv_options(parameters))
         self.metrics = DecodeMetrics(args["model_name"])
         self.options = batching_options(parameters)
-        limits = Limits(max_running=self.options.max_running, kv_budget_bytes=self.options.kv_budget_bytes,
-                        kv_bytes_per_token=self.model.engine.kv_bytes_per_token(), max_wait_s=self.options.queue_timeout_s)
+        limits = Limits(
+            max_running=self.options.max_running,
+            kv_budget_bytes=self.options.kv_budget_bytes,
+            kv_bytes_per_token=self.model.engine.kv_bytes_per_token(),
+            max_wait_s=self.options.queue_timeout_s,
+        )
         # About one step's responses may wait for the outbox before the scheduler waits too.
         self.outbox = Outbox("pdchat-decode-outbox", max_pending=2 * self.options.max_running)
         self.scheduler = DecodeScheduler(DecodeBatch(self.model.engine), limits, on_state=self._on_state)
@@ -116,8 +123,14 @@ class TritonPythonModel:
             self.outbox.call(functools.partial(self._started, stream))
             kv_cache = None if handle is None else self._pull(handle, params.request_id)
             released = None if handle is None or kv_cache is None else functools.partial(self.connectors.done, handle)
-            return self.model.generation(ids, params, first=first, kv_cache=kv_cache, on_kv_released=released,
-                                         prefill_chunk=self.options.prefill_chunk)
+            return self.model.generation(
+                ids,
+                params,
+                first=first,
+                kv_cache=kv_cache,
+                on_kv_released=released,
+                prefill_chunk=self.options.prefill_chunk,
+            )
 
         self.outbox.watch(stream, sender.is_cancelled, functools.partial(self.scheduler.cancel, stream.key))
         return DecodeJob(

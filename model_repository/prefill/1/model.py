@@ -26,8 +26,9 @@ class TritonPythonModel:
         exit_with_server()  # a stub outliving its server frees its memory and exits
         parameters = io.model_parameters(args)
         settings = resolve_model(parameters).on_instance(*io.instance_placement(args))
-        self.model = TextModel(settings.path, settings.device, settings.dtype, settings.threads,
-                               compile_options(parameters))
+        self.model = TextModel(
+            settings.path, settings.device, settings.dtype, settings.threads, compile_options(parameters)
+        )
         self.seal = StageSeal.for_this_server()
         self.metrics = KVHeldMetrics(args["model_name"], args["model_instance_name"])
         self.connectors = Connectors(on_sweep=self.metrics.update, **kv_options(parameters))
@@ -52,6 +53,10 @@ class TritonPythonModel:
             return io.error_response(exc)
         # Decode takes this KV only with prefill's seal over it and the prompt it belongs to.
         seal = self.seal.seal_prompt(stage.prompt_token_ids, stage.params_text, handle)
-        return pb_utils.InferenceResponse(output_tensors=[io.int32_tensor(tensors.FIRST_TOKEN_ID, [choice.token_id]),
-                                                          io.string_tensor(tensors.KV_HANDLE, handle),
-                                                          io.string_tensor(tensors.STAGE_SEAL, seal)])
+        return pb_utils.InferenceResponse(
+            output_tensors=[
+                io.int32_tensor(tensors.FIRST_TOKEN_ID, [choice.token_id]),
+                io.string_tensor(tensors.KV_HANDLE, handle),
+                io.string_tensor(tensors.STAGE_SEAL, seal),
+            ]
+        )

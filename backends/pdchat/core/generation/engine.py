@@ -112,7 +112,9 @@ class CausalLM:
             )
         low, high = min(prompt_token_ids), max(prompt_token_ids)
         if low < 0 or high >= self.vocab_size:
-            raise InvalidRequest(f"prompt token ids must lie in [0, {self.vocab_size}); got values from {low} to {high}")
+            raise InvalidRequest(
+                f"prompt token ids must lie in [0, {self.vocab_size}); got values from {low} to {high}"
+            )
 
     def export_kv(self, cache: object) -> np.ndarray:
         """The cache as one contiguous array in the model's dtype (see KV layout above;
@@ -145,11 +147,15 @@ class CausalLM:
         """A KV from another server must be this model's, in its dtype, for this prompt (a
         prefill server running another model would otherwise fail the whole batch's step)."""
         if kv.dtype != self.wire_type:
-            raise InvalidRequest(f"the KV is {kv_dtype_name(kv)}; this server's model runs in {self.dtype_name} "
-                                 f"(prefill and decode servers must run the model in one dtype: {DTYPE.names})")
+            raise InvalidRequest(
+                f"the KV is {kv_dtype_name(kv)}; this server's model runs in {self.dtype_name} "
+                f"(prefill and decode servers must run the model in one dtype: {DTYPE.names})"
+            )
         if tuple(kv.shape) != self.kv_shape(prompt_tokens):
-            raise InvalidRequest(f"the KV has shape {list(kv.shape)}; this model and a prompt of {prompt_tokens} tokens "
-                                 f"need {list(self.kv_shape(prompt_tokens))} (are prefill and decode serving the same model?)")
+            raise InvalidRequest(
+                f"the KV has shape {list(kv.shape)}; this model and a prompt of {prompt_tokens} tokens "
+                f"need {list(self.kv_shape(prompt_tokens))} (are prefill and decode serving the same model?)"
+            )
 
 
 class DecodeBatch:
@@ -226,7 +232,9 @@ class DecodeBatch:
         pads = torch.tensor(self._pads, device=device)
         mask = (torch.arange(columns + 1, device=device).unsqueeze(0) >= pads.unsqueeze(1)).long()
         positions = (columns - pads).view(rows, 1)  # each row's own length: where its new token sits
-        out = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self._cache, use_cache=True)
+        out = self.engine.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, cache=self._cache, use_cache=True
+        )
         self._cache = out.cache
         return out.logits[:, -1].float()
 
@@ -265,8 +273,8 @@ class _RoomyLayer(DynamicLayer):
         if self._start + self._length + new > self._stored[0].shape[-2]:
             self._move(self._stored[0].shape[0], self._length + new + DecodeBatch.SPARE_COLUMNS, 0)
         end = self._start + self._length
-        self._stored[0][:self._rows, :, end:end + new] = key_states
-        self._stored[1][:self._rows, :, end:end + new] = value_states
+        self._stored[0][: self._rows, :, end : end + new] = key_states
+        self._stored[1][: self._rows, :, end : end + new] = value_states
         self._length += new
         self._expose()
         return self.keys, self.values
@@ -283,11 +291,11 @@ class _RoomyLayer(DynamicLayer):
             self._start -= widen
             self._length += widen
             for stored in self._stored:
-                stored[:self._rows, :, self._start:self._start + widen] = 0
+                stored[: self._rows, :, self._start : self._start + widen] = 0
         end = self._start + self._length
         for stored, new in zip(self._stored, (keys, values), strict=True):
-            stored[self._rows, :, self._start:end - length] = 0
-            stored[self._rows, :, end - length:end] = new[0]
+            stored[self._rows, :, self._start : end - length] = 0
+            stored[self._rows, :, end - length : end] = new[0]
         self._rows += 1
         self._expose()
 
@@ -298,11 +306,14 @@ class _RoomyLayer(DynamicLayer):
         for slot, row in enumerate(keep):
             if slot != row:
                 for stored in self._stored:
-                    stored[slot, :, self._start:end] = stored[row, :, self._start:end]
+                    stored[slot, :, self._start : end] = stored[row, :, self._start : end]
         self._rows, self._start, self._length = len(keep), self._start + trim, self._length - trim
         rows_room, columns_room = self._stored[0].shape[0], self._stored[0].shape[-2]
         # Twice the room unused: the storage shrinks, so it never holds much more than the batch.
-        if rows_room > self._rows + 2 * DecodeBatch.SPARE_ROWS or columns_room > self._length + 2 * DecodeBatch.SPARE_COLUMNS:
+        if (
+            rows_room > self._rows + 2 * DecodeBatch.SPARE_ROWS
+            or columns_room > self._length + 2 * DecodeBatch.SPARE_COLUMNS
+        ):
             self._move(self._rows + DecodeBatch.SPARE_ROWS, self._length + DecodeBatch.SPARE_COLUMNS, 0)
         self._expose()
 
@@ -311,12 +322,12 @@ class _RoomyLayer(DynamicLayer):
         end = self._start + self._length
         moved = tuple(_storage(stored, rows, columns) for stored in self._stored)
         for new, old in zip(moved, self._stored, strict=True):
-            new[:self._rows, :, left:left + self._length] = old[:self._rows, :, self._start:end]
+            new[: self._rows, :, left : left + self._length] = old[: self._rows, :, self._start : end]
         self._stored, self._start = moved, left
 
     def _expose(self) -> None:
         end = self._start + self._length
-        self.keys, self.values = (stored[:self._rows, :, self._start:end] for stored in self._stored)
+        self.keys, self.values = (stored[: self._rows, :, self._start : end] for stored in self._stored)
 
 
 def _storage(like: torch.Tensor, rows: int, columns: int) -> torch.Tensor:

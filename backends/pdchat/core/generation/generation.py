@@ -33,8 +33,14 @@ PROMPT_TAIL_TOKENS = 16
 
 
 class TextModel:
-    def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto", threads: int | None = None,
-                 grammar: CompileOptions | None = None):
+    def __init__(
+        self,
+        model_dir: Path,
+        device: str = "auto",
+        dtype: str = "auto",
+        threads: int | None = None,
+        grammar: CompileOptions | None = None,
+    ):
         """`grammar`: how output grammars compile (the settings' defaults unless given)."""
         from transformers import AutoTokenizer
 
@@ -70,8 +76,15 @@ class TextModel:
         """Decode state continuing from prefill's KV and first token; without them, prefill
         here: at once, or with `prefill_chunk`, chunk by chunk through prefill_step().
         `on_kv_released` runs once the cache no longer reads `kv_cache`'s memory."""
-        return Generation(self, prompt_token_ids, params, first=first, kv_cache=kv_cache,
-                          on_kv_released=on_kv_released, prefill_chunk=prefill_chunk)
+        return Generation(
+            self,
+            prompt_token_ids,
+            params,
+            first=first,
+            kv_cache=kv_cache,
+            on_kv_released=on_kv_released,
+            prefill_chunk=prefill_chunk,
+        )
 
     def chooser(self, prompt_token_ids: list[int], params: GenerationParams) -> TokenChooser:
         """One request's token choice: its grammar, penalties and biases, its seeded draw."""
@@ -86,25 +99,36 @@ class TextModel:
         reuse paths pass: a grammar would have to start after the `final` header, and stop
         strings would match header words and leave the parsed content untrimmed."""
         if params.constraint is not None:
-            raise InvalidRequest("response_format and a forced tool_choice ('required' or a named function) are not "
-                                 "supported with the Harmony format (GPT-OSS) yet; use tool_choice 'auto'")
+            raise InvalidRequest(
+                "response_format and a forced tool_choice ('required' or a named function) are not "
+                "supported with the Harmony format (GPT-OSS) yet; use tool_choice 'auto'"
+            )
         if params.stop:
-            raise InvalidRequest("'stop' strings are not supported with the Harmony format (GPT-OSS) yet; "
-                                 "use stop_token_ids")
+            raise InvalidRequest(
+                "'stop' strings are not supported with the Harmony format (GPT-OSS) yet; use stop_token_ids"
+            )
 
     def stop_ids(self, params: GenerationParams) -> frozenset[int]:
         """Tokens that end an answer: EOS (unless ignore_eos) and the request's stop_token_ids."""
         return (frozenset() if params.ignore_eos else self.eos_ids) | frozenset(params.stop_token_ids)
 
-    def output_parser(self, prompt_token_ids: list[int], params: GenerationParams) -> OutputParser | HarmonyOutputParser:
+    def output_parser(
+        self, prompt_token_ids: list[int], params: GenerationParams
+    ) -> OutputParser | HarmonyOutputParser:
         """Splits the answer into content, reasoning and tool calls (at most one with
         parallel_tool_calls false): by Harmony's tokens, or by the text's markers."""
         max_tool_calls = None if params.parallel_tool_calls else 1
         if self.harmony is not None:
-            return HarmonyOutputParser(self.harmony, self._decode, tools=params.parse_tool_calls, max_tool_calls=max_tool_calls)
+            return HarmonyOutputParser(
+                self.harmony, self._decode, tools=params.parse_tool_calls, max_tool_calls=max_tool_calls
+            )
         tail = self.tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:])
-        return OutputParser(reasoning=self.reasoning, tools=params.parse_tool_calls, in_reasoning=starts_in_reasoning(tail),
-                            max_tool_calls=max_tool_calls)
+        return OutputParser(
+            reasoning=self.reasoning,
+            tools=params.parse_tool_calls,
+            in_reasoning=starts_in_reasoning(tail),
+            max_tool_calls=max_tool_calls,
+        )
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -132,9 +156,17 @@ class Generation:
     cache, for single-request use.
     """
 
-    def __init__(self, model: TextModel, prompt_token_ids: list[int], params: GenerationParams, *,
-                 first: Choice | None, kv_cache: np.ndarray | None,
-                 on_kv_released: Callable[[], None] | None = None, prefill_chunk: int | None = None):
+    def __init__(
+        self,
+        model: TextModel,
+        prompt_token_ids: list[int],
+        params: GenerationParams,
+        *,
+        first: Choice | None,
+        kv_cache: np.ndarray | None,
+        on_kv_released: Callable[[], None] | None = None,
+        prefill_chunk: int | None = None,
+    ):
         engine = model.engine
         self.engine = engine
         self.params = params
@@ -186,7 +218,7 @@ class Generation:
     def prefill_step(self) -> bool:
         """Compute the next chunk of the prompt's KV; True once the first token is chosen."""
         end = min(len(self.prompt_token_ids), self._prefilled + self._prefill_chunk)
-        result = self.engine.prefill_chunk(self.prompt_token_ids[self._prefilled:end], self.cache)
+        result = self.engine.prefill_chunk(self.prompt_token_ids[self._prefilled : end], self.cache)
         self.cache, self._prefilled = result.cache, end
         if end == len(self.prompt_token_ids):
             self._pending = self._chooser.choose(result.last_logits)
@@ -217,7 +249,10 @@ class Generation:
     def _finish(self, stopped: bool, text: str) -> str | None:
         if stopped:
             return FINISH_STOP
-        if self._tool_call_watch is not None and self._tool_call_watch.feed(text, [self.output_token_ids[-1]]).tool_calls:
+        if (
+            self._tool_call_watch is not None
+            and self._tool_call_watch.feed(text, [self.output_token_ids[-1]]).tool_calls
+        ):
             return FINISH_STOP  # the first complete tool call (the client sees finish_reason tool_calls)
         if len(self.output_token_ids) >= self.params.max_tokens:
             return FINISH_LENGTH

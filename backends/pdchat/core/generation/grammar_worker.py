@@ -70,7 +70,8 @@ class GrammarWorker:
                 self._stop_child()
                 raise GrammarCompileTimeout(
                     f"the output grammar (response_format or forced tool call) took longer than {timeout_s:g} s to "
-                    "compile and was abandoned (setting grammar_compile_timeout_s); simplify the schema") from None
+                    "compile and was abandoned (setting grammar_compile_timeout_s); simplify the schema"
+                ) from None
             if self._child_rss() > self._max_rss_bytes:
                 self._stop_child()
         if status != _OK:
@@ -161,8 +162,9 @@ def _serve() -> None:
 
     status, info = _receive(requests)
     # One thread: the serving process's cores are busy with the model. No cache: the parent keeps one.
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json((status + info).decode()), max_threads=1,
-                                   cache_enabled=False)
+    compiler = xgr.GrammarCompiler(
+        xgr.TokenizerInfo.deserialize_json((status + info).decode()), max_threads=1, cache_enabled=False
+    )
     _send(answers, _OK)
     while True:
         try:

@@ -32,8 +32,16 @@ class Choice:
     logprobs: TokenLogprobs | None = None
 
 
-def choose_token(logits: torch.Tensor, *, temperature: float, top_p: float, seed: int, position: int,
-                 top_k: int = 0, min_p: float = 0.0) -> int:
+def choose_token(
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    position: int,
+    top_k: int = 0,
+    min_p: float = 0.0,
+) -> int:
     """Pick the token at output `position` from 1-D `logits` over the vocabulary."""
     logits = logits.float().cpu()
     if temperature == 0.0:
@@ -99,14 +107,18 @@ class LogitsShaper:
     one that asks for none of them costs nothing per token: no state, no copy.
     """
 
-    def __init__(self, options: SamplingOptions, prompt_token_ids: list[int], vocab_size: int, stop_ids: frozenset[int]):
+    def __init__(
+        self, options: SamplingOptions, prompt_token_ids: list[int], vocab_size: int, stop_ids: frozenset[int]
+    ):
         self._options = options
         self.produced = 0  # output tokens chosen (or replayed) so far
         self._suppressed = torch.tensor(sorted(stop_ids), dtype=torch.long) if options.min_tokens and stop_ids else None
         self._bias = None
         if options.logit_bias:
-            self._bias = (torch.tensor([int(k) for k in options.logit_bias], dtype=torch.long),
-                          torch.tensor(list(options.logit_bias.values()), dtype=torch.float32))
+            self._bias = (
+                torch.tensor([int(k) for k in options.logit_bias], dtype=torch.long),
+                torch.tensor(list(options.logit_bias.values()), dtype=torch.float32),
+            )
         self._seen = None
         if options.repetition_penalty != 1.0:
             self._seen = torch.zeros(vocab_size, dtype=torch.bool)
@@ -163,8 +175,15 @@ class TokenChooser:
         params = self._params
         raw = logits.float().cpu()
         shaped = self._shaper.shape(raw if self._grammar is None else self._grammar.mask(raw))
-        token = choose_token(shaped, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                             min_p=params.min_p, seed=params.seed, position=self._shaper.produced)
+        token = choose_token(
+            shaped,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            seed=params.seed,
+            position=self._shaper.produced,
+        )
         logprobs = token_logprobs(raw, token, params.top_logprobs) if params.logprobs else None
         self.replay(token)
         return Choice(token, logprobs)

@@ -102,8 +102,15 @@ class _Entry:
 
 
 class DecodeScheduler:
-    def __init__(self, batch: Batch, limits: Limits = Limits(), *, name: str = "pdchat-decode",
-                 on_state: Callable[[SchedulerState], None] | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        batch: Batch,
+        limits: Limits = Limits(),
+        *,
+        name: str = "pdchat-decode",
+        on_state: Callable[[SchedulerState], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._batch = batch
         self._limits = limits
         self._on_state = on_state
@@ -181,9 +188,13 @@ class DecodeScheduler:
             wanted = limits.kv_bytes_per_token * entry.job.tokens
             if wanted > limits.kv_budget_bytes:
                 self._waiting.pop(0)
-                entry.job.fail(Unavailable(
-                    f"this request may need {wanted >> 20} MiB of KV (prompt + max_tokens = {entry.job.tokens} tokens), "
-                    f"more than decode's whole KV budget of {limits.kv_budget_bytes >> 20} MiB (kv_budget_mb)"))
+                entry.job.fail(
+                    Unavailable(
+                        f"this request may need {wanted >> 20} MiB of KV "
+                        f"(prompt + max_tokens = {entry.job.tokens} tokens), "
+                        f"more than decode's whole KV budget of {limits.kv_budget_bytes >> 20} MiB (kv_budget_mb)"
+                    )
+                )
                 continue
             busy = len(self._prefilling) + len(self._running)
             if busy >= limits.max_running or reserved + wanted > limits.kv_budget_bytes:
@@ -204,9 +215,13 @@ class DecodeScheduler:
         limits, now = self._limits, self._clock()
         expired = [e for e in self._waiting if now - e.queued_at > limits.max_wait_s]
         for entry in expired:
-            entry.job.fail(Unavailable(
-                f"decode stayed at its limits for {limits.max_wait_s:g} s: {busy} of max_running={limits.max_running} "
-                f"sequences, {reserved >> 20} of kv_budget_mb={limits.kv_budget_bytes >> 20} MiB KV reserved; retry later"))
+            entry.job.fail(
+                Unavailable(
+                    f"decode stayed at its limits for {limits.max_wait_s:g} s: "
+                    f"{busy} of max_running={limits.max_running} sequences, "
+                    f"{reserved >> 20} of kv_budget_mb={limits.kv_budget_bytes >> 20} MiB KV reserved; retry later"
+                )
+            )
         self._waiting = [e for e in self._waiting if e not in expired]
 
     def _prefill_chunk(self) -> None:

@@ -25,6 +25,8 @@ def kv_dtype_name(kv: np.ndarray) -> str:
         return _WIRE_NAMES[kv.dtype]
     except KeyError:
         raise ValueError(f"KV arrays travel as {', '.join(KV_WIRE_TYPES)}; got numpy {kv.dtype}") from None
+
+
 DEFAULT_KV_TTL_S = 60.0
 
 log = logging.getLogger("pdchat.kv")
@@ -69,8 +71,14 @@ class KVHandle:
 
     def to_dict(self) -> dict[str, Any]:
         """The handle as JSON values; `first_token_logprobs` only when there are some."""
-        value = {"connector": self.connector, "shape": list(self.shape), "dtype": self.dtype, "expires_at": self.expires_at,
-                 "first_token_id": self.first_token_id, "location": self.location}
+        value = {
+            "connector": self.connector,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "expires_at": self.expires_at,
+            "first_token_id": self.first_token_id,
+            "location": self.location,
+        }
         if self.first_token_logprobs is not None:
             value["first_token_logprobs"] = self.first_token_logprobs.to_dict()
         return value
@@ -95,7 +103,15 @@ class KVHandle:
             dtype = str(value.get("dtype", "float32"))
             if dtype not in KV_WIRE_TYPES:
                 raise ValueError(f"dtype {dtype!r} is none of {', '.join(KV_WIRE_TYPES)}")
-            return cls(str(value["connector"]), shape, float(value["expires_at"]), first_token_id, value["location"], logprobs, dtype)
+            return cls(
+                str(value["connector"]),
+                shape,
+                float(value["expires_at"]),
+                first_token_id,
+                value["location"],
+                logprobs,
+                dtype,
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise KVUnavailable(f"malformed KV handle: {exc!r}") from None
 
@@ -140,4 +156,3 @@ class OncePerKey:
         if key not in self._seen:
             self._seen.add(key)
             log.warning(message, *args)
-

@@ -18,7 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from pdchat.core.kv.base import DEFAULT_BUDGET_BYTES, DEFAULT_KV_TTL_S, KVBudgetExceeded, KVHandle, KVUnavailable, kv_dtype_name
+from pdchat.core.kv.base import (
+    DEFAULT_BUDGET_BYTES,
+    DEFAULT_KV_TTL_S,
+    KVBudgetExceeded,
+    KVHandle,
+    KVUnavailable,
+    kv_dtype_name,
+)
 from pdchat.core.settings import KV_BUDGET_MB, KV_PULL_TIMEOUT_S
 from pdchat.registry import NIXL
 
@@ -36,7 +43,9 @@ UCX_TCP_SYN_CNT = "2"
 class NixlConnector:
     name = NIXL
 
-    def __init__(self, *, budget_bytes: int = DEFAULT_BUDGET_BYTES, ttl_s: float = DEFAULT_KV_TTL_S, engine_id: str | None = None):
+    def __init__(
+        self, *, budget_bytes: int = DEFAULT_BUDGET_BYTES, ttl_s: float = DEFAULT_KV_TTL_S, engine_id: str | None = None
+    ):
         try:
             from nixl_cu12._api import nixl_agent, nixl_agent_config
         except ImportError as exc:
@@ -45,7 +54,9 @@ class NixlConnector:
         self.ttl_s = ttl_s
         self.agent_name = f"pdchat-{engine_id or uuid.uuid4().hex[:12]}"
         os.environ.setdefault("UCX_TCP_SYN_CNT", UCX_TCP_SYN_CNT)  # read by UCX when the agent starts
-        self._agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False))
+        self._agent = nixl_agent(
+            self.agent_name, nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False)
+        )
         self._held: dict[str, tuple[np.ndarray, Any, float]] = {}  # id -> (buffer, registration, expires_at)
         self._pulled: list[str] = []  # ids peers notified as read
         self._lock = threading.Lock()
@@ -68,13 +79,23 @@ class NixlConnector:
             kv_id = uuid.uuid4().hex
             expires_at = time.time() + self.ttl_s
             self._held[kv_id] = (kv, registration, expires_at)
-        location = {"agent": self.agent_name, "metadata": base64.b64encode(metadata).decode(), "id": kv_id, "addr": kv.ctypes.data}
+        location = {
+            "agent": self.agent_name,
+            "metadata": base64.b64encode(metadata).decode(),
+            "id": kv_id,
+            "addr": kv.ctypes.data,
+        }
         return KVHandle(self.name, tuple(kv.shape), round(expires_at, 3), first_token_id, location, dtype=dtype)
 
     def pull(self, handle: KVHandle) -> np.ndarray:
         location = handle.location
         try:
-            addr, peer, kv_id, metadata = int(location["addr"]), str(location["agent"]), str(location["id"]), location["metadata"]
+            addr, peer, kv_id, metadata = (
+                int(location["addr"]),
+                str(location["agent"]),
+                str(location["id"]),
+                location["metadata"],
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise KVUnavailable(f"malformed nixl KV handle: {exc!r}") from exc
         if time.time() > handle.expires_at:

@@ -34,7 +34,15 @@ from pathlib import Path
 import numpy as np
 
 from pdchat.core.errors import PdchatError
-from pdchat.core.kv.base import DEFAULT_BUDGET_BYTES, DEFAULT_KV_TTL_S, KVBudgetExceeded, KVHandle, KVUnavailable, OncePerKey, kv_dtype_name
+from pdchat.core.kv.base import (
+    DEFAULT_BUDGET_BYTES,
+    DEFAULT_KV_TTL_S,
+    KVBudgetExceeded,
+    KVHandle,
+    KVUnavailable,
+    OncePerKey,
+    kv_dtype_name,
+)
 from pdchat.core.settings import KV_BUDGET_MB
 from pdchat.registry import SHM
 
@@ -110,8 +118,11 @@ def expired_files(directory: Path | None = None, now: float | None = None) -> li
     """KV files past their expiry in `directory`: what a sweep must have freed (whoever's)."""
     now_ms = (time.time() if now is None else now) * 1000
     directory = directory or kv_directory()
-    return sorted(path for path in directory.glob("*pdchat_kv*")
-                  if (name := _KVName.parse(path.name)) is not None and name.expires_ms < now_ms)
+    return sorted(
+        path
+        for path in directory.glob("*pdchat_kv*")
+        if (name := _KVName.parse(path.name)) is not None and name.expires_ms < now_ms
+    )
 
 
 def _why_not_private(info: os.stat_result) -> str | None:
@@ -134,7 +145,9 @@ def _open_private(directory: Path) -> int:
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as exc:  # ELOOP: a symlink; ENOTDIR: something else
-        raise KVDirectoryRefused(f"refusing KV directory {directory}: not a directory, or a link ({exc.strerror})") from None
+        raise KVDirectoryRefused(
+            f"refusing KV directory {directory}: not a directory, or a link ({exc.strerror})"
+        ) from None
     problem = _why_not_private(os.fstat(fd))
     if problem is not None:
         os.close(fd)
@@ -165,7 +178,9 @@ def _kv_files(dir_fd: int, directory: Path) -> list[tuple[_KVName, int]]:
             name = _KVName.parse(entry.name)
             if name is None or not stat.S_ISREG(info.st_mode):
                 path = directory / entry.name
-                _skipped.warn(str(path), "skipping %s: not a pdchat KV file (not a regular file, or a foreign name)", path)
+                _skipped.warn(
+                    str(path), "skipping %s: not a pdchat KV file (not a regular file, or a foreign name)", path
+                )
                 continue
             files.append((name, info.st_size))
     return files
@@ -183,7 +198,9 @@ def _map(dir_fd: int, name: str, handle: KVHandle) -> np.ndarray:
         if not stat.S_ISREG(info.st_mode):
             raise KVUnavailable(f"KV {name} is not a regular file")
         if info.st_size < handle.nbytes:  # a reused file may be larger than this KV
-            raise KVUnavailable(f"KV {name} has {info.st_size} bytes, its handle says {list(handle.shape)} {handle.dtype}")
+            raise KVUnavailable(
+                f"KV {name} has {info.st_size} bytes, its handle says {list(handle.shape)} {handle.dtype}"
+            )
         mapping = mmap.mmap(fd, handle.nbytes, access=mmap.ACCESS_COPY)
     finally:
         os.close(fd)
@@ -193,8 +210,14 @@ def _map(dir_fd: int, name: str, handle: KVHandle) -> np.ndarray:
 class ShmConnector:
     name = SHM
 
-    def __init__(self, directory: Path | None = None, *, budget_bytes: int = DEFAULT_BUDGET_BYTES,
-                 ttl_s: float = DEFAULT_KV_TTL_S, engine_id: str | None = None):
+    def __init__(
+        self,
+        directory: Path | None = None,
+        *,
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        ttl_s: float = DEFAULT_KV_TTL_S,
+        engine_id: str | None = None,
+    ):
         """Refuses (KVDirectoryRefused) a directory others could use, before any KV is put there."""
         self.directory = kv_directory() if directory is None else Path(directory)
         self.budget_bytes = budget_bytes
@@ -217,8 +240,11 @@ class ShmConnector:
                     f"holding {kv.nbytes >> 20} MiB more KV would pass this server's budget of "
                     f"{self.budget_bytes >> 20} MiB ({KV_BUDGET_MB.names}); retry when pulls have freed some"
                 )
-            free = sorted((size, str(name)) for name, size in files
-                          if name.prefix == FREE_PREFIX and name.engine == self.engine_id and size >= kv.nbytes)
+            free = sorted(
+                (size, str(name))
+                for name, size in files
+                if name.prefix == FREE_PREFIX and name.engine == self.engine_id and size >= kv.nbytes
+            )
             fd = self._open_staging(dir_fd, staging, [name for _, name in free])
             try:
                 with open(fd, "r+b") as out:  # no truncation: a reused file keeps its resident pages
@@ -228,8 +254,14 @@ class ShmConnector:
                 with suppress(FileNotFoundError):
                     os.unlink(staging, dir_fd=dir_fd)
                 raise
-        return KVHandle(self.name, tuple(kv.shape), round(expires_at, 3), first_token_id, {"name": str(published), "host": HOST_ID},
-                        dtype=dtype)
+        return KVHandle(
+            self.name,
+            tuple(kv.shape),
+            round(expires_at, 3),
+            first_token_id,
+            {"name": str(published), "host": HOST_ID},
+            dtype=dtype,
+        )
 
     def pull(self, handle: KVHandle) -> np.ndarray:
         """Claim the KV, then map it (no copy). A handle pulls once: a second pull, or the
@@ -244,7 +276,9 @@ class ShmConnector:
             try:
                 os.rename(str(published), claimed, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             except FileNotFoundError:
-                raise KVUnavailable(f"KV {published} already pulled or gone (expired, or its prefill server restarted)") from None
+                raise KVUnavailable(
+                    f"KV {published} already pulled or gone (expired, or its prefill server restarted)"
+                ) from None
             except OSError as exc:
                 raise KVUnavailable(f"KV {published} cannot be claimed: {exc.strerror}") from None
             return _map(dir_fd, claimed, handle)
@@ -257,7 +291,10 @@ class ShmConnector:
         connector that claimed it can: nobody recycles pages a puller still maps."""
         claimed = replace(self._published(handle), prefix=PULLED_PREFIX, puller=self.engine_id)
         free = replace(claimed, prefix=FREE_PREFIX, expires_ms=int((time.time() + self.ttl_s) * 1000), puller="")
-        with _private_directory(self.directory) as dir_fd, suppress(FileNotFoundError):  # swept meanwhile, or not pulled here
+        with (
+            _private_directory(self.directory) as dir_fd,
+            suppress(FileNotFoundError),
+        ):  # swept meanwhile, or not pulled here
             os.rename(str(claimed), str(free), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
     def sweep(self, now: float | None = None) -> int:
@@ -287,7 +324,11 @@ class ShmConnector:
                         os.unlink(str(name), dir_fd=dir_fd)
 
     def _held(self, files: list[tuple[_KVName, int]]) -> list[tuple[_KVName, int]]:
-        return [(name, size) for name, size in files if name.engine == self.engine_id and name.prefix in (SHM_PREFIX, PULLED_PREFIX)]
+        return [
+            (name, size)
+            for name, size in files
+            if name.engine == self.engine_id and name.prefix in (SHM_PREFIX, PULLED_PREFIX)
+        ]
 
     def _sweep(self, dir_fd: int, now: float) -> tuple[int, list[tuple[_KVName, int]]]:
         """Remove expired KV files; return how many, and the files left. A file it cannot
@@ -324,7 +365,10 @@ class ShmConnector:
         """The published KV a handle names; never a claimed or free file, nor a path, nor
         KV published on another host (its name could match a file here by chance)."""
         if handle.location.get("host") != HOST_ID:
-            raise KVUnavailable(f"shm KV from another host ({handle.location.get('host')!r}; this is {HOST_ID!r}): use nixl across hosts")
+            raise KVUnavailable(
+                f"shm KV from another host ({handle.location.get('host')!r}; this is {HOST_ID!r}): "
+                "use nixl across hosts"
+            )
         name = _KVName.parse(str(handle.location.get("name", "")))
         if name is None or name.prefix != SHM_PREFIX:
             raise KVUnavailable(f"not a shm KV name: {handle.location.get('name')!r}")

@@ -30,7 +30,9 @@ class HarmonyOutputParser:
     """Feeds each output token to openai-harmony's StreamableParser; same interface as
     OutputParser (`feed`, `finish`), token ids being what it reads."""
 
-    def __init__(self, encoding: Any, decode: Callable[[list[int]], str], *, tools: bool, max_tool_calls: int | None = None):
+    def __init__(
+        self, encoding: Any, decode: Callable[[list[int]], str], *, tools: bool, max_tool_calls: int | None = None
+    ):
         from openai_harmony import Role, StreamableParser
 
         self._parser = StreamableParser(encoding, role=Role.ASSISTANT)
@@ -99,7 +101,7 @@ class HarmonyOutputParser:
         if not self._is_call(recipient):
             out.content += arguments
             return
-        out.tool_calls.append(self._tool_call(recipient[len(FUNCTIONS_PREFIX):], arguments))
+        out.tool_calls.append(self._tool_call(recipient[len(FUNCTIONS_PREFIX) :], arguments))
         if self._tool_count == self._max_tool_calls:
             self._done = True
 
@@ -112,8 +114,12 @@ class HarmonyOutputParser:
         except ValueError:
             pass  # passed on as the model wrote it: OpenAI's arguments are a string
         index, self._tool_count = self._tool_count, self._tool_count + 1
-        return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": name, "arguments": arguments}}
+        return {
+            "index": index,
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
 
     def _leave_harmony(self, out: ParsedDelta) -> None:
         """Pass on what is held (an open header's text, an unfinished call) as content."""

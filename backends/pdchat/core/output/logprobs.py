@@ -26,7 +26,11 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"token_id": self.token_id, "logprob": self.logprob, "top": [[token, logprob] for token, logprob in self.top]}
+        return {
+            "token_id": self.token_id,
+            "logprob": self.logprob,
+            "top": [[token, logprob] for token, logprob in self.top],
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
@@ -53,7 +57,11 @@ class TokenLogprobs:
         return self.token_id == token_id and len(self.top) >= top_logprobs
 
     def trimmed(self, top_logprobs: int) -> TokenLogprobs:
-        return self if len(self.top) == top_logprobs else TokenLogprobs(self.token_id, self.logprob, self.top[:top_logprobs])
+        return (
+            self
+            if len(self.top) == top_logprobs
+            else TokenLogprobs(self.token_id, self.logprob, self.top[:top_logprobs])
+        )
 
 
 def _is_pair(value: Any) -> bool:
@@ -104,7 +112,10 @@ class TokenSpeller:
 
     def content(self, entries: list[TokenLogprobs]) -> list[dict[str, Any]]:
         """OpenAI's `choices[0].logprobs.content` for these tokens."""
-        return [{**self._entry(e.token_id, e.logprob), "top_logprobs": [self._entry(t, lp) for t, lp in e.top]} for e in entries]
+        return [
+            {**self._entry(e.token_id, e.logprob), "top_logprobs": [self._entry(t, lp) for t, lp in e.top]}
+            for e in entries
+        ]
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         token, raw = self.spell(token_id)

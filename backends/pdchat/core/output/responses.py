@@ -2,8 +2,8 @@
 
 Streaming: one output per delta (`chat.completion.chunk`), and with
 stream_options.include_usage a last chunk with empty `choices` and the `usage`, as OpenAI
-sends it. Not streaming: one output at the end (`chat.completion`). The text is parsed into content, reasoning_content and
-tool_calls; text_output keeps the raw text. Token ids also travel as binary tensors. With
+sends it. Not streaming: one output at the end (`chat.completion`). The text is parsed into
+content, reasoning_content and tool_calls; text_output keeps the raw text. Token ids also travel as binary tensors. With
 `logprobs`, each choice carries OpenAI's `logprobs.content` for its tokens (every token,
 stop tokens included, whether or not its text was shown).
 """
@@ -50,8 +50,13 @@ class ClientOutput:
 
 
 class ResponseAssembler:
-    def __init__(self, params: GenerationParams, prompt_token_ids: list[int], parser: OutputParser | HarmonyOutputParser,
-                 speller: TokenSpeller):
+    def __init__(
+        self,
+        params: GenerationParams,
+        prompt_token_ids: list[int],
+        parser: OutputParser | HarmonyOutputParser,
+        speller: TokenSpeller,
+    ):
         self._params = params
         self._prompt_token_ids = prompt_token_ids
         self._parser = parser
@@ -100,13 +105,22 @@ class ResponseAssembler:
         return ClientOutput(delta.text, json.dumps(body, ensure_ascii=False), prompt_ids, delta.token_ids, finish)
 
     def _usage_chunk(self, finish: str) -> ClientOutput:
-        body = {"id": self._params.request_id, "object": "chat.completion.chunk", "created": self._params.created,
-                "model": self._params.model, "choices": [], "usage": self._usage()}
+        body = {
+            "id": self._params.request_id,
+            "object": "chat.completion.chunk",
+            "created": self._params.created,
+            "model": self._params.model,
+            "choices": [],
+            "usage": self._usage(),
+        }
         return ClientOutput("", json.dumps(body, ensure_ascii=False), finish_reason=finish)
 
     def _completion(self, finish: str, extra: dict[str, Any] | None = None) -> ClientOutput:
         parsed = self._parsed
-        message: dict = {"role": "assistant", "content": parsed.content if parsed.content or not parsed.tool_calls else None}
+        message: dict = {
+            "role": "assistant",
+            "content": parsed.content if parsed.content or not parsed.tool_calls else None,
+        }
         if parsed.reasoning:
             message["reasoning_content"] = parsed.reasoning
         if parsed.tool_calls:
@@ -128,7 +142,12 @@ class ResponseAssembler:
         return {"logprobs": {"content": self._speller.content(entries)}} if self._params.logprobs else {}
 
     def _envelope(self, kind: str, choice: dict, prompt_ids: list[int], token_ids: list[int]) -> dict:
-        body = {"id": self._params.request_id, "object": kind, "created": self._params.created, "model": self._params.model}
+        body = {
+            "id": self._params.request_id,
+            "object": kind,
+            "created": self._params.created,
+            "model": self._params.model,
+        }
         if self._params.return_token_ids:
             choice["token_ids"] = token_ids
             if prompt_ids:
@@ -141,8 +160,13 @@ class ResponseAssembler:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def remote_prefill_output(params: GenerationParams, prompt_token_ids: list[int], first: Delta, speller: TokenSpeller,
-                          kv_transfer_params: dict[str, Any]) -> ClientOutput:
+def remote_prefill_output(
+    params: GenerationParams,
+    prompt_token_ids: list[int],
+    first: Delta,
+    speller: TokenSpeller,
+    kv_transfer_params: dict[str, Any],
+) -> ClientOutput:
     """Prefill's whole answer to a do_remote_decode request: the first token only (like
     vLLM's prefill with max_tokens=1), with its logprobs if asked; the decode server produces
     the answer. The JSON carries kv_transfer_params at top level with the prompt ids listed,
@@ -150,4 +174,6 @@ def remote_prefill_output(params: GenerationParams, prompt_token_ids: list[int],
     parser = OutputParser(reasoning=False, tools=False)
     assembler = ResponseAssembler(replace(params, stream=False), prompt_token_ids, parser, speller)
     assembler.on_delta(first)
-    return assembler._completion("length", {"kv_transfer_params": {**kv_transfer_params, "prompt_token_ids": prompt_token_ids}})
+    return assembler._completion(
+        "length", {"kv_transfer_params": {**kv_transfer_params, "prompt_token_ids": prompt_token_ids}}
+    )

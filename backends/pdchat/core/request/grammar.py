@@ -52,8 +52,13 @@ def tool_choice_spec(tool_choice: Any, tools: list[dict] | None) -> dict[str, An
         if not chosen:
             raise InvalidRequest(f"tool_choice names '{name}', which is not among the tools")
     else:
-        raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
-    return {"type": TOOL_CALL, "tools": [{"name": f["name"], "parameters": f.get("parameters") or {"type": "object"}} for f in chosen]}
+        raise InvalidRequest(
+            "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
+        )
+    return {
+        "type": TOOL_CALL,
+        "tools": [{"name": f["name"], "parameters": f.get("parameters") or {"type": "object"}} for f in chosen],
+    }
 
 
 def check_limits(spec: dict[str, Any], limits: GrammarLimits) -> None:
@@ -63,8 +68,10 @@ def check_limits(spec: dict[str, Any], limits: GrammarLimits) -> None:
     parsed (router, chat, renderer), before xgrammar sees the spec."""
     size = len(json.dumps(spec, ensure_ascii=False).encode())
     if size > limits.max_bytes:
-        raise InvalidRequest(f"the output grammar's schema has {size} bytes; this server takes at most "
-                             f"{limits.max_bytes} (setting grammar_max_bytes)")
+        raise InvalidRequest(
+            f"the output grammar's schema has {size} bytes; this server takes at most "
+            f"{limits.max_bytes} (setting grammar_max_bytes)"
+        )
     values, depth = 0, 0
     pending: list[tuple[Any, int]] = [(spec, 1)]
     while pending:
@@ -77,11 +84,15 @@ def check_limits(spec: dict[str, Any], limits: GrammarLimits) -> None:
         else:
             pending.extend((child, level + 1) for child in node if isinstance(child, dict | list))
     if values > limits.max_enum_values:
-        raise InvalidRequest(f"the output grammar's schema has {values} enum and const values; this server takes "
-                             f"at most {limits.max_enum_values} (setting grammar_max_enum_values)")
+        raise InvalidRequest(
+            f"the output grammar's schema has {values} enum and const values; this server takes "
+            f"at most {limits.max_enum_values} (setting grammar_max_enum_values)"
+        )
     if depth > limits.max_depth:
-        raise InvalidRequest(f"the output grammar's schema nests {depth} levels deep; this server takes at most "
-                             f"{limits.max_depth} (setting grammar_max_depth)")
+        raise InvalidRequest(
+            f"the output grammar's schema nests {depth} levels deep; this server takes at most "
+            f"{limits.max_depth} (setting grammar_max_depth)"
+        )
 
 
 def load_xgrammar() -> None:

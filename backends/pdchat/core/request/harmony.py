@@ -74,9 +74,11 @@ class HarmonyRenderer(PromptRenderer):
         for text in rendered_texts(request):
             longest = max((end - start for _, (start, end) in split(text)), default=0)
             if longest > MAX_PIECE_CHARS:
-                raise InvalidRequest(f"the request holds a run of {longest} characters that tokenizes as one piece "
-                                     f"(letters or whitespace without a break); at most {MAX_PIECE_CHARS} are accepted "
-                                     "with the Harmony format")
+                raise InvalidRequest(
+                    f"the request holds a run of {longest} characters that tokenizes as one piece "
+                    f"(letters or whitespace without a break); at most {MAX_PIECE_CHARS} are accepted "
+                    "with the Harmony format"
+                )
 
     def conversation(self, request: ChatRequest) -> Any:
         """The request as openai-harmony's Conversation (what its renderer takes)."""
@@ -95,15 +97,19 @@ class HarmonyRenderer(PromptRenderer):
         from openai_harmony import ReasoningEffort, SystemContent
 
         effort = request.reasoning_effort or DEFAULT_REASONING_EFFORT
-        return (SystemContent.new()
-                .with_reasoning_effort(ReasoningEffort(effort.capitalize()))
-                .with_conversation_start_date(self._date(request.chat_template_kwargs)))
+        return (
+            SystemContent.new()
+            .with_reasoning_effort(ReasoningEffort(effort.capitalize()))
+            .with_conversation_start_date(self._date(request.chat_template_kwargs))
+        )
 
     def _date(self, kwargs: dict[str, Any]) -> str:
         unknown = sorted(set(kwargs) - {CURRENT_DATE})
         if unknown:
-            raise InvalidRequest(f"chat_template_kwargs may only set '{CURRENT_DATE}' with the Harmony format (GPT-OSS), "
-                                 f"got {', '.join(unknown)}")
+            raise InvalidRequest(
+                f"chat_template_kwargs may only set '{CURRENT_DATE}' with the Harmony format (GPT-OSS), "
+                f"got {', '.join(unknown)}"
+            )
         if CURRENT_DATE in kwargs:
             return _checked_date(f"chat_template_kwargs['{CURRENT_DATE}']", kwargs[CURRENT_DATE])
         return self._server_date()
@@ -122,9 +128,9 @@ class HarmonyRenderer(PromptRenderer):
         if instructions:
             content = content.with_instructions(instructions)
         if tools:
-            content = content.with_function_tools([
-                ToolDescription.new(t["name"], t.get("description", ""), t.get("parameters")) for t in tools
-            ])
+            content = content.with_function_tools(
+                [ToolDescription.new(t["name"], t.get("description", ""), t.get("parameters")) for t in tools]
+            )
         return content
 
     def _turn(self, index: int, message: dict[str, Any], tool_names: dict[str, str]) -> list[Any]:
@@ -138,10 +144,15 @@ class HarmonyRenderer(PromptRenderer):
         if role == "tool":
             name = tool_names.get(message.get("tool_call_id", "")) or message.get("name")
             if not isinstance(name, str) or not name:
-                raise InvalidRequest(f"messages[{index}] is a tool result whose tool_call_id names no earlier tool call "
-                                     "(and it has no 'name'): Harmony addresses results by function name")
-            return [Message.from_author_and_content(Author.new(Role.TOOL, f"{FUNCTIONS}.{name}"), content)
-                    .with_channel("commentary").with_recipient("assistant")]
+                raise InvalidRequest(
+                    f"messages[{index}] is a tool result whose tool_call_id names no earlier tool call "
+                    "(and it has no 'name'): Harmony addresses results by function name"
+                )
+            return [
+                Message.from_author_and_content(Author.new(Role.TOOL, f"{FUNCTIONS}.{name}"), content)
+                .with_channel("commentary")
+                .with_recipient("assistant")
+            ]
         turn = []
         reasoning = reasoning_of(message)
         if reasoning:
@@ -153,8 +164,12 @@ class HarmonyRenderer(PromptRenderer):
             if isinstance(call.get("id"), str):
                 tool_names[call["id"]] = name
             arguments = json.dumps(call["function"]["arguments"], ensure_ascii=False)
-            turn.append(Message.from_role_and_content(Role.ASSISTANT, arguments).with_channel("commentary")
-                        .with_recipient(f"{FUNCTIONS}.{name}").with_content_type("<|constrain|>json"))
+            turn.append(
+                Message.from_role_and_content(Role.ASSISTANT, arguments)
+                .with_channel("commentary")
+                .with_recipient(f"{FUNCTIONS}.{name}")
+                .with_content_type("<|constrain|>json")
+            )
         return turn
 
 

@@ -58,8 +58,10 @@ def tiktoken_dir() -> Path:
                 staging.rename(target)
     digest = hashlib.sha256(target.read_bytes()).hexdigest()
     if digest != TIKTOKEN_SHA256:
-        raise ModelUnavailable(f"{target} has sha256 {digest}, not the genuine {TIKTOKEN_FILE}'s {TIKTOKEN_SHA256}; "
-                               "remove it so it is rebuilt from the pinned wheel")
+        raise ModelUnavailable(
+            f"{target} has sha256 {digest}, not the genuine {TIKTOKEN_FILE}'s {TIKTOKEN_SHA256}; "
+            "remove it so it is rebuilt from the pinned wheel"
+        )
     return directory
 
 
@@ -69,7 +71,7 @@ def tiktoken_text(vocab: bytes) -> bytes:
     offset, lines = 4, []
     for _ in range(count):
         (length,) = struct.unpack_from("<H", vocab, offset)
-        token = vocab[offset + 2: offset + 2 + length]
+        token = vocab[offset + 2 : offset + 2 + length]
         (rank,) = struct.unpack_from("<I", vocab, offset + 2 + length)
         offset += 2 + length + 4
         lines.append(b"%s %d\n" % (base64.b64encode(token), rank))
@@ -100,7 +102,9 @@ def _quicktok_vocab() -> Path:
     # Found without importing the package: only its data file is used.
     spec = importlib.util.find_spec("quicktok")
     if spec is None or not spec.submodule_search_locations:
-        raise ModelUnavailable(f"the Harmony path needs the '{QUICKTOK_PIN}' wheel for its vocabulary: pip install {QUICKTOK_PIN}")
+        raise ModelUnavailable(
+            f"the Harmony path needs the '{QUICKTOK_PIN}' wheel for its vocabulary: pip install {QUICKTOK_PIN}"
+        )
     path = Path(spec.submodule_search_locations[0]).joinpath(*QUICKTOK_VOCAB)
     if not path.is_file():
         raise ModelUnavailable(f"{path} is missing: the Harmony vocabulary is built from {QUICKTOK_PIN}")

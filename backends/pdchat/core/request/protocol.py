@@ -27,16 +27,51 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
 # vLLM/SGLang switches routers such as vllm-router add to every request: honoured at the value
 # that is this server's behaviour, refused at any other.
-FIXED_FIELDS = {"skip_special_tokens": True, "include_reasoning": True, "separate_reasoning": True, "stream_reasoning": True,
-                "no_stop_trim": False, "return_hidden_states": False}
+FIXED_FIELDS = {
+    "skip_special_tokens": True,
+    "include_reasoning": True,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "no_stop_trim": False,
+    "return_hidden_states": False,
+}
 # Every other field this server honours; anything else is refused by name.
-HONOURED_FIELDS = frozenset({
-    "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream",
-    "stream_options", "n", "tools", "tool_choice", "response_format", "chat_template_kwargs", "add_generation_prompt",
-    "continue_final_message", "ignore_eos", "return_token_ids", "kv_transfer_params",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "top_k",
-    "min_p", "logprobs", "top_logprobs", "parallel_tool_calls", "reasoning_effort",
-})
+HONOURED_FIELDS = frozenset(
+    {
+        "messages",
+        "model",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "n",
+        "tools",
+        "tool_choice",
+        "response_format",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "ignore_eos",
+        "return_token_ids",
+        "kv_transfer_params",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "min_tokens",
+        "stop_token_ids",
+        "top_k",
+        "min_p",
+        "logprobs",
+        "top_logprobs",
+        "parallel_tool_calls",
+        "reasoning_effort",
+    }
+)
 REASONING_EFFORTS = ("low", "medium", "high")
 # OpenAI's bounds: penalties in [-2, 2], biases in [-100, 100], up to 20 alternatives per token.
 PENALTY_BOUND = 2.0
@@ -92,7 +127,9 @@ class SamplingOptions:
         for key, ids in (("logit_bias", [int(k) for k in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
             outside = [i for i in ids if i >= vocab_size]
             if outside:
-                raise InvalidRequest(f"'{key}' names token ids outside this model's vocabulary of {vocab_size}: {outside[:5]}")
+                raise InvalidRequest(
+                    f"'{key}' names token ids outside this model's vocabulary of {vocab_size}: {outside[:5]}"
+                )
         _min_tokens_fit(self.min_tokens, max_tokens)
 
 
@@ -130,8 +167,10 @@ class GenerationParams(SamplingOptions, _WireForm):
         _seed(self.seed)
         self.check_controls(vocab_size, self.max_tokens)
         if prompt_tokens + self.max_tokens > context_length:
-            raise InvalidRequest(f"{prompt_tokens} prompt tokens + max_tokens={self.max_tokens} exceed this model's context of "
-                                 f"{context_length} tokens")
+            raise InvalidRequest(
+                f"{prompt_tokens} prompt tokens + max_tokens={self.max_tokens} exceed this model's context of "
+                f"{context_length} tokens"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,7 +196,9 @@ class ChatRequest(SamplingOptions, _WireForm):
     def parse_tool_calls(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
-    def generation_params(self, prompt_tokens: int, context_length: int, vocab_size: int, served_model: str) -> GenerationParams:
+    def generation_params(
+        self, prompt_tokens: int, context_length: int, vocab_size: int, served_model: str
+    ) -> GenerationParams:
         """Freeze the sampling side once the prompt's length is known (it bounds max_tokens)
         and the vocabulary (it bounds logit_bias and stop_token_ids)."""
         if self.model not in (None, "", served_model):
@@ -194,8 +235,10 @@ def utf8_json(data: dict[str, Any]) -> bytes:
     try:
         return json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidRequest(f"'request' holds a lone UTF-16 surrogate ({exc.object[exc.start:exc.end]!r}), "
-                             "which is not text; send valid Unicode") from None
+        raise InvalidRequest(
+            f"'request' holds a lone UTF-16 surrogate ({exc.object[exc.start : exc.end]!r}), "
+            "which is not text; send valid Unicode"
+        ) from None
 
 
 def chat_request_from_body(data: dict[str, Any], *, check_grammar: bool = True) -> ChatRequest:
@@ -205,10 +248,14 @@ def chat_request_from_body(data: dict[str, Any], *, check_grammar: bool = True) 
     unknown = sorted(set(data) - HONOURED_FIELDS - IGNORED_FIELDS - set(FIXED_FIELDS))
     for key in sorted(set(data) & set(FIXED_FIELDS)):
         if data[key] is not None and data[key] != FIXED_FIELDS[key]:
-            raise InvalidRequest(f"'{key}' can only be {str(FIXED_FIELDS[key]).lower()} on this server, got {data[key]!r}")
+            raise InvalidRequest(
+                f"'{key}' can only be {str(FIXED_FIELDS[key]).lower()} on this server, got {data[key]!r}"
+            )
     if unknown:
-        raise InvalidRequest(f"Unrecognized request argument supplied: {', '.join(unknown)} (this server honours "
-                             f"{', '.join(sorted(HONOURED_FIELDS))}; see the README's field table)")
+        raise InvalidRequest(
+            f"Unrecognized request argument supplied: {', '.join(unknown)} (this server honours "
+            f"{', '.join(sorted(HONOURED_FIELDS))}; see the README's field table)"
+        )
     n = data.get("n", 1)
     if n != 1:
         raise InvalidRequest(f"'n' must be 1 (one choice per request; send n requests for n choices), got {n!r}")
@@ -249,8 +296,12 @@ def _sampling_controls(data: dict[str, Any]) -> dict[str, Any]:
     if top_logprobs and not logprobs:
         raise InvalidRequest("'top_logprobs' needs 'logprobs': true")
     return {
-        "presence_penalty": _number("presence_penalty", data.get("presence_penalty"), 0.0, -PENALTY_BOUND, PENALTY_BOUND),
-        "frequency_penalty": _number("frequency_penalty", data.get("frequency_penalty"), 0.0, -PENALTY_BOUND, PENALTY_BOUND),
+        "presence_penalty": _number(
+            "presence_penalty", data.get("presence_penalty"), 0.0, -PENALTY_BOUND, PENALTY_BOUND
+        ),
+        "frequency_penalty": _number(
+            "frequency_penalty", data.get("frequency_penalty"), 0.0, -PENALTY_BOUND, PENALTY_BOUND
+        ),
         "repetition_penalty": _positive_number("repetition_penalty", data.get("repetition_penalty"), 1.0),
         "logit_bias": _logit_bias(data.get("logit_bias")),
         "top_k": _top_k(data.get("top_k")),
@@ -327,7 +378,9 @@ def resolve_max_tokens(requested: int | None, prompt_tokens: int, context_length
     return requested
 
 
-def _constraint(tool_choice: Any, tools: list | None, response_format: Any, check_grammar: bool) -> dict[str, Any] | None:
+def _constraint(
+    tool_choice: Any, tools: list | None, response_format: Any, check_grammar: bool
+) -> dict[str, Any] | None:
     """The one grammar the output must follow: a forced tool call or a JSON format."""
     forced_call = tool_choice_spec(tool_choice, tools)
     json_format = response_format_spec(response_format)
@@ -356,8 +409,12 @@ def _message(index: int, message: Any) -> dict[str, Any]:
         raise InvalidRequest(f"{where}.role is {role!r}; expected one of {', '.join(ROLES)}")
     normalized = dict(message)
     normalized["content"] = _content(where, message.get("content"), allow_empty=role == "assistant")
-    for key, allowed in (("reasoning_content", ("assistant",)), ("reasoning", ("assistant",)),
-                         ("tool_call_id", ("tool",)), ("name", ("tool",))):
+    for key, allowed in (
+        ("reasoning_content", ("assistant",)),
+        ("reasoning", ("assistant",)),
+        ("tool_call_id", ("tool",)),
+        ("name", ("tool",)),
+    ):
         value = message.get(key)
         if value is None:
             continue
@@ -522,7 +579,9 @@ def _logit_bias(value: Any) -> dict[str, float]:
         if not isinstance(key, str) or not key.isascii() or not key.isdigit():
             raise InvalidRequest(f"'logit_bias' keys must be token ids (non-negative integers as strings), got {key!r}")
         if amount is None:
-            raise InvalidRequest(f"'logit_bias[{key}]' must be a number in [{-LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}], got None")
+            raise InvalidRequest(
+                f"'logit_bias[{key}]' must be a number in [{-LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}], got None"
+            )
         bias[str(int(key))] = _number(f"logit_bias[{key}]", amount, 0.0, -LOGIT_BIAS_BOUND, LOGIT_BIAS_BOUND)
     return bias
 
@@ -530,7 +589,9 @@ def _logit_bias(value: Any) -> dict[str, float]:
 def _token_ids(key: str, value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
-    if not isinstance(value, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value
+    ):
         raise InvalidRequest(f"'{key}' must be a list of token ids (non-negative integers), got {value!r}")
     return tuple(value)
 

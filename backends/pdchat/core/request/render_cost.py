@@ -20,7 +20,9 @@ class RenderRate:
     @classmethod
     def calibrate(cls, render: Callable[[list[dict]], list[int]], repeats: int = 3) -> RenderRate:
         """Time `render` (messages -> ids) on a conversation of about 2k tokens; keep the best."""
-        words = " ".join(f"word{i % 97} naïve café ☕" if i % 50 == 0 else f"token{i % 89}" for i in range(CALIBRATION_WORDS))
+        words = " ".join(
+            f"word{i % 97} naïve café ☕" if i % 50 == 0 else f"token{i % 89}" for i in range(CALIBRATION_WORDS)
+        )
         messages = [{"role": "system", "content": "Calibration."}, {"role": "user", "content": words}]
         best, tokens = float("inf"), 1
         for _ in range(repeats):

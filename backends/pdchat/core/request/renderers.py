@@ -16,5 +16,9 @@ def load_renderer(model_dir: Path, served_name: str, parameters: dict[str, str] 
         from pdchat.core.request.harmony import HarmonyRenderer
 
         return HarmonyRenderer(model_dir, served_name, current_date=settings.current_date(parameters))
-    return ChatRenderer(model_dir, served_name, allow_request_templates=settings.allow_request_templates(parameters),
-                        render_timeout_s=settings.render_timeout_s(parameters))
+    return ChatRenderer(
+        model_dir,
+        served_name,
+        allow_request_templates=settings.allow_request_templates(parameters),
+        render_timeout_s=settings.render_timeout_s(parameters),
+    )

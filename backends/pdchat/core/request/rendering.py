@@ -73,13 +73,17 @@ class PromptRenderer:
         fit the context: every field a render writes counts (contents, reasoning, tool calls, tools)."""
         chars = sum(len(text) for text in rendered_texts(request))
         if chars > self.max_prompt_chars:
-            raise InvalidRequest(f"the messages and tools hold {chars} characters; no prompt over {self.max_prompt_chars} "
-                                 f"fits this model's context of {self.context_length} tokens")
+            raise InvalidRequest(
+                f"the messages and tools hold {chars} characters; no prompt over {self.max_prompt_chars} "
+                f"fits this model's context of {self.context_length} tokens"
+            )
 
     def render(self, request: ChatRequest) -> RenderedPrompt:
         self.check_size(request)
         ids = self.token_ids(request)
-        return RenderedPrompt(ids, request.generation_params(len(ids), self.context_length, self.vocab_size, self.served_name))
+        return RenderedPrompt(
+            ids, request.generation_params(len(ids), self.context_length, self.vocab_size, self.served_name)
+        )
 
     def token_ids(self, request: ChatRequest) -> list[int]:
         raise NotImplementedError
@@ -137,7 +141,9 @@ class ChatRenderer(PromptRenderer):
     def template_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The request's chat_template_kwargs, once each is a variable the template may be given."""
         if len(kwargs) > MAX_TEMPLATE_KWARGS:
-            raise InvalidRequest(f"chat_template_kwargs has {len(kwargs)} keys; at most {MAX_TEMPLATE_KWARGS} are accepted")
+            raise InvalidRequest(
+                f"chat_template_kwargs has {len(kwargs)} keys; at most {MAX_TEMPLATE_KWARGS} are accepted"
+            )
         for key, value in kwargs.items():
             self._check_key(key)
             _check_value(key, value)
@@ -211,7 +217,9 @@ def _check_value(key: str, value: Any) -> None:
         raise InvalidRequest(f"chat_template_kwargs['{key}'] must be a string, got {type(value).__name__}")
     items = value if isinstance(value, list) else [value]
     if len(items) > MAX_KWARG_ITEMS:
-        raise InvalidRequest(f"chat_template_kwargs['{key}'] has {len(items)} items; at most {MAX_KWARG_ITEMS} are accepted")
+        raise InvalidRequest(
+            f"chat_template_kwargs['{key}'] has {len(items)} items; at most {MAX_KWARG_ITEMS} are accepted"
+        )
     max_bytes = MAX_REQUEST_TEMPLATE_BYTES if key == REQUEST_TEMPLATE else MAX_KWARG_BYTES
     for item in items:
         if not isinstance(item, _SCALARS):

@@ -31,7 +31,9 @@ OUTPUTS = ["text_output", "response", "prompt_token_ids", "output_token_ids", "f
 class TritonPythonModel:
     def initialize(self, args):
         self.families = [
-            pb_utils.MetricFamily(name=f"bls_repro_fan_{name}_total", description=name, kind=pb_utils.MetricFamily.COUNTER)
+            pb_utils.MetricFamily(
+                name=f"bls_repro_fan_{name}_total", description=name, kind=pb_utils.MetricFamily.COUNTER
+            )
             for name in ("requests", "renders_skipped", "seconds_saved")
         ]
         self.counters = [family.Metric(labels={"model": "fan"}) for family in self.families]
@@ -62,7 +64,8 @@ class TritonPythonModel:
             self._count()
             n = pb_utils.get_input_tensor_by_name(request, "n")
             stage = pb_utils.InferenceRequest(
-                model_name="leaf", inputs=[pb_utils.Tensor("n", n.as_numpy())], requested_output_names=OUTPUTS)
+                model_name="leaf", inputs=[pb_utils.Tensor("n", n.as_numpy())], requested_output_names=OUTPUTS
+            )
             finished = False
             for response in stage.exec(decoupled=True):
                 if sender.is_cancelled():
@@ -74,9 +77,12 @@ class TritonPythonModel:
                     continue  # leaf's bare final flag
                 finish = pb_utils.get_output_tensor_by_name(response, "finish_reason").as_numpy()[0]
                 finished = bool(finish)
-                sender.send(pb_utils.InferenceResponse(output_tensors=response.output_tensors()),
-                            flags=FINAL if finished else 0)
+                sender.send(
+                    pb_utils.InferenceResponse(output_tensors=response.output_tensors()), flags=FINAL if finished else 0
+                )
             if not finished:
                 sender.send(flags=FINAL)
         except Exception as exc:  # noqa: BLE001 - every failure goes back to its client
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(exc).__name__}: {exc}")), flags=FINAL)
+            sender.send(
+                pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(exc).__name__}: {exc}")), flags=FINAL
+            )

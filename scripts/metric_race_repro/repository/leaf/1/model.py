@@ -24,7 +24,8 @@ PATTERN = os.environ.get("BLS_REPRO_LEAF", "old")
 class TritonPythonModel:
     def initialize(self, args):
         self.family = pb_utils.MetricFamily(
-            name="bls_repro_leaf_active", description="leaf requests in progress", kind=pb_utils.MetricFamily.GAUGE)
+            name="bls_repro_leaf_active", description="leaf requests in progress", kind=pb_utils.MetricFamily.GAUGE
+        )
         self.active = self.family.Metric(labels={"model": "leaf"})
         self.incoming = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="leaf-scheduler", daemon=True)
@@ -72,10 +73,12 @@ def _response(step, final):
     def text(name, value):
         return pb_utils.Tensor(name, np.array([value.encode()], dtype=np.object_))
 
-    return pb_utils.InferenceResponse(output_tensors=[
-        text("text_output", f"t{step}"),
-        text("response", f'{{"delta": "t{step}"}}'),
-        pb_utils.Tensor("prompt_token_ids", np.arange(8, dtype=np.int32)),
-        pb_utils.Tensor("output_token_ids", np.array([step], dtype=np.int32)),
-        text("finish_reason", "length" if final else ""),
-    ])
+    return pb_utils.InferenceResponse(
+        output_tensors=[
+            text("text_output", f"t{step}"),
+            text("response", f'{{"delta": "t{step}"}}'),
+            pb_utils.Tensor("prompt_token_ids", np.arange(8, dtype=np.int32)),
+            pb_utils.Tensor("output_token_ids", np.array([step], dtype=np.int32)),
+            text("finish_reason", "length" if final else ""),
+        ]
+    )
