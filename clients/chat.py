@@ -22,7 +22,8 @@ from pdchat.core.errors import ErrorCode, PdchatError, parse_tag
 from pdchat.core.output.responses import FAILED
 
 DEFAULT_MODEL = "chat"
-TIMEOUT_S = 600.0
+# Longest wait for a server's next response (a front passes its own stall deadline).
+TIMEOUT_S = 60.0
 
 
 class ChatError(PdchatError):

@@ -17,6 +17,7 @@ the gate admitted, and passes on the seals the renderer and prefill made.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -26,6 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from pdchat.core.errors import Unavailable
 from pdchat.core.kv.base import KVHandle
 from pdchat.core.output.logprobs import TokenSpeller
 from pdchat.core.output.responses import ClientOutput, Delta, remote_prefill_output
@@ -34,7 +36,7 @@ from pdchat.core.request.protocol import ChatRequest, GenerationParams
 from pdchat.core.request.render_cost import RenderRate
 from pdchat.core.request.renderers import load_renderer
 from pdchat.core.request.rendering import PromptRenderer
-from pdchat.core.settings import forwarded_ids_policy, handoff_ttl_s, kv_connector
+from pdchat.core.settings import STAGE_STALL_TIMEOUT_S, forwarded_ids_policy, handoff_ttl_s, kv_connector
 from pdchat.ensemble.gate import ForwardedIdsRejected, Gate, parse_policy
 from pdchat.ensemble.handoff import load_key
 from pdchat.ensemble.routing import Route, RoutePlanner
@@ -144,6 +146,7 @@ class ChatFlow:
         kv_connector: str,
         observer: HandoffObserver,
         render_rate: RenderRate | None = None,
+        stall_timeout_s: float = STAGE_STALL_TIMEOUT_S.default_value,
     ):
         self.planner = planner
         self.renderer = renderer
@@ -152,6 +155,7 @@ class ChatFlow:
         self.observer = observer
         self.speller = TokenSpeller(renderer.tokenizer)
         self.render_rate = render_rate or RenderRate.calibrate(self._render_ids)
+        self.stall_timeout_s = stall_timeout_s  # longest wait for decode's next response
 
     @classmethod
     def for_model(
@@ -175,7 +179,9 @@ class ChatFlow:
             context_length=renderer.context_length,
         )
         planner = RoutePlanner(gate, served_name, handoff_ttl_s(parameters, env), renderer.render_defaults)
-        return cls(planner, renderer, StageSeal.for_this_server(env), kv_connector(parameters, env), observer)
+        seal = StageSeal.for_this_server(env)
+        stall_timeout_s = STAGE_STALL_TIMEOUT_S.get(parameters, env)
+        return cls(planner, renderer, seal, kv_connector(parameters, env), observer, stall_timeout_s=stall_timeout_s)
 
     async def serve(self, inputs: ChatInputs, stages: ChatStages) -> None:
         """Serve one request through `stages`, to its client's last response.
@@ -225,23 +231,45 @@ class ChatFlow:
     async def _relay(self, stages: ChatStages, call: DecodeCall) -> None:
         """Forward decode's stream to the client, to its end.
 
+        Past `stall_timeout_s` without a response from decode (before its first, or between
+        two), decode is told to cancel and the request ends Unavailable, naming the wait.
+
         NOTE: once the client left, decode is told to cancel and its stream is drained, not
         dropped: the stream ends when decode ends it, so nothing of it outlives the request."""
         closed = cancelled = False
         polled_at = float("-inf")
-        async for response in stages.decode(call):
+        responses = stages.decode(call)
+        while True:
+            try:
+                response = await asyncio.wait_for(anext(responses), self.stall_timeout_s)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                if closed or cancelled:
+                    return  # its client has all it will get: stop draining
+                await self._cancel(stages, call.params.request_id)
+                raise Unavailable(
+                    f"decode sent nothing for {self.stall_timeout_s:g} s (setting stage_stall_timeout_s); "
+                    "the request was cancelled"
+                ) from None
             if closed or cancelled:
                 continue
             if time.monotonic() - polled_at >= CANCEL_POLL_S:
                 polled_at = time.monotonic()
                 if stages.client_left():
                     cancelled = True
-                    request_id = call.params.request_id
-                    await stages.cancel(request_id, self.seal.seal_cancel(request_id))
+                    await self._cancel(stages, call.params.request_id)
                     continue
             closed = stages.relay(response)
         if not closed:
             stages.close()
+
+    async def _cancel(self, stages: ChatStages, request_id: str) -> None:
+        """Tell decode to stop `request_id`, waiting at most `stall_timeout_s` for it to confirm."""
+        try:
+            await asyncio.wait_for(stages.cancel(request_id, self.seal.seal_cancel(request_id)), self.stall_timeout_s)
+        except asyncio.TimeoutError:
+            pass  # a decode that does not answer has nothing running to stop
 
     def _first_delta(self, handle: KVHandle) -> Delta:
         """Prefill's first token as the prefill leg's answer shows it."""

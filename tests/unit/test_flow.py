@@ -2,11 +2,13 @@
 
 import asyncio
 import json
+import time
 
 import numpy as np
 import orjson
 import pytest
 
+from pdchat.core.errors import Unavailable
 from pdchat.core.request.protocol import parse_chat_json
 from pdchat.ensemble.flow import ChatInputs, DecodeCall
 from pdchat.ensemble.gate import ForwardedIdsRejected
@@ -103,3 +105,30 @@ def test_a_client_that_leaves_cancels_decode_and_its_stream_is_drained(decode_se
     asyncio.run(decode_server.flow.serve(ChatInputs(chat(stream=True)), stages))
     assert len(stages.outputs) == 1 and len(stages.cancelled) == 1
     assert stages.drained == 12 and stages.closed  # decode's stream read to its end, then the client's closed
+
+
+class StallingDecode(LocalStages):
+    """A decode that sends its first response, then nothing."""
+
+    def __init__(self, pipeline):
+        super().__init__(pipeline, handoff=True)
+        self.cancelled: list[str] = []
+
+    async def decode(self, call: DecodeCall):
+        async for output in super().decode(call):
+            yield output
+            await asyncio.sleep(3600)
+
+    async def cancel(self, request_id, seal):
+        self.seal.check_cancel(request_id, seal)
+        self.cancelled.append(request_id)
+
+
+def test_a_stalled_decode_is_cancelled_and_the_request_ends_unavailable(decode_server, monkeypatch):
+    monkeypatch.setattr(decode_server.flow, "stall_timeout_s", 0.3)
+    stages = StallingDecode(decode_server)
+    started = time.monotonic()
+    with pytest.raises(Unavailable, match=r"decode sent nothing for 0.3 s \(setting stage_stall_timeout_s\)"):
+        asyncio.run(decode_server.flow.serve(ChatInputs(chat(stream=True)), stages))
+    assert time.monotonic() - started < 5
+    assert len(stages.outputs) == 1 and len(stages.cancelled) == 1 and not stages.closed

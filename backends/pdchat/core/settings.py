@@ -239,6 +239,17 @@ STAGE_LANES = Setting(
     "Blocking calls chat makes to renderer and prefill at once. Match prefill's instance count (2 on a CPU host, "
     "2 per GPU on a GPU host), so that a long prompt's prefill holds one lane and the prompts behind it take another.",
 )
+STAGE_STALL_TIMEOUT_S = Setting(
+    "stage_stall_timeout_s",
+    "stage_stall_timeout_s",
+    "PDCHAT_STAGE_STALL_TIMEOUT_S",
+    "60",
+    NUMBER,
+    ("chat",),
+    "Longest chat waits for decode's first response, or for its next one, in seconds; past it the request ends "
+    "UNAVAILABLE and decode is told to cancel it. Keep it above queue_timeout_s plus the longest prefill decode "
+    "may do itself.",
+)
 MAX_REQUEST_BYTES = Setting(
     "max_request_bytes",
     "max_request_bytes",

@@ -16,6 +16,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
+from pdchat.core.errors import ErrorCode, PdchatError, parse_tag
 from pdchat.core.output.responses import FAILED, ClientOutput
 from pdchat.ensemble.flow import DecodeCall, Prefilled, Rendered
 from pdchat.ensemble.routing import Route
@@ -27,13 +28,15 @@ STAGES = "stages"  # the pool of lanes for blocking BLS calls to renderer and pr
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-class StageError(Exception):
-    """A stage model answered with an error; it goes to the client with the stage's code."""
+class StageError(PdchatError):
+    """A stage model answered with an error: the client gets `error` as the stage sent it
+    (Triton code and message untouched); `code` is what the message's tag says."""
 
     def __init__(self, error: pb_utils.TritonError):
         super().__init__(error.message())
-        code = error.code() if hasattr(error, "code") else pb_utils.TritonError.INTERNAL
-        self.error = pb_utils.TritonError(error.message(), code)
+        self.code = parse_tag(error.message())[0] or ErrorCode.INTERNAL
+        triton_code = error.code() if hasattr(error, "code") else pb_utils.TritonError.INTERNAL
+        self.error = pb_utils.TritonError(error.message(), triton_code)
 
 
 class BLSStages:
