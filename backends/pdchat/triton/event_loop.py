@@ -1,11 +1,10 @@
 """One event loop per model process: the only thread that calls into the python backend.
 
 Triton 2.51's python backend is not safe against every call overlapping with itself
-from several threads of one model: two threads bumping one metric crashed the server
-(`Signal (11)` in libtriton_python.so; README, "Concurrency in the python backend"). A
-model built on `ModelEventLoop` serves each request as a coroutine on one loop thread,
-so its sends, cancellation checks, BLS set-ups, logs and metric updates never overlap;
-what blocks runs elsewhere and only hands results back to the loop:
+from several threads of one model (docs/notes/python-backend-concurrency.md). A model
+built on `ModelEventLoop` serves each request as a coroutine on one loop thread, so its
+sends, cancellation checks, logs and metric updates never overlap; what blocks runs
+elsewhere and only hands results back to the loop:
 
 - `call_blocking`: a blocking call (a BLS `exec()` to another model), one at a time per
   lane (a worker thread per lane), in arrival order; `call_pooled` picks the least busy

@@ -167,13 +167,12 @@ class DecodeBatch:
     the right (each row's tokens end at the last column) and masked on the left, so a
     step appends one column for every row at once. Each layer's KV lives in storage with
     room for `SPARE_ROWS` more rows and `SPARE_COLUMNS` more columns (`_RoomyLayer`): a
-    step writes its column in place (transformers' DynamicCache copies the whole cache
-    per layer, `torch.cat`: a quarter of a 16-row step on the tiny model), a joining row
-    is written into a free row, and the rows after a leaving one move down over it. Only
-    when the room runs out is the batch copied into larger storage: before, every join
-    and every leave copied the whole batch into new storage, about 9 ms each at 16 rows
-    on the tiny model, a third of a step. Padding is trimmed whenever every row has some.
-    Rotary positions come from each row's own length, so padding changes no row's
+    step writes its column in place (no `torch.cat` of the whole cache, as transformers'
+    DynamicCache does), a joining row is written into a free row, and the rows after a
+    leaving one move down over it; only when the room runs out is the batch copied into
+    larger storage (docs/batching.md). Padding is trimmed whenever every row has some.
+
+    NOTE: rotary positions come from each row's own length, so padding changes no row's
     numbers beyond floating-point summation order.
     """
 

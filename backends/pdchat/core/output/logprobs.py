@@ -6,7 +6,7 @@ the `first_token_logprobs` tensor, across servers inside the signed KV handle. B
 `to_dict()`; `from_dict()` checks what another process sent.
 
 The values are the model's raw distribution (log_softmax of its logits before the grammar
-mask, penalties, biases and temperature), vLLM's default `raw_logprobs`; see the README.
+mask, penalties, biases and temperature), vLLM's default `raw_logprobs` (docs/client-contract.md).
 """
 
 from __future__ import annotations

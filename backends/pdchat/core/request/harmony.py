@@ -36,9 +36,9 @@ from pdchat.core.request.rendering import PromptRenderer, rendered_texts
 
 DEFAULT_REASONING_EFFORT = "medium"
 CURRENT_DATE = "current_date"
-# openai-harmony's BPE takes time quadratic in the length of one pre-token piece (a run of
-# letters, of whitespace...) and holds the GIL, so no alarm bounds it: 160k characters of
-# "a" take 9 s. Pieces up to this length cost milliseconds; longer ones are refused.
+# NOTE: openai-harmony's BPE takes time quadratic in the length of one pre-token piece (a run
+# of letters, of whitespace...) and holds the GIL, so no alarm bounds it: longer pieces are
+# refused (docs/security.md, "Render cost bounds").
 MAX_PIECE_CHARS = 4096
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
