@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -68,7 +69,8 @@ class HttpSettings:
     max_json_depth: int = 64  # 400 above; json.loads recurses per level, so it is checked before parsing
     max_header_bytes: int = 16 * 1024  # the request head (h11's buffer), and the headers once parsed; 400 above
     header_timeout_s: float = 10.0  # the whole head, from connecting or from the previous response
-    body_timeout_s: float = 30.0  # the whole body, from the end of the head
+    body_timeout_s: float = 30.0  # the whole body, from the end of the head; 408 past it
+    linger_s: float = 2.0  # after an answer that leaves the body unread, what still arrives is dropped this long
     keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this
     max_connections: int = 256  # uvicorn answers 503 over it; also the number of worker threads
     shutdown_timeout_s: float = 5.0  # on SIGTERM, streams still running then are cancelled
@@ -137,6 +139,10 @@ def request_id_of(raw: bytes | None) -> str:
             f"the {REQUEST_ID_HEADER} header must match {REQUEST_ID_RULE} (got {len(raw)} bytes that do not)"
         )
     return raw.decode("ascii")
+
+
+def body_too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body exceeds {limit} bytes", "body_too_large", close=True)
 
 
 def chat_api_error(exc: ChatError) -> ApiError:
@@ -315,7 +321,7 @@ class _Front:
         """The body, refused as soon as it is known to exceed the limit: by its declared
         length before reading, else by what has arrived (chunked bodies declare none)."""
         limit = self.settings.max_body_bytes
-        too_large = ApiError(413, f"the request body exceeds {limit} bytes", "body_too_large", close=True)
+        too_large = body_too_large(limit)
         declared = request.headers.get("content-length")
         if declared is not None and int(declared) > limit:  # h11 let only digits through
             raise too_large
@@ -327,6 +333,9 @@ class _Front:
                     raise too_large
                 chunks.append(chunk)
         except ClientDisconnect as exc:
+            refusal = getattr(request.state, "refusal", None)
+            if refusal is not None:  # the protocol answered it (DeadlineH11Protocol._refuse): counted here
+                raise refusal from exc
             request.state.outcome = "cancelled"
             raise ApiError(
                 400, "the client left before sending the whole body", "client_disconnected", close=True
@@ -447,28 +456,82 @@ def create_app(router: ChatFront, settings: HttpSettings | None = None) -> ASGIA
     return _Guard(app, front)
 
 
+class _LingeringTransport:
+    """A connection's transport whose close lingers while `unread()`: the answer is sent,
+    then the write side shut (FIN), and what the client still sends is dropped until it
+    closes its side or `linger_s` pass. A socket closed with unread bytes in its receive
+    buffer sends a reset, which can destroy the answer before the client reads it."""
+
+    def __init__(
+        self, transport: asyncio.Transport, unread: Callable[[], bool], loop: asyncio.AbstractEventLoop, linger_s: float
+    ):
+        self._transport, self._unread, self._loop, self._linger_s = transport, unread, loop, linger_s
+        self.lingering = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        if self.lingering:
+            return
+        if not self._unread() or not self._transport.can_write_eof():
+            self._transport.close()
+            return
+        self.lingering = True
+        self._transport.write_eof()  # once what is buffered has gone out
+        self._transport.resume_reading()
+        self._loop.call_later(self._linger_s, self._transport.close)
+
+
 class DeadlineH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with deadlines for receiving a request. uvicorn times out
+    """uvicorn's h11 protocol with deadlines for receiving a request, answers for a body
+    that cannot be read, and closes that do not reset the connection. uvicorn times out
     only idle kept-alive connections: a client dribbling its head or body (slowloris)
     would hold its connection, and a place under the connection cap, forever.
 
     One timer per connection, for the part being received: the head (h11 state IDLE),
     armed on connecting and after each response, or the body (SEND_BODY), armed when
-    the head is complete. Bytes arriving do not extend it; the next part replaces it."""
+    the head is complete. Bytes arriving do not extend it; the next part replaces it.
+    Past the head's deadline the connection closes; past the body's it gets a 408.
 
-    def __init__(self, *args: Any, header_timeout_s: float, body_timeout_s: float, **kwargs: Any):
+    What h11 refuses (a malformed head or chunked body) gets a 400, and a chunk declaring
+    more than `max_body_bytes` a 413 as soon as its size is read, in the front's error shape
+    (`_refuse`). A close that leaves the request unread lingers (`_LingeringTransport`)."""
+
+    def __init__(self, *args: Any, settings: HttpSettings, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._timeouts = {h11.IDLE: header_timeout_s, h11.SEND_BODY: body_timeout_s}
+        self._timeouts = {h11.IDLE: settings.header_timeout_s, h11.SEND_BODY: settings.body_timeout_s}
+        self._limits = settings
         self._receiving: object = None  # h11's state (a class) whose deadline is armed
         self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:
-        super().connection_made(transport)
+        self._closer = _LingeringTransport(transport, self._unread, self.loop, self._limits.linger_s)
+        super().connection_made(self._closer)  # type: ignore[arg-type]
         self._watch()
 
     def data_received(self, data: bytes) -> None:
+        if self._closer.lingering:
+            return  # answered and closing: dropped
         super().data_received(data)
+        self._check_chunk()
         self._watch()
+
+    def send_400_response(self, msg: str) -> None:
+        """h11 refused the request's bytes (uvicorn answers in plain text): before the head
+        was whole, the head; after it, the chunked body (a Content-Length body cannot be malformed)."""
+        if self.conn.our_state is h11.IDLE:
+            limit = self._limits.max_header_bytes
+            self._refuse(
+                ApiError(400, f"the request head is malformed or over {limit} bytes", "invalid_http", close=True)
+            )
+        else:
+            self._refuse(
+                _malformed_chunks("each chunk is a size in hex digits and CRLF, then that many bytes and CRLF")
+            )
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -495,15 +558,71 @@ class DeadlineH11Protocol(H11Protocol):
 
     def _expire(self) -> None:
         self._deadline = None
-        if not self.transport.is_closing():
-            part = "head" if self._receiving is h11.IDLE else "body"
-            log.info(
-                "%s: closed; the request %s did not arrive within %.0f s",
-                _peer(self.client),
-                part,
-                self._timeouts[self._receiving],
-            )
+        if self.transport.is_closing():
+            return
+        timeout = self._timeouts[self._receiving]
+        if self._receiving is h11.IDLE:
+            log.info("%s: closed; the request head did not arrive within %.0f s", _peer(self.client), timeout)
             self.transport.close()
+        else:
+            log.info("%s: 408; the request body did not arrive within %.0f s", _peer(self.client), timeout)
+            self._refuse(
+                ApiError(408, f"the request body did not arrive within {timeout:g} s", "body_timeout", close=True)
+            )
+
+    def _check_chunk(self) -> None:
+        """Refuse the chunk being read, once its size line is, if it declares more than the
+        body may hold (413) or more than a 63-bit length (400): its bytes need not be awaited.
+
+        NOTE: h11 keeps the size of the chunk being read private (ChunkedReader._bytes_in_chunk);
+        an h11 without it leaves the bytes that arrive to the app's count."""
+        if self.conn.their_state is not h11.SEND_BODY or self.transport.is_closing():
+            return
+        pending = getattr(getattr(self.conn, "_reader", None), "_bytes_in_chunk", 0)
+        if pending >= 1 << 63:
+            self._refuse(_malformed_chunks("a chunk declares a size past 2**63 - 1 bytes"))
+        elif pending > self._limits.max_body_bytes:
+            self._refuse(body_too_large(self._limits.max_body_bytes))
+
+    def _refuse(self, error: ApiError) -> None:
+        """Answer `error` in the app's place unless an answer has begun, and close: the request
+        cannot be read to its end.
+
+        NOTE: an app still reading the body then sees the client leave, and finds `error` as
+        the request's `refusal` (scope state), to count as its own answer; what it sends is dropped."""
+        if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            self.transport.write(self._answer(error))
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.scope["state"]["refusal"] = error
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.close()
+
+    def _answer(self, error: ApiError) -> bytes:
+        """`error` as a whole HTTP response that closes the connection, with the request's
+        X-Request-Id once the app has given it one."""
+        body = json.dumps(error.body(), ensure_ascii=False).encode()
+        headers = [
+            *self.server_state.default_headers,
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        request_id = self.scope["state"].get("request_id") if self.conn.our_state is h11.SEND_RESPONSE else None
+        if request_id is not None:
+            headers.append((b"x-request-id", request_id.encode()))
+        response = h11.Response(status_code=error.status, headers=headers, reason=HTTPStatus(error.status).phrase)
+        return b"".join(self.conn.send(event) for event in (response, h11.Data(data=body), h11.EndOfMessage()))
+
+    def _unread(self) -> bool:
+        """Whether the client may still be sending a request that has been answered."""
+        answered = self.conn.our_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
+        return answered and self.conn.their_state in (h11.SEND_BODY, h11.ERROR)
+
+
+def _malformed_chunks(reason: str) -> ApiError:
+    return ApiError(400, f"the chunked request body is malformed: {reason}", "invalid_chunked_body", close=True)
 
 
 def _peer(client: tuple[str, int] | None) -> str:
@@ -517,9 +636,7 @@ def make_server(
     settings = settings or HttpSettings()
 
     def protocol(**kwargs: Any) -> DeadlineH11Protocol:
-        return DeadlineH11Protocol(
-            header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s, **kwargs
-        )
+        return DeadlineH11Protocol(settings=settings, **kwargs)
 
     config = uvicorn.Config(
         create_app(router, settings),

@@ -9,7 +9,6 @@ chat, which must still be answered.
 from __future__ import annotations
 
 import http.client
-import io
 import json
 import select
 import socket
@@ -24,6 +23,7 @@ from pdchat.clients.openai_api import HttpSettings, make_server
 from pdchat.clients.router import PDRouter
 from pdchat.launcher import PDStack, free_port, resident_bytes
 from tests.integration.helpers import metric, wait_for
+from tests.raw_http import error_of, exchange, one_reply, read_to_end, request
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
 API_KEY = "test-key-5b1c"
@@ -66,58 +66,6 @@ def fronts(stack):
 @pytest.fixture(scope="module")
 def router_port(stack) -> int:
     return stack.router_port
-
-
-def request(method: str, path: str, body: bytes = b"", headers: tuple[bytes, ...] = (), length: bool = True) -> bytes:
-    """A raw HTTP/1.1 request that asks the server to close after answering."""
-    head = [f"{method} {path} HTTP/1.1".encode(), b"Host: 127.0.0.1", b"Connection: close", *headers]
-    if body and length:
-        head.append(f"Content-Length: {len(body)}".encode())
-    return b"\r\n".join(head) + b"\r\n\r\n" + body
-
-
-def exchange(port: int, data: bytes, timeout: float = 10.0) -> bytes:
-    """Send `data`, then read until the server closes (a server that does not fails the test)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        sock.sendall(data)
-        return read_to_end(sock)
-
-
-def read_to_end(sock: socket.socket) -> bytes:
-    chunks = []
-    while chunk := sock.recv(65536):
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-class _Replies(io.BytesIO):
-    """What a server sent, for http.client to parse reply after reply (it closes its file)."""
-
-    def close(self) -> None:
-        pass
-
-    def makefile(self, *args) -> _Replies:
-        return self
-
-
-def replies(data: bytes) -> list[tuple[int, http.client.HTTPMessage, bytes]]:
-    stream, parsed = _Replies(data), []
-    while stream.tell() < len(data):
-        reply = http.client.HTTPResponse(stream)  # type: ignore[arg-type]
-        reply.begin()
-        parsed.append((reply.status, reply.headers, reply.read()))
-    return parsed
-
-
-def one_reply(data: bytes) -> tuple[int, http.client.HTTPMessage, bytes]:
-    [reply] = replies(data)
-    return reply
-
-
-def error_of(body: bytes) -> dict:
-    error = json.loads(body)["error"]
-    assert set(error) == {"message", "type", "code"}
-    return error
 
 
 def assert_serves(port: int, headers: tuple[bytes, ...] = ()) -> None:
@@ -213,7 +161,7 @@ def test_non_utf8_body_is_a_400(router_port):
 
 def test_slow_and_silent_clients_are_closed_at_their_deadlines(fronts):
     """Slowloris (a head byte a second), a silent connection, a body byte a second, an idle
-    kept-alive connection: each closed when its own deadline passes, none before."""
+    kept-alive connection: each closed (the body answered 408) when its own deadline passes, none before."""
     settings = TIGHT
     port = fronts(settings)
     sockets = {
@@ -236,13 +184,15 @@ def test_slow_and_silent_clients_are_closed_at_their_deadlines(fronts):
             try:
                 if name in dribble:
                     sock.sendall(next(dribble[name]))
-                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) in (b"", b"H"):  # closed, or answered
                     closed[name] = time.monotonic()
             except BlockingIOError:
                 pass
             except OSError:  # reset or broken pipe: closed too
                 closed[name] = time.monotonic()
         time.sleep(1.0)
+    status, _, reply = one_reply(read_to_end(sockets["body"]))
+    assert status == 408 and error_of(reply)["code"] == "body_timeout"
     for sock in sockets.values():
         sock.close()
     deadlines = {

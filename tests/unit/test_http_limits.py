@@ -1,15 +1,32 @@
-"""The HTTP front's pure checks: JSON nesting depth and the X-Request-Id rule."""
+"""The HTTP front's limits: its pure checks (JSON nesting depth, the X-Request-Id rule), and
+what a real front, over a router with no servers behind it, answers to raw sockets."""
 
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from types import SimpleNamespace
 
 import pytest
 
-from pdchat.clients.chat import ChatError
-from pdchat.clients.openai_api import ApiError, JsonTooDeep, chat_api_error, json_depth, parse_json_body, request_id_of
+from pdchat.clients.chat import ChatError, ChatOutput
+from pdchat.clients.openai_api import (
+    ApiError,
+    HttpSettings,
+    JsonTooDeep,
+    chat_api_error,
+    json_depth,
+    make_server,
+    parse_json_body,
+    request_id_of,
+)
 from pdchat.core.errors import ErrorCode
+from pdchat.launcher import free_port
+from tests.raw_http import error_of, exchange, one_reply, read_to_end, request
 
 
 @pytest.mark.parametrize(
@@ -105,3 +122,131 @@ def test_error_types_follow_openai():
     assert ApiError(500, "m", "INTERNAL").type == "server_error"
     types = ["invalid_request_error", "service_unavailable", "server_error"]
     assert [ApiError.of(code, "m").type for code in ErrorCode] == types
+
+
+class _Router:
+    """A ChatFront with no servers: every chat is answered at once."""
+
+    stats = SimpleNamespace(prefill_fallbacks=0)
+
+    def chat(self, body: dict, request_id: str = "") -> Iterator[ChatOutput]:
+        yield ChatOutput("hi", json.dumps({"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}]}))
+
+    def health(self) -> dict:
+        return {"ok": True}
+
+
+@pytest.fixture(scope="module")
+def fronts() -> Iterator[Callable[[HttpSettings], int]]:
+    """start(settings) -> the port of a front on its own thread."""
+    with ExitStack() as stop:
+
+        def start(settings: HttpSettings) -> int:
+            port = free_port()
+            server = make_server(_Router(), "127.0.0.1", port, settings)  # type: ignore[arg-type]
+            thread = threading.Thread(target=server.run, daemon=True)
+            thread.start()
+            stop.callback(thread.join, 10)
+            stop.callback(setattr, server, "should_exit", True)
+            deadline = time.monotonic() + 10
+            while not server.started and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert server.started
+            return port
+
+        yield start
+
+
+BODY_TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def port(fronts) -> int:
+    """A front with default limits but a short body timeout."""
+    return fronts(HttpSettings(body_timeout_s=BODY_TIMEOUT_S))
+
+
+CHAT_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+CHUNKED = b"Transfer-Encoding: chunked\r\n\r\n"
+
+
+def assert_serves(port: int) -> None:
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    status, _, reply = one_reply(exchange(port, request("POST", "/v1/chat/completions", body)))
+    assert status == 200 and json.loads(reply)["choices"][0]["finish_reason"] == "stop"
+
+
+def answer_to(port: int, data: bytes, timeout: float = 5.0) -> tuple[int, dict, dict, float]:
+    """(status, headers, OpenAI error, seconds until the server closed) of what `data` gets."""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        status, headers, body = one_reply(read_to_end(sock))
+    return status, dict(headers), error_of(body), time.monotonic() - started
+
+
+@pytest.mark.parametrize(
+    "size",
+    [b"ffffffffffffffffffff", b"zz", b"-1", b"1" * 21, b"4;"],
+    ids=["2**80", "not-hex", "negative", "21-digits", "bad-extension"],
+)
+def test_a_malformed_chunk_size_is_a_prompt_400_in_openai_shape(port, size):
+    status, headers, error, took = answer_to(port, CHAT_HEAD + CHUNKED + size + b"\r\n" + b'{"messages"')
+    assert status == 400 and error["code"] == "invalid_chunked_body" and "chunk" in error["message"]
+    assert headers["connection"] == "close" and took < 1.0
+    assert_serves(port)
+
+
+def test_a_chunk_declaring_more_than_the_body_limit_is_a_prompt_413(port):
+    status, headers, error, took = answer_to(port, CHAT_HEAD + CHUNKED + b"500000\r\n" + b'{"messages"')
+    assert status == 413 and error["code"] == "body_too_large" and f"{4 << 20} bytes" in error["message"]
+    assert took < 1.0
+    assert_serves(port)
+
+
+def test_a_malformed_head_is_a_400_in_openai_shape(port):
+    status, _, error, took = answer_to(port, request("POST", "/v1/chat/completions", headers=(b"Content-Length: -1",)))
+    assert status == 400 and error["code"] == "invalid_http" and f"{16 << 10} bytes" in error["message"]
+    assert took < 1.0
+
+
+def scrape(port: int) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, _, page = one_reply(exchange(port, request("GET", "/metrics")))
+    return {
+        f"{s.name}{json.dumps(s.labels, sort_keys=True) if s.labels else ''}": s.value
+        for family in text_string_to_metric_families(page.decode())
+        for s in family.samples
+    }
+
+
+def test_a_stalled_body_gets_408_at_the_body_timeout_and_is_counted(port):
+    errors = 'pdchat_router_errors_total{"code": "body_timeout", "status": "408"}'
+    client_errors = 'pdchat_router_requests_total{"outcome": "client_error"}'
+    before = scrape(port)
+    head = CHAT_HEAD + b"X-Request-Id: stalled-1\r\nContent-Length: 100\r\n\r\n"
+    status, headers, error, took = answer_to(port, head + b'{"messages": [')
+    assert status == 408 and error["code"] == "body_timeout" and f"{BODY_TIMEOUT_S:g} s" in error["message"]
+    assert headers["x-request-id"] == "stalled-1" and headers["connection"] == "close"
+    assert BODY_TIMEOUT_S - 0.2 <= took <= BODY_TIMEOUT_S + 1.0
+    after = scrape(port)
+    assert after.get(errors, 0) == before.get(errors, 0) + 1
+    assert after[client_errors] == before[client_errors] + 1
+    assert after["pdchat_router_requests_in_flight"] == 0
+    assert_serves(port)
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_an_oversized_body_sent_at_once_is_read_by_the_client_as_a_413(port, framing):
+    """The front answers at the head (or the chunk's size), with 8 MB still arriving: closing
+    then would reset the connection, and the client would never read the answer."""
+    body = b"x" * (8 << 20)
+    if framing == "chunked":
+        data = CHAT_HEAD + CHUNKED + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+    else:
+        data = CHAT_HEAD + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+    status, headers, error, _ = answer_to(port, data)
+    assert status == 413 and error["code"] == "body_too_large"
+    assert headers["content-type"] == "application/json" and headers["connection"] == "close"
+    assert_serves(port)
