@@ -364,3 +364,151 @@ def test_settings_prefer_config_parameter_then_environment_then_default():
     assert handoff_ttl_s({}, {}) == 60.0 and handoff_ttl_s({"handoff_ttl_s": "2.5"}, {}) == 2.5
     with pytest.raises(ModelUnavailable):
         handoff_ttl_s({}, {"PDCHAT_HANDOFF_TTL_S": "-1"})
+
+
+@pytest.mark.parametrize("n", [True, 1.0, "1", 2, 0])
+def test_n_is_the_integer_1(n):
+    with pytest.raises(InvalidRequest, match=re.escape("'n' must be 1, an integer") + ".*" + re.escape(f"got {n!r}")):
+        parse_chat_json(body(n=n))
+
+
+@pytest.mark.parametrize("n", [1, None])
+def test_n_of_1_or_null_is_one_choice(n):
+    assert parse_chat_json(body(n=n)).messages[0]["content"] == "hi"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("skip_special_tokens", 1), ("no_stop_trim", 0), ("include_reasoning", "true")]
+)
+def test_router_switches_are_booleans_not_their_lookalikes(key, value):
+    with pytest.raises(InvalidRequest, match=f"'{key}' can only be"):
+        parse_chat_json(body(**{key: value}))
+
+
+def test_max_completion_tokens_wins_but_a_null_one_leaves_max_tokens_and_both_are_checked():
+    assert parse_chat_json(body(max_completion_tokens=None, max_tokens=5)).max_tokens == 5
+    assert parse_chat_json(body(max_completion_tokens=7, max_tokens=5)).max_tokens == 7
+    with pytest.raises(InvalidRequest, match="'max_tokens' must be a positive integer"):
+        parse_chat_json(body(max_completion_tokens=7, max_tokens="ten"))
+    with pytest.raises(InvalidRequest, match="'max_completion_tokens' must be a positive integer"):
+        parse_chat_json(body(max_completion_tokens=True))
+
+
+ASSISTANT_ECHO = {
+    "role": "assistant",
+    "content": "hello",
+    "reasoning_content": "greet",
+    "refusal": None,
+    "audio": None,
+    "function_call": None,
+    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+}
+
+
+def test_honoured_message_keys_pass_and_openai_s_unrendered_ones_pass_when_null():
+    request = parse_chat_json(
+        with_turns(ASSISTANT_ECHO, {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "1"})
+    )
+    assert request.messages[1]["content"] == "hello" and request.messages[2]["tool_call_id"] == "c1"
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (
+            with_turns({"role": "user", "content": "hi", "colour": 1}),
+            "messages[1] has 'colour', which this server does not take; it takes role, content, tool_calls (assistant)",
+        ),
+        (with_turns({"role": "user", "content": "hi", "colour": None}), "messages[1] has 'colour'"),
+        (with_turns({"role": "tool", "content": "18 C"}), "messages[1] is a tool result without 'tool_call_id'"),
+        (with_turns({"role": "tool", "tool_call_id": "", "content": "1"}), "without 'tool_call_id'"),
+        (with_turns({**ASSISTANT_ECHO, "refusal": "I can't"}), "messages[1].refusal is not rendered by this server"),
+        (with_turns({**ASSISTANT_ECHO, "function_call": {"name": "f"}}), "messages[1].function_call is not rendered"),
+        (with_turns({**ASSISTANT_ECHO, "audio": {"id": "a"}}), "messages[1].audio is not rendered"),
+        (
+            with_turns({"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]}),
+            "messages[1].content[0] has 'cache_control', which this server does not take; it takes type, text",
+        ),
+        (
+            with_turns({**ASSISTANT_ECHO, "tool_calls": [{**ASSISTANT_ECHO["tool_calls"][0], "index": 0}]}),
+            "messages[1].tool_calls[0] has 'index', which this server does not take; it takes id, type, function",
+        ),
+        (
+            with_turns({**ASSISTANT_ECHO, "tool_calls": [{"type": "function", "function": {"name": "f", "x": 1}}]}),
+            "messages[1].tool_calls[0].function has 'x'",
+        ),
+        (
+            with_turns({**ASSISTANT_ECHO, "tool_calls": [{"type": "custom", "function": {"name": "f"}}]}),
+            "messages[1].tool_calls[0] must be {'type': 'function'",
+        ),
+        (
+            with_turns({**ASSISTANT_ECHO, "tool_calls": [{"id": 7, "function": {"name": "f"}}]}),
+            "messages[1].tool_calls[0].id must be a string",
+        ),
+        (body(tools=[{**TOOLS[0], "colour": 1}]), "tools[0] has 'colour', which this server does not take"),
+        (
+            body(tools=[{"type": "function", "function": {"name": "f", "parameter": {}}}]),
+            "tools[0].function has 'parameter', which this server does not take; "
+            "it takes name, description, parameters, strict",
+        ),
+        (
+            body(tools=[{"type": "function", "function": {"name": "f", "strict": "yes"}}]),
+            "tools[0].function.strict must be a bool",
+        ),
+        (
+            body(tools=[{"type": "function", "function": {"name": "f", "strict": True}}]),
+            "tools[0].function.strict is true, which this server keeps only when tool_choice is 'required'",
+        ),
+        (
+            body(tools=TOOLS, tool_choice={"type": "function", "function": [1]}),
+            "tool_choice must be 'none', 'auto', 'required'",
+        ),
+        (body(tools=TOOLS, tool_choice={"type": "tool", "function": {"name": "f"}}), "tool_choice must be"),
+        (body(tools=TOOLS, tool_choice={"function": {"name": "f"}}), "tool_choice must be"),
+        (body(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "f", "x": 1}}), "with no other keys"),
+        (
+            body(response_format={"type": "json_object", "schema": {"type": "object"}}),
+            "response_format has 'schema', which this server does not take; it takes type",
+        ),
+        (
+            body(response_format={"type": "text", "json_schema": {"schema": {}}}),
+            "response_format has 'json_schema'",
+        ),
+        (body(response_format={"type": "json_schema", "json_schema": [1]}), "needs json_schema.schema"),
+        (
+            body(response_format={"type": "json_schema", "json_schema": {"schema": {}, "schema_": {}}}),
+            "response_format.json_schema has 'schema_', which this server does not take; "
+            "it takes name, description, schema, strict",
+        ),
+        (
+            body(response_format={"type": "json_schema", "json_schema": {"schema": {}, "strict": 1}}),
+            "response_format.json_schema.strict must be a bool",
+        ),
+        (
+            body(response_format={"type": "json_schema", "json_schema": {"schema": {}, "name": 5}}),
+            "response_format.json_schema.name must be a str",
+        ),
+    ],
+)
+def test_what_a_nested_object_carries_unread_is_refused_by_name(raw, needle):
+    with pytest.raises(InvalidRequest) as info:
+        parse_chat_json(raw)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "f"}}, "none"], ids=str)
+def test_strict_tools_are_kept_where_calls_follow_their_schema_or_none_is_made(tool_choice):
+    tools = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
+    request = parse_chat_json(body(tools=tools, tool_choice=tool_choice))
+    assert request.tools == tools
+
+
+def test_json_schema_options_openai_sends_are_taken():
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "answer", "description": "d", "schema": {"type": "object"}, "strict": True},
+    }
+    assert parse_chat_json(body(response_format=response_format)).constraint == {
+        "type": "json_schema",
+        "schema": {"type": "object"},
+    }

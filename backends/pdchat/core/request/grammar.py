@@ -9,6 +9,7 @@ compiles them against a tokenizer and masks logits.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -20,21 +21,43 @@ JSON_SCHEMA = "json_schema"
 TOOL_CALL = "tool_call"
 
 
+# OpenAI's json_schema object; the schema is always enforced, so `strict` false is kept too.
+JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
+
+
 def response_format_spec(response_format: Any) -> dict[str, Any] | None:
-    """OpenAI response_format -> constraint spec (None for plain text)."""
+    """OpenAI response_format -> constraint spec (None for plain text). Keys it does not
+    take are refused by name: a schema beside `type`, say, would leave the output unconstrained."""
     if response_format is None:
         return None
     kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind not in ("text", JSON_OBJECT, JSON_SCHEMA):
+        raise InvalidRequest(f"response_format.type must be text, json_object or json_schema; got {kind!r}")
+    known_keys("response_format", response_format, ("type", JSON_SCHEMA) if kind == JSON_SCHEMA else ("type",))
     if kind == "text":
         return None
     if kind == JSON_OBJECT:
         return {"type": JSON_OBJECT}
-    if kind == JSON_SCHEMA:
-        schema = (response_format.get("json_schema") or {}).get("schema")
-        if not isinstance(schema, dict):
-            raise InvalidRequest("response_format json_schema needs json_schema.schema, a JSON schema object")
-        return {"type": JSON_SCHEMA, "schema": schema}
-    raise InvalidRequest(f"response_format.type must be text, json_object or json_schema; got {kind!r}")
+    options = response_format.get(JSON_SCHEMA)
+    schema = options.get("schema") if isinstance(options, dict) else None
+    if not isinstance(schema, dict):
+        raise InvalidRequest("response_format json_schema needs json_schema.schema, a JSON schema object")
+    known_keys("response_format.json_schema", options, JSON_SCHEMA_KEYS)
+    for key, kind_of in (("name", str), ("description", str), ("strict", bool)):
+        if options.get(key) is not None and not isinstance(options[key], kind_of):
+            raise InvalidRequest(f"response_format.json_schema.{key} must be a {kind_of.__name__}")
+    return {"type": JSON_SCHEMA, "schema": schema}
+
+
+def known_keys(where: str, value: dict[str, Any], keys: Sequence[str], accepted: str = "") -> None:
+    """Refuse the keys of the object at `where` outside `keys` by name, saying what it takes
+    (`accepted`, else `keys`): no key of a request is dropped unread."""
+    unknown = sorted(set(value) - set(keys), key=str)
+    if unknown:
+        raise InvalidRequest(
+            f"{where} has {', '.join(repr(k) for k in unknown)}, which this server does not take; "
+            f"it takes {accepted or ', '.join(keys)}"
+        )
 
 
 def tool_choice_spec(tool_choice: Any, tools: list[dict] | None) -> dict[str, Any] | None:
@@ -46,19 +69,33 @@ def tool_choice_spec(tool_choice: Any, tools: list[dict] | None) -> dict[str, An
     functions = [t["function"] for t in tools]
     if tool_choice == "required":
         chosen = functions
-    elif isinstance(tool_choice, dict) and isinstance((tool_choice.get("function") or {}).get("name"), str):
+    elif _is_named_choice(tool_choice):
         name = tool_choice["function"]["name"]
         chosen = [f for f in functions if f["name"] == name]
         if not chosen:
             raise InvalidRequest(f"tool_choice names '{name}', which is not among the tools")
     else:
         raise InvalidRequest(
-            "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
+            "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}, "
+            "with no other keys"
         )
     return {
         "type": TOOL_CALL,
         "tools": [{"name": f["name"], "parameters": f.get("parameters") or {"type": "object"}} for f in chosen],
     }
+
+
+def _is_named_choice(tool_choice: Any) -> bool:
+    """Whether tool_choice is exactly {'type': 'function', 'function': {'name': str}}."""
+    if not isinstance(tool_choice, dict) or set(tool_choice) != {"type", "function"}:
+        return False
+    function = tool_choice["function"]
+    return (
+        tool_choice["type"] == "function"
+        and isinstance(function, dict)
+        and set(function) == {"name"}
+        and isinstance(function["name"], str)
+    )
 
 
 def check_limits(spec: dict[str, Any], limits: GrammarLimits) -> None:

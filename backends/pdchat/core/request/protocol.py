@@ -19,10 +19,37 @@ from typing import Any
 import orjson
 
 from pdchat.core.errors import InvalidRequest
-from pdchat.core.request.grammar import check_limits, check_spec, response_format_spec, tool_choice_spec
+from pdchat.core.request.grammar import (
+    check_limits,
+    check_spec,
+    known_keys,
+    response_format_spec,
+    tool_choice_spec,
+)
 from pdchat.core.settings import grammar_limits
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# The keys a message may carry, and the roles each is taken on (role and content: all).
+MESSAGE_KEYS = {
+    "role": ROLES,
+    "content": ROLES,
+    "tool_calls": ("assistant",),
+    "reasoning_content": ("assistant",),
+    "reasoning": ("assistant",),  # vLLM's name for reasoning_content
+    "tool_call_id": ("tool",),
+    "name": ("tool",),
+}
+# OpenAI's message keys that no render here writes: taken when null, as a client sending back
+# an earlier response's message may set them; refused otherwise, with what to send instead.
+NULL_ONLY_MESSAGE_KEYS = {
+    "refusal": "send the refusal's text as the content",
+    "function_call": "send tool_calls (function_call is OpenAI's deprecated form)",
+    "audio": "send text content",
+}
+_MESSAGE_KEYS_TAKEN = ", ".join(
+    [key if roles == ROLES else f"{key} ({' or '.join(roles)})" for key, roles in MESSAGE_KEYS.items()]
+    + [f"{key} (null only)" for key in NULL_ONLY_MESSAGE_KEYS]
+)
 # Request fields accepted and ignored, as OpenAI-compatible servers do (they change no output).
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
 # vLLM/SGLang switches routers such as vllm-router add to every request: honoured at the value
@@ -73,6 +100,7 @@ HONOURED_FIELDS = frozenset(
     }
 )
 REASONING_EFFORTS = ("low", "medium", "high")
+TOOL_FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 # OpenAI's bounds: penalties in [-2, 2], biases in [-100, 100], up to 20 alternatives per token.
 PENALTY_BOUND = 2.0
 LOGIT_BIAS_BOUND = 100.0
@@ -247,7 +275,7 @@ def chat_request_from_body(data: dict[str, Any], *, check_grammar: bool = True) 
     router does without."""
     unknown = sorted(set(data) - HONOURED_FIELDS - IGNORED_FIELDS - set(FIXED_FIELDS))
     for key in sorted(set(data) & set(FIXED_FIELDS)):
-        if data[key] is not None and data[key] != FIXED_FIELDS[key]:
+        if data[key] is not None and data[key] is not FIXED_FIELDS[key]:  # a bool: 1 is not true
             raise InvalidRequest(
                 f"'{key}' can only be {str(FIXED_FIELDS[key]).lower()} on this server, got {data[key]!r}"
             )
@@ -256,12 +284,17 @@ def chat_request_from_body(data: dict[str, Any], *, check_grammar: bool = True) 
             f"Unrecognized request argument supplied: {', '.join(unknown)} (this server honours "
             f"{', '.join(sorted(HONOURED_FIELDS))}; see the README's field table)"
         )
-    n = data.get("n", 1)
-    if n != 1:
-        raise InvalidRequest(f"'n' must be 1 (one choice per request; send n requests for n choices), got {n!r}")
-    max_tokens = _positive_int("max_tokens", data.get("max_completion_tokens", data.get("max_tokens")))
+    n = data.get("n")
+    if n is not None and (type(n) is not int or n != 1):
+        raise InvalidRequest(
+            f"'n' must be 1, an integer (one choice per request; send n requests for n choices), got {n!r}"
+        )
+    # max_completion_tokens is OpenAI's newer name: it wins where both are given, as in vLLM.
+    max_tokens = _positive_int("max_tokens", data.get("max_tokens"))
+    max_tokens = _positive_int("max_completion_tokens", data.get("max_completion_tokens")) or max_tokens
     tools = _tools(data.get("tools"))
     tool_choice = data.get("tool_choice")
+    _strict_tools_fit(tools, tool_choice)
     controls = _sampling_controls(data)
     _min_tokens_fit(controls["min_tokens"], max_tokens)
     return ChatRequest(
@@ -407,21 +440,22 @@ def _message(index: int, message: Any) -> dict[str, Any]:
     role = message.get("role")
     if role not in ROLES:
         raise InvalidRequest(f"{where}.role is {role!r}; expected one of {', '.join(ROLES)}")
+    known_keys(where, message, [*MESSAGE_KEYS, *NULL_ONLY_MESSAGE_KEYS], _MESSAGE_KEYS_TAKEN)
+    for key, instead in NULL_ONLY_MESSAGE_KEYS.items():
+        if message.get(key) is not None:
+            raise InvalidRequest(f"{where}.{key} is not rendered by this server; {instead}")
     normalized = dict(message)
     normalized["content"] = _content(where, message.get("content"), allow_empty=role == "assistant")
-    for key, allowed in (
-        ("reasoning_content", ("assistant",)),
-        ("reasoning", ("assistant",)),
-        ("tool_call_id", ("tool",)),
-        ("name", ("tool",)),
-    ):
-        value = message.get(key)
+    for key in ("reasoning_content", "reasoning", "tool_call_id", "name"):
+        value, allowed = message.get(key), MESSAGE_KEYS[key]
         if value is None:
             continue
         if role not in allowed:
             raise InvalidRequest(f"{where}.{key} is only taken on {' or '.join(allowed)} messages")
         if not isinstance(value, str):
             raise InvalidRequest(f"{where}.{key} must be a string, got {type(value).__name__}")
+    if role == "tool" and not message.get("tool_call_id"):
+        raise InvalidRequest(f"{where} is a tool result without 'tool_call_id': it must name the tool call it answers")
     tool_calls = message.get("tool_calls")
     if tool_calls is not None:
         if role != "assistant" or not isinstance(tool_calls, list):
@@ -449,6 +483,7 @@ def _content(where: str, content: Any, *, allow_empty: bool) -> str:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text" or not isinstance(part.get("text"), str):
                 raise InvalidRequest(f"{where}.content[{j}] has type {kind!r}; only text parts are supported")
+            known_keys(f"{where}.content[{j}]", part, ("type", "text"))
             texts.append(part["text"])
         return "\n".join(texts)
     raise InvalidRequest(f"{where}.content must be a string or a list of text parts")
@@ -456,8 +491,16 @@ def _content(where: str, content: Any, *, allow_empty: bool) -> str:
 
 def _tool_call(where: str, call: Any) -> dict[str, Any]:
     function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+    if (
+        not isinstance(function, dict)
+        or not isinstance(function.get("name"), str)
+        or call.get("type") not in (None, "function")
+    ):
         raise InvalidRequest(f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}")
+    known_keys(where, call, ("id", "type", "function"))
+    known_keys(f"{where}.function", function, ("name", "arguments"))
+    if call.get("id") is not None and not isinstance(call["id"], str):
+        raise InvalidRequest(f"{where}.id must be a string, got {type(call['id']).__name__}")
     _function_name(f"{where}.function.name", function["name"])
     arguments = function.get("arguments", "{}")
     if isinstance(arguments, str):
@@ -506,6 +549,8 @@ def _tools(value: Any) -> list[dict[str, Any]] | None:
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
             raise InvalidRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+        known_keys(f"tools[{i}]", tool, ("type", "function"))
+        known_keys(f"tools[{i}].function", function, TOOL_FUNCTION_KEYS)
         if not isinstance(function.get("name"), str) or not function["name"]:
             raise InvalidRequest(f"tools[{i}].function.name must be a non-empty string")
         _function_name(f"tools[{i}].function.name", function["name"])
@@ -514,7 +559,23 @@ def _tools(value: Any) -> list[dict[str, Any]] | None:
         parameters = function.get("parameters", {})
         if not isinstance(parameters, dict):
             raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object")
+        if function.get("strict") is not None and not isinstance(function["strict"], bool):
+            raise InvalidRequest(f"tools[{i}].function.strict must be a bool")
     return value or None
+
+
+def _strict_tools_fit(tools: list[dict[str, Any]] | None, tool_choice: Any) -> None:
+    """`strict: true` asks for calls that follow the tool's schema: kept where a grammar forces
+    the call (tool_choice 'required' or a named function) or no call is made ('none'); under
+    'auto' the model writes calls unconstrained, so it is refused rather than not kept."""
+    if tool_choice not in (None, "auto"):
+        return
+    for i, tool in enumerate(tools or []):
+        if tool["function"].get("strict") is True:
+            raise InvalidRequest(
+                f"tools[{i}].function.strict is true, which this server keeps only when tool_choice is 'required' "
+                "or names a function (a call then follows its schema); send strict false or such a tool_choice"
+            )
 
 
 def _typed(data: dict, key: str, kind: type, default: Any) -> Any:
