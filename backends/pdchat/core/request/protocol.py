@@ -282,7 +282,7 @@ def chat_request_from_body(data: dict[str, Any], *, check_grammar: bool = True) 
     if unknown:
         raise InvalidRequest(
             f"Unrecognized request argument supplied: {', '.join(unknown)} (this server honours "
-            f"{', '.join(sorted(HONOURED_FIELDS))}; see the README's field table)"
+            f"{', '.join(sorted(HONOURED_FIELDS))}; see docs/client-contract.md)"
         )
     n = data.get("n")
     if n is not None and (type(n) is not int or n != 1):
