@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -112,6 +112,10 @@ class ChatStages(Protocol):
         """Send one decode response on to the client; True once the client's stream is closed."""
         ...
 
+    def refused(self, response: Any) -> bool:
+        """True if a decode response is an error: as its stream's first, decode refused the request."""
+        ...
+
     def answer(self, output: ClientOutput, kv_transfer_params: str) -> None:
         """The one, final response of a prefill leg (REMOTE_PREFILL)."""
         ...
@@ -192,11 +196,13 @@ class ChatFlow:
         stages.routed(plan.route)
         chat = plan.chat
         if plan.route is Route.REUSE:
-            self.observer.accepted(self.render_rate.estimate(len(plan.prompt_token_ids)))
-            params_text = plan.generation.to_json()
-            handle = "" if plan.kv_handle is None else plan.kv_handle.to_json()
-            seal = self.seal.seal_prompt(plan.prompt_token_ids, params_text, handle)
-            await self._relay(stages, DecodeCall(plan.prompt_token_ids, plan.generation, params_text, seal, handle))
+            with plan.admission as admission:  # the handoff: spent once decode takes the request, else released
+                self.observer.accepted(self.render_rate.estimate(len(plan.prompt_token_ids)))
+                params_text = plan.generation.to_json()
+                handle = "" if admission.kv_handle is None else admission.kv_handle.to_json()
+                seal = self.seal.seal_prompt(plan.prompt_token_ids, params_text, handle)
+                call = DecodeCall(plan.prompt_token_ids, plan.generation, params_text, seal, handle)
+                await self._relay(stages, call, taken=admission.spend)
             return
         self.renderer.check_size(chat)  # before the text crosses to the renderer
         request_json = chat.to_json()
@@ -205,10 +211,10 @@ class ChatFlow:
         ids, params_text = rendered.prompt_token_ids, rendered.params_text
         params = GenerationParams.from_json(params_text)
         if plan.route is Route.RENDER_VERIFIED:
-            verified = self.planner.admit_rendered(plan, ids)
-            handle = "" if verified is None else verified.to_json()
-            seal = self.seal.seal_prompt(ids, params_text, handle)
-            await self._relay(stages, DecodeCall(ids, params, params_text, seal, handle))
+            with self.planner.admit_rendered(plan, ids) as admission:  # spent once decode takes the request
+                handle = "" if admission.kv_handle is None else admission.kv_handle.to_json()
+                seal = self.seal.seal_prompt(ids, params_text, handle)
+                await self._relay(stages, DecodeCall(ids, params, params_text, seal, handle), taken=admission.spend)
         elif plan.route is Route.REMOTE_PREFILL:
             prefilled = await stages.prefill(rendered, self.kv_connector)
             kv_handle = KVHandle.from_json(prefilled.kv_handle)  # signed into the handoff, first token shown
@@ -228,8 +234,9 @@ class ChatFlow:
             self.observer.rejected(exc.reason.value)
             raise
 
-    async def _relay(self, stages: ChatStages, call: DecodeCall) -> None:
-        """Forward decode's stream to the client, to its end.
+    async def _relay(self, stages: ChatStages, call: DecodeCall, taken: Callable[[], None] | None = None) -> None:
+        """Forward decode's stream to the client, to its end; `taken` is called on decode's
+        first response unless that is a refusal (decode took the request).
 
         Past `stall_timeout_s` without a response from decode (before its first, or between
         two), decode is told to cancel and the request ends Unavailable, naming the wait.
@@ -238,7 +245,7 @@ class ChatFlow:
         dropped: the stream ends when decode ends it, so nothing of it outlives the request."""
         closed = cancelled = False
         polled_at = float("-inf")
-        responses = stages.decode(call)
+        responses = stages.decode(call) if taken is None else _noting_taken(stages, call, taken)
         while True:
             try:
                 response = await asyncio.wait_for(anext(responses), self.stall_timeout_s)
@@ -279,3 +286,13 @@ class ChatFlow:
 
     def _render_ids(self, messages: list[dict]) -> list[int]:
         return self.renderer.token_ids(ChatRequest(messages=messages))
+
+
+async def _noting_taken(stages: ChatStages, call: DecodeCall, taken: Callable[[], None]) -> AsyncIterator[Any]:
+    """Decode's responses to `call`; `taken` is called before the first unless decode refused the request."""
+    first = True
+    async for response in stages.decode(call):
+        if first and not stages.refused(response):
+            taken()
+        first = False
+        yield response

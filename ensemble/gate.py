@@ -7,15 +7,20 @@ chat template. Here a server accepts forwarded ids only under a configured polic
 - `signed`: accepted only with a prefill server's HMAC-SHA256 signature over the ids,
   the KV handle, an expiry and the fingerprint of the request's render inputs, once;
 - `trusted`: unsigned ids accepted too (vLLM-compatible), only when configured.
+
+"Once" means one request that decode took: an admitted handoff is reserved (`Admission`),
+spent once decode took its request, released when the request is refused or fails before.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import heapq
 import hmac
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,17 +67,56 @@ def parse_policy(value: str) -> Policy:
         raise ModelUnavailable(f"forwarded_ids policy must be one of off, signed, trusted; got {value!r}") from None
 
 
+class Admission:
+    """Forwarded ids the gate admitted: their signed KV handle (None if there is none), and
+    the hold on a signed handoff's one use.
+
+    While held, the handoff is refused as replayed (a second request using it at the same
+    time). `spend()` once decode took the request: refused as replayed until it expires.
+    `release()` if the request was refused or failed before that: the handoff may be used
+    again. The first of the two settles it, later calls do nothing; as a context manager it
+    is released on exit unless spent."""
+
+    def __init__(self, kv_handle: KVHandle | None, settle: Callable[[bool], None] | None = None):
+        self.kv_handle = kv_handle
+        self._settle = settle  # settle(spent); None: unsigned, or settled
+
+    def spend(self) -> None:
+        self._settled(spent=True)
+
+    def release(self) -> None:
+        self._settled(spent=False)
+
+    def _settled(self, *, spent: bool) -> None:
+        settle, self._settle = self._settle, None
+        if settle is not None:
+            settle(spent)
+
+    def __enter__(self) -> Admission:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+class _Use(enum.Enum):
+    RESERVED = "reserved"
+    SPENT = "spent"
+    RELEASED = "released"
+
+
 @dataclass(frozen=True)
 class Gate:
-    """Decode's check of forwarded ids, configured once per server. A signed handoff is
-    admitted once: its signature is remembered until it expires, so a replay (which would
-    make this server recompute a prefill for free) is refused."""
+    """Decode's check of forwarded ids, configured once per server. A signed handoff serves
+    one request: its signature is remembered until it expires (reserved while its request is
+    in flight, then spent or released), so a replay (which would make this server recompute
+    a prefill for free) is refused."""
 
     policy: Policy
     key: bytes | None
     vocab_size: int
     context_length: int
-    _admitted: set[str] = field(default_factory=set, compare=False, repr=False)
+    _uses: dict[str, _Use] = field(default_factory=dict, compare=False, repr=False)
     _by_expiry: list[tuple[float, str]] = field(default_factory=list, compare=False, repr=False)  # heap
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
@@ -84,8 +128,9 @@ class Gate:
 
     def admit(
         self, ids: list[int] | np.ndarray, params: dict[str, Any], fingerprint: str, *, now: float | None = None
-    ) -> KVHandle | None:
-        """Check forwarded ids; return the signed KV handle (or None). Raises ForwardedIdsRejected."""
+    ) -> Admission:
+        """Check forwarded ids; a signed handoff is reserved until the admission is spent or
+        released. Raises ForwardedIdsRejected."""
         if self.policy is Policy.OFF:
             raise ForwardedIdsRejected(
                 Rejection.POLICY_OFF, "this server does not accept them (policy 'off'); send the conversation only"
@@ -93,7 +138,7 @@ class Gate:
         self._check_ids(ids)
         if params.get("signature") is None:
             if self.policy is Policy.TRUSTED:
-                return None
+                return Admission(None)
             raise ForwardedIdsRejected(
                 Rejection.UNSIGNED, "policy 'signed' needs kv_transfer_params signed by a prefill server"
             )
@@ -114,20 +159,32 @@ class Gate:
             raise ForwardedIdsRejected(
                 Rejection.FINGERPRINT_MISMATCH, "the ids were signed for a different conversation"
             )
-        self._admit_once(handoff, now)
-        return handoff.kv_handle
+        return self._reserve(handoff, now)
 
-    def _admit_once(self, handoff: Handoff, now: float) -> None:
+    def _reserve(self, handoff: Handoff, now: float) -> Admission:
         with self._lock:
             # Forget what has expired (it is refused as expired anyway): O(log n) per request.
             while self._by_expiry and self._by_expiry[0][0] < now:
-                self._admitted.discard(heapq.heappop(self._by_expiry)[1])
-            if handoff.signature in self._admitted:
+                self._uses.pop(heapq.heappop(self._by_expiry)[1], None)
+            use = self._uses.get(handoff.signature)
+            if use is _Use.RESERVED:
+                raise ForwardedIdsRejected(
+                    Rejection.REPLAYED,
+                    "this handoff is in use by a request in flight; send the request to prefill again",
+                )
+            if use is _Use.SPENT:
                 raise ForwardedIdsRejected(
                     Rejection.REPLAYED, "this handoff was used already; send the request to prefill again"
                 )
-            self._admitted.add(handoff.signature)
-            heapq.heappush(self._by_expiry, (handoff.expires_at, handoff.signature))
+            if use is None:
+                heapq.heappush(self._by_expiry, (handoff.expires_at, handoff.signature))
+            self._uses[handoff.signature] = _Use.RESERVED
+        return Admission(handoff.kv_handle, functools.partial(self._settle, handoff.signature))
+
+    def _settle(self, signature: str, spent: bool) -> None:
+        with self._lock:
+            if self._uses.get(signature) is _Use.RESERVED:  # not forgotten meanwhile, past its expiry
+                self._uses[signature] = _Use.SPENT if spent else _Use.RELEASED
 
     def _check_ids(self, ids: list[int] | np.ndarray) -> None:
         if len(ids) == 0:

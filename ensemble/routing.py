@@ -24,7 +24,7 @@ from pdchat.core.errors import InvalidRequest
 from pdchat.core.kv.base import KVHandle
 from pdchat.core.request.protocol import ChatRequest, GenerationParams
 from pdchat.core.settings import HANDOFF_KEY
-from pdchat.ensemble.gate import ForwardedIdsRejected, Gate, Rejection, forwarded_ids
+from pdchat.ensemble.gate import Admission, ForwardedIdsRejected, Gate, Rejection, forwarded_ids
 from pdchat.ensemble.handoff import DEFAULT_TTL_S, Handoff, render_fingerprint, sign
 
 
@@ -39,10 +39,11 @@ class Route(str, enum.Enum):
 class RoutePlan:
     route: Route
     chat: ChatRequest
-    # REUSE only: the admitted ids, the generation params the renderer would have made, the signed KV handle.
+    # REUSE only: the admitted ids, the generation params the renderer would have made, and the
+    # gate's admission (the signed KV handle; the handoff held, to be spent or released).
     prompt_token_ids: list[int] | None = None
     generation: GenerationParams | None = None
-    kv_handle: KVHandle | None = None
+    admission: Admission | None = None
     # RENDER_VERIFIED only: the signed params the rendered ids must match.
     signed_params: dict | None = None
 
@@ -65,7 +66,8 @@ class RoutePlanner:
 
     def plan(self, chat: ChatRequest, binary_ids: list[int] | None, kv_transfer_params: str | None) -> RoutePlan:
         """Decide the path; refusals raise InvalidRequest (ForwardedIdsRejected for the gate's).
-        `kv_transfer_params`: the tensor's text; the request body may carry them instead."""
+        `kv_transfer_params`: the tensor's text; the request body may carry them instead.
+        NOTE: a REUSE plan holds its handoff (`admission`): the caller spends or releases it."""
         if kv_transfer_params is not None and chat.kv_transfer_params is not None:
             raise ForwardedIdsRejected(
                 Rejection.MALFORMED, "give kv_transfer_params once: as the tensor or in the request JSON"
@@ -74,11 +76,15 @@ class RoutePlanner:
             binary_ids, kv_transfer_params if kv_transfer_params is not None else chat.kv_transfer_params
         )
         if ids is not None:
-            handle = self.gate.admit(ids, params, self.fingerprint(chat))
-            generation = chat.generation_params(
-                len(ids), self.gate.context_length, self.gate.vocab_size, self.served_name
-            )
-            return RoutePlan(Route.REUSE, chat, ids, generation, handle)
+            admission = self.gate.admit(ids, params, self.fingerprint(chat))
+            try:
+                generation = chat.generation_params(
+                    len(ids), self.gate.context_length, self.gate.vocab_size, self.served_name
+                )
+            except BaseException:
+                admission.release()  # refused here: the handoff stays good for a corrected request
+                raise
+            return RoutePlan(Route.REUSE, chat, ids, generation, admission)
         if "signature" in params:
             if self.gate.key is None:
                 raise ForwardedIdsRejected(
@@ -91,9 +97,10 @@ class RoutePlanner:
             return RoutePlan(Route.REMOTE_PREFILL, chat)
         return RoutePlan(Route.RENDER, chat)
 
-    def admit_rendered(self, plan: RoutePlan, rendered_ids: list[int]) -> KVHandle | None:
+    def admit_rendered(self, plan: RoutePlan, rendered_ids: list[int]) -> Admission:
         """RENDER_VERIFIED: the transferred KV, if the ids rendered here are the ones prefill
-        signed (same checks as forwarded ids: signature, expiry, fingerprint, once)."""
+        signed (same checks as forwarded ids: signature, expiry, fingerprint, once; the
+        caller spends or releases the admission)."""
         return self.gate.admit(rendered_ids, plan.signed_params or {}, self.fingerprint(plan.chat))
 
     def sign_handoff(

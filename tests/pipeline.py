@@ -21,7 +21,7 @@ from pdchat.core.generation.sampling import Choice
 from pdchat.core.generation.scheduler import DecodeJob, DecodeScheduler
 from pdchat.core.kv.base import KVHandle
 from pdchat.core.kv.connector import Connectors
-from pdchat.core.output.responses import ClientOutput, Delta
+from pdchat.core.output.responses import FAILED, ClientOutput, Delta
 from pdchat.core.request.protocol import ChatRequest, GenerationParams
 from pdchat.ensemble.flow import ChatFlow, ChatInputs, DecodeCall, Prefilled, Rendered
 from pdchat.ensemble.routing import Route
@@ -132,6 +132,9 @@ class LocalStages:
     def relay(self, response: ClientOutput) -> bool:
         self.outputs.append(response)
         return response.final
+
+    def refused(self, response: ClientOutput) -> bool:
+        return response.finish_reason == FAILED
 
     def answer(self, output: ClientOutput, kv_transfer_params: str) -> None:
         self.outputs.append(output)

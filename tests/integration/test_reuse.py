@@ -174,6 +174,17 @@ def test_a_replayed_handoff_is_refused_and_counted(decode_server, clients):
     assert metric(decode_server, "pdchat_forwarded_ids_total", outcome="rejected", reason="replayed") == before + 1
 
 
+def test_a_handoff_whose_request_is_refused_stays_good_for_the_corrected_request(clients):
+    """A red-team finding: the gate spent a handoff on a request refused after it (here for
+    its max_tokens), so the corrected retry was refused as replayed."""
+    body = chat_body("single_turn", max_tokens=3, temperature=0)
+    handed = prefill(clients["grpc"], body)
+    forwarded = {"prompt_token_ids": handed.prompt_token_ids, "kv_transfer_params": handed.kv_transfer_params}
+    assert "max_tokens" in refusal(clients["grpc"], {**body, "max_tokens": 10**6}, **forwarded)
+    assert ask(clients["grpc"], body, **forwarded).finish_reason == "length"
+    assert "(replayed): this handoff was used already" in refusal(clients["grpc"], body, **forwarded)
+
+
 def test_ids_signed_for_another_conversation_are_refused(clients):
     handed = prefill(clients["grpc"], chat_body("single_turn", max_tokens=4))
     message = refusal(

@@ -8,7 +8,8 @@ import numpy as np
 import orjson
 import pytest
 
-from pdchat.core.errors import Unavailable
+from pdchat.core.errors import InvalidRequest, Unavailable
+from pdchat.core.output.responses import FAILED, ClientOutput
 from pdchat.core.request.protocol import parse_chat_json
 from pdchat.ensemble.flow import ChatInputs, DecodeCall
 from pdchat.ensemble.gate import ForwardedIdsRejected
@@ -132,3 +133,87 @@ def test_a_stalled_decode_is_cancelled_and_the_request_ends_unavailable(decode_s
         asyncio.run(decode_server.flow.serve(ChatInputs(chat(stream=True)), stages))
     assert time.monotonic() - started < 5
     assert len(stages.outputs) == 1 and len(stages.cancelled) == 1 and not stages.closed
+
+
+def reuse(decode_server, kv_transfer_params, answer, stages=None, **fields):
+    """The decode leg of a handoff; the stages hold what its client got."""
+    stages = stages or LocalStages(decode_server, handoff=True)
+    ids = np.asarray(answer.prompt_token_ids, dtype=np.int32)
+    asyncio.run(decode_server.flow.serve(ChatInputs(chat(**fields), ids, kv_transfer_params), stages))
+    return stages
+
+
+def test_a_handoff_whose_request_chat_refuses_stays_good_for_the_corrected_request(prefill_server, decode_server):
+    answer, kv_transfer_params = remote_prefill(prefill_server)
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        reuse(decode_server, kv_transfer_params, answer, max_tokens=10**6)
+    assert reuse(decode_server, kv_transfer_params, answer).outputs[-1].finish_reason == "length"
+    with pytest.raises(ForwardedIdsRejected, match=r"\(replayed\): this handoff was used already"):
+        reuse(decode_server, kv_transfer_params, answer)
+
+
+class RefusingDecode(LocalStages):
+    """A decode that refuses the request as decode does: its stream's first and only response an error."""
+
+    async def decode(self, call: DecodeCall):
+        yield ClientOutput("", '{"error": {"message": "queue full"}}', finish_reason=FAILED)
+
+
+class FailingDecode(LocalStages):
+    """A decode whose stream fails before its first response."""
+
+    async def decode(self, call: DecodeCall):
+        raise Unavailable("decode is gone")
+        yield
+
+
+@pytest.mark.parametrize("signed_kv_only", [False, True], ids=["reuse", "render_verified"])
+def test_a_handoff_decode_refuses_stays_good(prefill_server, decode_server, signed_kv_only):
+    answer, kv_transfer_params = remote_prefill(prefill_server)
+    ids = None if signed_kv_only else np.asarray(answer.prompt_token_ids, dtype=np.int32)
+
+    def serve(stages):
+        asyncio.run(decode_server.flow.serve(ChatInputs(chat(), ids, kv_transfer_params), stages))
+        return stages
+
+    refused = serve(RefusingDecode(decode_server, handoff=True))
+    assert refused.route is (Route.RENDER_VERIFIED if signed_kv_only else Route.REUSE)
+    assert [output.finish_reason for output in refused.outputs] == [FAILED]
+    with pytest.raises(Unavailable, match="decode is gone"):
+        serve(FailingDecode(decode_server, handoff=True))
+    assert serve(LocalStages(decode_server, handoff=True)).outputs[-1].finish_reason == "length"
+    with pytest.raises(ForwardedIdsRejected, match="replayed"):
+        serve(LocalStages(decode_server, handoff=True))
+
+
+class HeldDecode(LocalStages):
+    """A decode that answers only once told to."""
+
+    def __init__(self, pipeline):
+        super().__init__(pipeline, handoff=True)
+        self.reached, self.proceed = asyncio.Event(), asyncio.Event()
+
+    async def decode(self, call: DecodeCall):
+        self.reached.set()
+        await self.proceed.wait()
+        async for output in super().decode(call):
+            yield output
+
+
+def test_a_handoff_in_flight_is_refused_to_a_second_request(prefill_server, decode_server):
+    answer, kv_transfer_params = remote_prefill(prefill_server)
+    inputs = ChatInputs(chat(), np.asarray(answer.prompt_token_ids, dtype=np.int32), kv_transfer_params)
+
+    async def twice() -> HeldDecode:
+        held = HeldDecode(decode_server)
+        first = asyncio.create_task(decode_server.flow.serve(inputs, held))
+        await held.reached.wait()
+        with pytest.raises(ForwardedIdsRejected, match=r"\(replayed\): this handoff is in use by a request in flight"):
+            await decode_server.flow.serve(inputs, LocalStages(decode_server, handoff=True))
+        held.proceed.set()
+        await first
+        return held
+
+    assert asyncio.run(twice()).outputs[-1].finish_reason == "length"
+    with pytest.raises(ForwardedIdsRejected, match="this handoff was used already"):
+        asyncio.run(decode_server.flow.serve(inputs, LocalStages(decode_server, handoff=True)))

@@ -47,7 +47,7 @@ def reason(call):
 
 
 def test_signed_ids_for_this_request_are_admitted_with_their_kv_handle():
-    assert admit(signed(kv_handle=HANDLE)) == HANDLE
+    assert admit(signed(kv_handle=HANDLE)).kv_handle == HANDLE
 
 
 def test_the_handoff_crosses_the_wire_as_one_serialization():
@@ -59,7 +59,7 @@ def test_the_handoff_crosses_the_wire_as_one_serialization():
 def test_first_token_logprobs_travel_inside_the_signed_handle():
     assert KVHandle.from_json(WITH_LOGPROBS.to_json()) == WITH_LOGPROBS
     assert "first_token_logprobs" not in HANDLE.to_dict()  # nothing added when not asked for
-    assert admit(signed(kv_handle=WITH_LOGPROBS)) == WITH_LOGPROBS
+    assert admit(signed(kv_handle=WITH_LOGPROBS)).kv_handle == WITH_LOGPROBS
     altered = {**WITH_LOGPROBS.to_dict(), "first_token_logprobs": {"token_id": 7, "logprob": -0.01, "top": []}}
     assert reason(lambda: admit({**signed(kv_handle=WITH_LOGPROBS), "kv_handle": altered})) is Rejection.BAD_SIGNATURE
     added = {**HANDLE.to_dict(), "first_token_logprobs": WITH_LOGPROBS.first_token_logprobs.to_dict()}
@@ -74,13 +74,32 @@ def test_first_token_logprobs_travel_inside_the_signed_handle():
             KVHandle.from_dict({**HANDLE.to_dict(), "first_token_logprobs": bad})
 
 
-def test_a_handoff_is_admitted_once_then_refused_as_replayed_until_it_expires():
+def test_a_handoff_serves_one_request_then_is_refused_as_replayed_until_it_expires():
     once = gate()
     params = signed(kv_handle=HANDLE)
-    assert admit(params, on=once) == HANDLE
-    assert reason(lambda: admit(params, on=once, now=NOW + 2)) is Rejection.REPLAYED
+    admission = admit(params, on=once)
+    assert admission.kv_handle == HANDLE
+    with pytest.raises(ForwardedIdsRejected, match=r"\(replayed\): this handoff is in use by a request in flight"):
+        admit(params, on=once, now=NOW + 2)  # a second use while the first is in flight
+    admission.spend()  # decode took the request
+    admission.release()  # settled already: no effect
+    with pytest.raises(ForwardedIdsRejected, match=r"\(replayed\): this handoff was used already"):
+        admit(params, on=once, now=NOW + 2)
     assert reason(lambda: admit(params, on=once, now=NOW + 61)) is Rejection.EXPIRED
-    assert admit(signed(), on=once) is None  # another handoff is unaffected
+    assert admit(signed(), on=once).kv_handle is None  # another handoff is unaffected
+
+
+def test_a_released_handoff_may_be_used_again():
+    once = gate()
+    params = signed(kv_handle=HANDLE)
+    with admit(params, on=once):  # released on exit: its request was refused
+        pass
+    with pytest.raises(RuntimeError), admit(params, on=once, now=NOW + 2):
+        raise RuntimeError("the request failed before decode took it")
+    with admit(params, on=once, now=NOW + 3) as admission:
+        admission.spend()
+    assert reason(lambda: admit(params, on=once, now=NOW + 4)) is Rejection.REPLAYED
+    assert len(once._uses) == len(once._by_expiry) == 1  # one entry per handoff, however often it was released
 
 
 def test_sampling_fields_are_outside_the_fingerprint_render_inputs_inside():
@@ -125,7 +144,7 @@ def test_every_refusal_names_its_reason(case, expected):
 
 
 def test_trusted_accepts_unsigned_ids_but_still_checks_them():
-    assert admit({}, policy=Policy.TRUSTED) is None
+    assert admit({}, policy=Policy.TRUSTED).kv_handle is None
     assert reason(lambda: admit({}, ids=[5000], policy=Policy.TRUSTED)) is Rejection.OUT_OF_VOCABULARY
 
 
@@ -163,10 +182,10 @@ def test_the_route_is_planned_once_before_rendering():
     )  # the benchmarks' baseline: render, then verify
     assert verified.route is Route.RENDER_VERIFIED
     assert reason(lambda: planner.admit_rendered(verified, IDS[:-1])) is Rejection.BAD_SIGNATURE
-    assert planner.admit_rendered(verified, IDS) == HANDLE
+    assert planner.admit_rendered(verified, IDS).kv_handle == HANDLE
     handoff = planner.sign_handoff(chat(max_tokens=5), IDS, kv_handle=HANDLE, now=time.time() + 1)  # another handoff
     plan = planner.plan(chat(max_tokens=5), IDS, handoff.to_json())
-    assert (plan.route, plan.prompt_token_ids, plan.generation.max_tokens, plan.kv_handle) == (
+    assert (plan.route, plan.prompt_token_ids, plan.generation.max_tokens, plan.admission.kv_handle) == (
         Route.REUSE,
         IDS,
         5,
@@ -174,3 +193,14 @@ def test_the_route_is_planned_once_before_rendering():
     )
     with pytest.raises(InvalidRequest, match="handoff key"):
         RoutePlanner(gate(Policy.OFF, key=None), "m").plan(chat(), None, '{"do_remote_decode": true}')
+
+
+def test_a_handoff_refused_for_its_request_s_params_stays_good_for_the_corrected_request():
+    planner = RoutePlanner(gate(), "m")
+    handoff = planner.sign_handoff(chat(), IDS, kv_handle=HANDLE).to_json()
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        planner.plan(chat(max_tokens=10_000), IDS, handoff)  # past the context: refused after the gate admitted
+    plan = planner.plan(chat(max_tokens=5), IDS, handoff)
+    assert plan.route is Route.REUSE and plan.admission.kv_handle == HANDLE
+    plan.admission.spend()
+    assert reason(lambda: planner.plan(chat(max_tokens=5), IDS, handoff)) is Rejection.REPLAYED

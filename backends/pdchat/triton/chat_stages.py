@@ -81,6 +81,12 @@ class BLSStages:
         io.send_tensors(self.sender, response.output_tensors(), flags=FINAL if finish else 0)
         return bool(finish)
 
+    def refused(self, response: Any) -> bool:
+        if response.has_error():
+            return True
+        finish = pb_utils.get_output_tensor_by_name(response, tensors.FINISH_REASON)
+        return finish is not None and finish.as_numpy()[0] == FAILED.encode()
+
     def answer(self, output: ClientOutput, kv_transfer_params: str) -> None:
         kv_tensor = io.string_tensor(tensors.KV_TRANSFER_PARAMS, kv_transfer_params)
         io.send_tensors(self.sender, io.client_tensors(output) + [kv_tensor], flags=FINAL)
