@@ -154,11 +154,10 @@ def bls_overhead(stack, model_dir, tokenizer, tokens: int, repeats: int) -> dict
     from pdchat.core.kv.base import KVHandle
     from pdchat.core.request.protocol import chat_request_from_body
     from pdchat.core.request.rendering import ChatRenderer
-    from pdchat.core.settings import HANDOFF_KEY
     from pdchat.ensemble.seal import StageSeal
 
     renderer = ChatRenderer(model_dir, model_dir.name)  # its context length and vocabulary, as decode's chat has them
-    seal = StageSeal.for_this_server({HANDOFF_KEY.env: stack.handoff_key})
+    seal = StageSeal.of_server(stack.decode.process.pid)  # decode's own key: a seal opens its server only
     prefill, decode, direct = (
         GrpcChat(stack.prefill.grpc_url),
         GrpcChat(stack.decode.grpc_url),

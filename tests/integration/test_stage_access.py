@@ -18,6 +18,7 @@ from tritonclient.utils import InferenceServerException
 from pdchat import tensors
 from pdchat.clients.chat import ChatError, GrpcChat, chat_inputs, collect
 from pdchat.core.errors import ErrorCode, parse_tag
+from pdchat.ensemble.seal import StageSeal
 from tests.conversations import chat_body
 
 UNSEALED = "stage models take only input sealed by this server's renderer or chat model"
@@ -58,14 +59,18 @@ def refusal(server, model, **named) -> str:
     return info.value.message()
 
 
-@pytest.fixture(scope="module")
-def rendered(server):
+def render(server) -> dict[str, np.ndarray]:
     """What the renderer hands prefill for one request: ids, params and its seal."""
     result = infer(server, "renderer", request=json.dumps(chat_body("single_turn", max_tokens=4, temperature=0)))
     return {
         name: result.as_numpy(name)
         for name in (tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.STAGE_SEAL)
     }
+
+
+@pytest.fixture(scope="module")
+def rendered(server):
+    return render(server)
 
 
 def text(array) -> str:
@@ -149,7 +154,46 @@ def test_decode_takes_no_kv_or_first_token_of_a_client_s_own(server, rendered, o
 
 
 def test_a_cancellation_needs_chat_s_seal(server):
-    assert "an unsealed cancellation" in refusal(server, "decode", cancel_request_id="chatcmpl-0", stage_seal="x")
+    message = refusal(server, "decode", cancel_request_id="chatcmpl-0", stage_seal="x")
+    assert "a cancellation refused (malformed: " in message
+
+
+def test_a_sealed_input_opens_prefill_once(server):
+    """A red-team finding: a client who saw one sealed input (the renderer's answer) sent it
+    to prefill again and again, each call holding KV."""
+    captured = render(server)
+    ids, params, seal = (
+        captured[tensors.PROMPT_TOKEN_IDS],
+        text(captured[tensors.GENERATION_PARAMS]),
+        text(captured[tensors.STAGE_SEAL]),
+    )
+    result = infer(server, "prefill", prompt_token_ids=ids, generation_params=params, stage_seal=seal)
+    assert result.as_numpy("first_token_id").shape == (1,)
+    for _ in range(3):  # prefill runs two instances: a replay reaches either
+        message = refusal(server, "prefill", prompt_token_ids=ids, generation_params=params, stage_seal=seal)
+        assert "(replayed: this seal opened a stage already" in message and UNSEALED in message
+
+
+def test_an_expired_seal_is_refused(server, rendered):
+    ids, params = rendered[tensors.PROMPT_TOKEN_IDS], text(rendered[tensors.GENERATION_PARAMS])
+    late = StageSeal.of_server(server.process.pid)  # this server's key, read as a tool of its user reads it
+    late.ttl_s = -1.0  # sealed a second past its expiry
+    seal = late.seal_prompt(ids.tolist(), params)
+    message = refusal(server, "prefill", prompt_token_ids=ids, generation_params=params, stage_seal=seal)
+    assert "(expired: the seal expired" in message and "stage_seal_ttl_s" in message
+
+
+def test_a_seal_opens_only_the_server_that_made_it(decode_server, trusted_server):
+    """Two servers of one deployment (one handoff key): one's sealed input opens no stage of the other's."""
+    theirs = render(decode_server)
+    message = refusal(
+        trusted_server,
+        "prefill",
+        prompt_token_ids=theirs[tensors.PROMPT_TOKEN_IDS],
+        generation_params=text(theirs[tensors.GENERATION_PARAMS]),
+        stage_seal=text(theirs[tensors.STAGE_SEAL]),
+    )
+    assert "(not this server's: sealed by another server" in message
 
 
 def test_the_server_keeps_serving_after_the_refusals(server):

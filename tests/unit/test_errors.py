@@ -26,7 +26,7 @@ from pdchat.core.errors import (
 from pdchat.core.kv.base import KVBudgetExceeded, KVUnavailable
 from pdchat.core.kv.shm import KVDirectoryRefused
 from pdchat.ensemble.gate import ForwardedIdsRejected, Rejection
-from pdchat.ensemble.seal import Unsealed
+from pdchat.ensemble.seal import SealRefusal, Unsealed
 
 # pb_utils.TritonError's codes, as the python backend documents them. The class lives in the
 # backend stub's binary only (not importable here): test_triton_codes_are_the_stubs checks it.
@@ -129,7 +129,7 @@ def test_tagged_message_names_the_type_of_internal_errors_only():
     [
         (InvalidRequest("m"), ErrorCode.INVALID_ARG),
         (ForwardedIdsRejected(Rejection.MALFORMED, "m"), ErrorCode.INVALID_ARG),
-        (Unsealed("m"), ErrorCode.INVALID_ARG),
+        (Unsealed("m", SealRefusal.EXPIRED, "d"), ErrorCode.INVALID_ARG),
         (Unavailable("m"), ErrorCode.UNAVAILABLE),
         (KVBudgetExceeded("m"), ErrorCode.UNAVAILABLE),
         (ModelUnavailable("m"), ErrorCode.INTERNAL),

@@ -1,56 +1,131 @@
-"""Seals on stage inputs: what the renderer or chat sealed opens a stage, nothing else."""
+"""Seals on stage inputs: what this server's renderer, prefill or chat sealed opens a stage,
+once, until it expires; nothing else does."""
 
 import os
 import stat
+import subprocess
+import sys
+import time
 
 import pytest
 
 from pdchat.core.errors import InvalidRequest, ModelUnavailable
 from pdchat.core.request.protocol import GenerationParams
-from pdchat.ensemble.seal import StageSeal, Unsealed
+from pdchat.ensemble.seal import NonceLedger, SealRefusal, StageSeal, Unsealed, server_directory, server_id
 
 IDS = [5, 6, 7]
 PARAMS = GenerationParams(max_tokens=4).to_json()
+KEY = b"k" * 32
 
 
-def test_a_sealed_prompt_opens_the_stage_and_any_change_closes_it():
-    seal = StageSeal(b"k" * 32)
+@pytest.fixture
+def seal(tmp_path):
+    return StageSeal(KEY, tmp_path / "nonces")
+
+
+def refused(check) -> Unsealed:
+    with pytest.raises(Unsealed, match="stage models take only input sealed by this server's renderer") as info:
+        check()
+    return info.value
+
+
+def test_a_sealed_prompt_opens_the_stage_and_any_change_closes_it(seal, tmp_path):
     token = seal.seal_prompt(IDS, PARAMS)
-    seal.check_prompt(IDS, PARAMS, "", token)
-    for ids, params, handle, given in [
-        (IDS[:-1] + [8], PARAMS, "", token),
-        (IDS, PARAMS.replace('"max_tokens": 4', '"max_tokens": 5'), "", token),
-        (IDS, PARAMS, '{"connector": "shm"}', token),  # a KV handle needs its own seal
-        (IDS, PARAMS, "", None),
-        (IDS, PARAMS, "", "é" * 64),
-        (IDS, PARAMS, "", StageSeal(b"other-key-000000").seal_prompt(IDS, PARAMS)),
+    other_server = StageSeal(b"other-key-000000", tmp_path / "other")
+    for ids, params, handle, given, reason in [
+        (IDS[:-1] + [8], PARAMS, "", token, SealRefusal.ALTERED),
+        (IDS, PARAMS.replace('"max_tokens": 4', '"max_tokens": 5'), "", token, SealRefusal.ALTERED),
+        (IDS, PARAMS, '{"connector": "shm"}', token, SealRefusal.ALTERED),  # a KV handle needs its own seal
+        (IDS, PARAMS, "", token[:-1] + ("0" if token[-1] != "0" else "1"), SealRefusal.ALTERED),
+        (IDS, PARAMS, "", None, SealRefusal.UNSEALED),
+        (IDS, PARAMS, "", "é" * 64, SealRefusal.MALFORMED),
+        (IDS, PARAMS, "", "0" * 64, SealRefusal.MALFORMED),  # a seal of the old form
+        (IDS, PARAMS, "", other_server.seal_prompt(IDS, PARAMS), SealRefusal.NOT_THIS_SERVER),
     ]:
-        with pytest.raises(Unsealed, match="sealed by this server's renderer or chat model"):
-            seal.check_prompt(ids, params, handle, given)
+        error = refused(
+            lambda ids=ids, params=params, handle=handle, given=given: seal.check_prompt(ids, params, handle, given)
+        )
+        assert error.reason is reason and f"({reason.value}: " in str(error)
+    seal.check_prompt(IDS, PARAMS, "", token)  # the refusals claimed nothing
 
 
-def test_request_prompt_and_cancel_seals_are_not_interchangeable():
-    seal = StageSeal(b"k" * 32)
-    with pytest.raises(Unsealed):
-        seal.check_cancel("r1", seal.seal_request("r1"))
-    with pytest.raises(Unsealed):
-        seal.check_request("{}", seal.seal_cancel("{}"))
+def test_request_prompt_and_cancel_seals_are_not_interchangeable(seal):
+    assert refused(lambda: seal.check_cancel("r1", seal.seal_request("r1"))).reason is SealRefusal.ALTERED
+    assert refused(lambda: seal.check_request("{}", seal.seal_cancel("{}"))).reason is SealRefusal.ALTERED
     seal.check_cancel("r1", seal.seal_cancel("r1"))
+    assert "a cancellation refused (unsealed" in str(refused(lambda: seal.check_cancel("r1", None)))
     assert issubclass(Unsealed, InvalidRequest)  # INVALID_ARG for the client
 
 
-def test_the_key_comes_from_env_the_handoff_key_or_a_private_file(tmp_path, monkeypatch):
+def test_a_prompt_seal_opens_one_stage_call_in_any_process_of_the_server(seal, tmp_path):
+    token = seal.seal_prompt(IDS, PARAMS, "handle")
+    seal.check_prompt(IDS, PARAMS, "handle", token)
+    error = refused(lambda: seal.check_prompt(IDS, PARAMS, "handle", token))
+    assert error.reason is SealRefusal.REPLAYED and "(replayed: " in str(error)
+    another_instance = StageSeal(KEY, tmp_path / "nonces")  # prefill's other instance: its own process
+    assert refused(lambda: another_instance.check_prompt(IDS, PARAMS, "handle", token)).reason is SealRefusal.REPLAYED
+    another_instance.check_prompt(IDS, PARAMS, "handle", seal.seal_prompt(IDS, PARAMS, "handle"))  # a fresh seal
+    request = seal.seal_request("{}")
+    seal.check_request("{}", request)
+    seal.check_request("{}", request)  # the renderer allocates no KV: not single-use
+
+
+def test_a_seal_expires(tmp_path):
+    brief = StageSeal(KEY, tmp_path / "nonces", ttl_s=0.05)
+    token, cancel = brief.seal_prompt(IDS, PARAMS), brief.seal_cancel("r")
+    time.sleep(0.1)
+    error = refused(lambda: brief.check_prompt(IDS, PARAMS, "", token))
+    assert error.reason is SealRefusal.EXPIRED and "(setting stage_seal_ttl_s)" in str(error)
+    assert refused(lambda: brief.check_cancel("r", cancel)).reason is SealRefusal.EXPIRED
+
+
+def test_the_ledger_forgets_a_nonce_once_its_seal_expired(tmp_path):
+    ledger = NonceLedger(tmp_path)
+    nonce = "ab" * 16
+    assert ledger.claim(nonce, 1_000_500, now=999.0) and not ledger.claim(nonce, 1_000_500, now=999.5)
+    assert ledger.claim("cd" * 16, 1_003_000, now=1002.0)  # the sweep at 1002 s removes the bucket of 1000 s
+    assert sorted(os.listdir(tmp_path)) == ["1003"]
+
+
+STUB = "from pdchat.ensemble.seal import StageSeal; print(StageSeal.for_this_server({}).key_id)"
+SERVER = f"""
+import subprocess, sys
+stubs = [subprocess.Popen([sys.executable, "-c", {STUB!r}], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+print(" ".join(stub.communicate()[0].strip() for stub in stubs))
+"""
+
+
+def test_each_server_has_a_key_of_its_own_that_all_its_models_share(tmp_path):
+    """Two servers (processes whose children are their stage models): the models of one
+    agree on one key, made by whichever came first; the other server's differs."""
+    env = {**os.environ, "PDCHAT_CACHE_DIR": str(tmp_path)}
+    env.pop("PDCHAT_STAGE_KEY", None)
+    servers = [
+        subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True, env=env) for _ in "ab"
+    ]
+    key_ids = [set(server.communicate(timeout=60)[0].split()) for server in servers]
+    assert [len(ids) for ids in key_ids] == [1, 1] and key_ids[0] != key_ids[1]
+    # Both servers are gone: the next server's key removes what they left.
+    subprocess.run([sys.executable, "-c", SERVER], env=env, check=True, capture_output=True)
+    assert len(os.listdir(tmp_path / "stage")) == 1
+
+
+def test_the_key_file_is_private_and_read_by_tools_of_the_same_user(tmp_path, monkeypatch):
     monkeypatch.setenv("PDCHAT_CACHE_DIR", str(tmp_path))
+    models = StageSeal.for_this_server({})
+    directory = server_directory(os.getppid())
+    assert directory.name == server_id(os.getppid()) and directory.parent == tmp_path / "stage"
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE((directory / "key").stat().st_mode) == 0o600
+    tool = StageSeal.of_server(os.getppid())
+    models.check_prompt(IDS, PARAMS, "", tool.seal_prompt(IDS, PARAMS))
     explicit = StageSeal.for_this_server({"PDCHAT_STAGE_KEY": "s" * 32})
-    derived = StageSeal.for_this_server({"PDCHAT_HANDOFF_KEY": "h" * 32})
-    first, second = StageSeal.for_this_server({}), StageSeal.for_this_server({})
-    assert first.seal_cancel("x") == second.seal_cancel("x")  # one key for every model of this user
-    assert len({explicit.seal_cancel("x"), derived.seal_cancel("x"), first.seal_cancel("x")}) == 3
-    key_file = tmp_path / "stage.key"
-    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
-    os.chmod(key_file, 0o644)
+    assert explicit.key_id != models.key_id
+    os.chmod(directory / "key", 0o644)
     with pytest.raises(ModelUnavailable, match="mode 0600"):
         StageSeal.for_this_server({})
+    with pytest.raises(ModelUnavailable, match="has no stage key"):
+        StageSeal.of_server(os.getpid())
 
 
 def test_stage_models_check_generation_params_whoever_sent_them():

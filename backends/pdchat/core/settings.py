@@ -197,7 +197,8 @@ CACHE_DIR = Setting(
     "~/.cache/pdchat",
     PATH,
     ("chat", "renderer", "prefill", "decode", "pdchat"),
-    "Root of generated artefacts: embedded models, the assembled backend directory, the stage key file, launcher logs.",
+    "Root of generated artefacts: embedded models, the assembled backend directory, each server's stage key, "
+    "launcher logs.",
 )
 
 # chat: the gate, the handoff, its calls to the stage models.
@@ -428,7 +429,7 @@ HANDOFF_KEY = Setting(
     TEXT,
     ("chat", "renderer", "prefill", "decode"),
     "The deployment's shared secret (at least 16 bytes): prefill servers sign handoffs with it, decode servers "
-    "verify them. Without PDCHAT_STAGE_KEY, the stage seal's key derives from it.",
+    "verify them.",
 )
 HANDOFF_KEY_FILE = Setting(
     "handoff_key_file",
@@ -446,8 +447,19 @@ STAGE_KEY = Setting(
     "",
     TEXT,
     ("chat", "renderer", "prefill", "decode"),
-    "Key of the seals on stage inputs (renderer, prefill and decode serve only what this server's renderer or "
-    "chat made); unset: derived from the handoff key, else a random key in a 0600 file of the cache directory.",
+    "Key of the seals on stage inputs (renderer, prefill and decode serve only what this server's renderer, "
+    "prefill or chat made); unset: a random key of this tritonserver process's own, in a 0600 file of the cache "
+    "directory. Servers given one key take each other's seals.",
+)
+STAGE_SEAL_TTL_S = Setting(
+    "stage_seal_ttl_s",
+    None,
+    "PDCHAT_STAGE_SEAL_TTL_S",
+    "60",
+    NUMBER,
+    ("chat", "renderer", "prefill", "decode"),
+    "Seconds a seal on a stage input stays valid; prefill and decode take each seal once. Keep it above the "
+    "longest a rendered prompt waits for one of chat's stage lanes to prefill it.",
 )
 API_KEY = Setting(
     "api_key",
