@@ -141,14 +141,16 @@ def _to_output(get: Callable[[str], Any]) -> ChatOutput:
 
 
 class GrpcChat:
-    """gRPC streaming: works for streamed and whole answers of decoupled models."""
+    """gRPC streaming: works for streamed and whole answers of decoupled models.
+    `timeout_s`: the longest wait for a response (the first, or the next)."""
 
-    def __init__(self, url: str, model: str = DEFAULT_MODEL):
+    def __init__(self, url: str, model: str = DEFAULT_MODEL, timeout_s: float = TIMEOUT_S):
         import tritonclient.grpc as grpcclient
 
         self._grpc = grpcclient
         self.client = grpcclient.InferenceServerClient(url)
         self.model = model
+        self.timeout_s = timeout_s
 
     def stream(self, inputs: dict[str, np.ndarray], request_id: str = "") -> Iterator[ChatOutput]:
         responses: queue.Queue = queue.Queue()
@@ -173,7 +175,7 @@ class GrpcChat:
                     error = None
                 raise _grpc_error(error or exc) from exc
             while True:
-                result, error = responses.get(timeout=TIMEOUT_S)
+                result, error = responses.get(timeout=self.timeout_s)
                 if error is not None:
                     finished = True  # an error ends the request
                     raise _grpc_error(error)
