@@ -1,7 +1,7 @@
 """The router's OpenAI-compatible HTTP front: FastAPI on uvicorn's pure-Python h11 protocol.
 
 Routes: `POST /v1/chat/completions` (SSE when `stream`), `GET /v1/models`, `GET /health`,
-`GET /metrics` (Prometheus). The front is where untrusted bytes arrive, so it bounds
+`GET /metrics` (Prometheus), `POST /drain`. The front is where untrusted bytes arrive, so it bounds
 everything a client controls before the router sees it: the request head's size and the
 time to send it, the body's size, time and JSON nesting, the X-Request-Id forwarded to
 both servers' logs, idle keep-alive connections and the number of connections. Errors
@@ -9,6 +9,11 @@ use OpenAI's shape, `{"error": {"message", "type", "code"}}`.
 
 `ChatFront.chat` is a blocking generator: each step runs in a worker thread, and a client
 that leaves mid-stream gets the generator closed, which cancels the decode request.
+
+Draining (`_Front.drain`: SIGTERM, SIGINT or `POST /drain`): new chat requests get 503
+`draining` and `/health` 503 at once; the running ones have `drain_timeout_s` to finish,
+then end with an error, their servers told to cancel them. SIGTERM then stops the process;
+`/drain` leaves it up, not admitting, until a signal stops it.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
+from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -42,7 +48,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pdchat.clients.chat import ChatError, ChatOutput
+from pdchat.clients.router import Draining, UpstreamTimeout
 from pdchat.core.errors import ErrorCode
+from pdchat.core.settings import DRAIN_TIMEOUT_S
 
 if TYPE_CHECKING:
     from pdchat.clients.router import ChatFront
@@ -55,6 +63,7 @@ OUTCOMES = ("ok", "client_error", "server_error", "cancelled")
 REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID_RULE = "[A-Za-z0-9._:-]{1,128}"
 _REQUEST_ID = re.compile(REQUEST_ID_RULE.encode())
+DRAIN_POLL_S = 0.05  # how often a drain looks whether requests still run
 T = TypeVar("T")
 
 
@@ -73,7 +82,8 @@ class HttpSettings:
     linger_s: float = 2.0  # after an answer that leaves the body unread, what still arrives is dropped this long
     keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this
     max_connections: int = 256  # uvicorn answers 503 over it; also the number of worker threads
-    shutdown_timeout_s: float = 5.0  # on SIGTERM, streams still running then are cancelled
+    shutdown_timeout_s: float = 5.0  # a drain's wait for the requests it ended, then uvicorn's for open connections
+    drain_timeout_s: float = field(default_factory=DRAIN_TIMEOUT_S.get)  # running requests' time to finish
 
 
 class ApiError(Exception):
@@ -95,8 +105,9 @@ class ApiError(Exception):
 
     @property
     def type(self) -> str:
-        """OpenAI's error type: that of the status's ErrorCode, but for the front's 401."""
-        return "authentication_error" if self.status == 401 else ErrorCode.from_http_status(self.status).openai_type
+        """OpenAI's error type: that of the status's ErrorCode, but for the front's 401 and 504."""
+        front_type = {401: "authentication_error", 504: "upstream_timeout"}.get(self.status)
+        return front_type or ErrorCode.from_http_status(self.status).openai_type
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.code}}
@@ -146,7 +157,12 @@ def body_too_large(limit: int) -> ApiError:
 
 
 def chat_api_error(exc: ChatError) -> ApiError:
-    """A router error as an HTTP answer of its code."""
+    """A router error as an HTTP answer of its code; a stall and a drain are the front's
+    own answers: 504 `upstream_timeout`, 503 `draining`."""
+    if isinstance(exc, UpstreamTimeout):
+        return ApiError(504, str(exc), "upstream_timeout")
+    if isinstance(exc, Draining):
+        return ApiError(503, str(exc), "draining")
     return ApiError.of(exc.code, str(exc))
 
 
@@ -237,6 +253,9 @@ class _Front:
         self.router, self.settings = router, settings
         self.metrics = _Metrics(router)
         self._limiter: anyio.CapacityLimiter | None = None
+        self.running = 0  # chat requests being served (counted by _Guard)
+        self.draining = False  # set once, never cleared
+        self._drain: asyncio.Future[None] | None = None
 
     async def _in_thread(self, func: Callable[..., T], *args: Any) -> T:
         """`func(*args)` in a worker thread: one per connection at most, not anyio's default 40."""
@@ -257,6 +276,8 @@ class _Front:
 
     async def chat_completions(self, request: Request) -> Response:
         started = time.perf_counter()
+        if self.draining:
+            raise ApiError(503, "this front is draining: it takes no new requests", "draining", close=True)
         body = await self._json_body(request)
         outputs = self.router.chat(body, request.state.request_id)
         try:
@@ -350,8 +371,46 @@ class _Front:
         return _json(200, {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "pdchat"}]})
 
     async def health(self, request: Request) -> Response:
+        if self.draining:
+            return _json(503, {"ok": False, "draining": True, "running": self.running})
         status = await self._in_thread(self.router.health)
         return _json(200 if status["ok"] else 503, status)
+
+    async def drain_route(self, request: Request) -> Response:
+        """`POST /drain`: answered once drained; the process stays up, not admitting."""
+        await self.drain()
+        return _json(200, {"drained": not self.running})
+
+    async def drain(self) -> None:
+        """Stop admitting chat requests (503 `draining`) and answer `/health` with 503 from
+        now on; let the running ones finish within `drain_timeout_s`, then end the rest
+        (`ChatFront.abort`: their clients get an error, their servers cancel them).
+        Returns once none runs, or `shutdown_timeout_s` after ending them. A later call
+        waits for the same drain."""
+        self.draining = True
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self._drained())
+        await asyncio.shield(self._drain)
+
+    async def _drained(self) -> None:
+        timeout = self.settings.drain_timeout_s
+        log.info("draining: no new requests; %d running have %g s to finish", self.running, timeout)
+        if not await self._settled(timeout):
+            log.warning("draining: ending the %d requests still running after %g s", self.running, timeout)
+            reason = (
+                f"this front is draining and the request did not finish within its drain timeout of {timeout:g} s "
+                "(setting drain_timeout_s)"
+            )
+            await anyio.to_thread.run_sync(self.router.abort, reason)  # not _in_thread: its threads may be stuck
+            await self._settled(self.settings.shutdown_timeout_s)
+        log.info("drained: %d requests still running", self.running)
+
+    async def _settled(self, timeout: float) -> bool:
+        """Whether no chat request runs, waiting up to `timeout` for that."""
+        deadline = time.monotonic() + timeout
+        while self.running and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        return not self.running
 
     async def metrics_page(self, request: Request) -> Response:
         return Response(self.metrics.page(), media_type=CONTENT_TYPE_LATEST)
@@ -394,6 +453,7 @@ class _Guard:
 
         if counted:
             metrics.in_flight.inc()
+            self.front.running += 1
         try:
             refusal = self._refusal(scope, state)
             if refusal is not None:
@@ -403,6 +463,7 @@ class _Guard:
         finally:
             if counted:
                 metrics.in_flight.dec()
+                self.front.running -= 1
                 metrics.requests.labels(
                     state.get("outcome") or (outcome_of(statuses[0]) if statuses else "cancelled")
                 ).inc()
@@ -442,7 +503,7 @@ class _Guard:
         return None
 
 
-def create_app(router: ChatFront, settings: HttpSettings | None = None) -> ASGIApp:
+def create_app(router: ChatFront, settings: HttpSettings | None = None) -> _Guard:
     """The ASGI app of the front (for uvicorn or any ASGI server; `serve` adds the timeouts)."""
     front = _Front(router, settings or HttpSettings())
     app = FastAPI(title="pdchat router", docs_url=None, redoc_url=None, openapi_url=None)
@@ -450,6 +511,7 @@ def create_app(router: ChatFront, settings: HttpSettings | None = None) -> ASGIA
     app.add_api_route("/v1/models", front.models, methods=["GET"])
     app.add_api_route("/health", front.health, methods=["GET"])
     app.add_api_route("/metrics", front.metrics_page, methods=["GET"])
+    app.add_api_route("/drain", front.drain_route, methods=["POST"])
     app.add_exception_handler(ApiError, front.on_api_error)
     app.add_exception_handler(HTTPException, front.on_http_exception)
     app.add_exception_handler(Exception, front.on_unexpected)
@@ -638,8 +700,9 @@ def make_server(
     def protocol(**kwargs: Any) -> DeadlineH11Protocol:
         return DeadlineH11Protocol(settings=settings, **kwargs)
 
+    app = create_app(router, settings)
     config = uvicorn.Config(
-        create_app(router, settings),
+        app,
         host=host,
         port=port,
         loop="asyncio",
@@ -654,11 +717,37 @@ def make_server(
         h11_max_incomplete_event_size=settings.max_header_bytes,
         timeout_graceful_shutdown=settings.shutdown_timeout_s,
     )
-    return uvicorn.Server(config)
+    return DrainingServer(config, app.front)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server for the front: the first SIGTERM or SIGINT drains it (`_Front.drain`)
+    before uvicorn's graceful stop; another signal stops at once, as in uvicorn."""
+
+    def __init__(self, config: uvicorn.Config, front: _Front):
+        super().__init__(config)
+        self.front = front
+        self._signalled = False
+        self._draining: asyncio.Future[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._signalled:
+            return super().handle_exit(sig, frame)
+        self._signalled = True
+        self.front.draining = True  # not ready and not admitting from now; the drain starts on the next tick
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._signalled and self._draining is None:
+            self._draining = asyncio.ensure_future(self._drain_then_exit())
+        return await super().on_tick(counter)
+
+    async def _drain_then_exit(self) -> None:
+        await self.front.drain()
+        self.should_exit = True
 
 
 def serve(router: ChatFront, host: str = "127.0.0.1", port: int = 8080, settings: HttpSettings | None = None) -> None:
-    """Serve until SIGTERM or SIGINT, then stop gracefully and return (in the main thread)."""
+    """Serve until SIGTERM or SIGINT, then drain, stop gracefully and return (in the main thread)."""
     server = make_server(router, host, port, settings)
     if threading.current_thread() is threading.main_thread():
         # uvicorn re-raises the signal after its graceful stop, to the handler it found:

@@ -3,11 +3,16 @@
 `PDRouter` (library) drives the two legs over tritonclient gRPC: the prefill server's
 `chat` renders, prefills and answers signed kv_transfer_params; the decode server's
 `chat` gets the same request plus those params and the ids as a binary tensor, so it
-neither renders nor tokenizes. Fallbacks lose no request: prefill unreachable or
-failing -> decode serves the request whole; decode unreachable -> a clear error.
+neither renders nor tokenizes. Fallbacks lose no request: prefill unreachable, failing
+or stalled -> decode serves the request whole; decode unreachable -> a clear error.
+
+A server that sends nothing for `stall_timeout_s` (setting STALL_TIMEOUT_S) ends its
+stream with UpstreamTimeout, its request cancelled, and gets no new request until it
+answers a readiness probe again (`BackendPool`).
 
 `pdchat.clients.openai_api` puts it behind `POST /v1/chat/completions` (SSE when
-streaming), `GET /v1/models`, `GET /health` and `GET /metrics`, for the `openai` client or curl.
+streaming), `GET /v1/models`, `GET /health`, `GET /metrics` and `POST /drain`, for the
+`openai` client or curl.
 """
 
 from __future__ import annotations
@@ -22,22 +27,43 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdchat.clients.chat import ChatError, ChatOutput, GrpcChat, chat_inputs
 from pdchat.core.errors import ErrorCode, InvalidRequest
 from pdchat.core.request.protocol import ChatRequest, chat_request_from_body, utf8_json
+from pdchat.core.settings import STALL_TIMEOUT_S
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger("pdchat.router")
 PROBE_TIMEOUT_S = 2.0
 
 
+class UpstreamTimeout(ChatError):
+    """A server sent nothing for the stall deadline (before its first response or between
+    two): its request was cancelled and the server marked unready."""
+
+    def __init__(self, message: str):
+        super().__init__(message, ErrorCode.UNAVAILABLE)
+
+
+class Draining(ChatError):
+    """The front is draining: it ended this stream (its request cancelled on its server) or
+    takes no new ones. The message says why."""
+
+    def __init__(self, message: str):
+        super().__init__(message, ErrorCode.UNAVAILABLE)
+
+
 @dataclass
 class Backend:
     """One tritonserver (gRPC address): its idle clients, requests in flight, and whether
-    it answered its last health probe."""
+    it is ready (as its last probe or request found it)."""
 
     url: str
+    stall_timeout_s: float = STALL_TIMEOUT_S.default_value  # its clients' longest wait for a response
     in_flight: int = 0
     idle: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     healthy: bool = True
@@ -48,7 +74,7 @@ class Backend:
         try:
             chat = self.idle.get_nowait()
         except queue.Empty:
-            chat = GrpcChat(self.url)
+            chat = GrpcChat(self.url, timeout_s=self.stall_timeout_s)
         try:
             yield chat
         except BaseException:
@@ -56,36 +82,51 @@ class Backend:
             raise
         self.idle.put(chat)
 
-    def probe(self) -> bool:
-        self.healthy, self.checked_at = _ready(self.url), time.monotonic()
-        return self.healthy
-
 
 class BackendPool:
-    """Least-loaded choice (fewest requests in flight) among the servers that answered
-    their last probe, round-robin among equals. A server that failed a request is probed
-    again before it gets another, at most once per `reprobe_s`."""
+    """Least-loaded choice (fewest requests in flight) among the ready servers, round-robin
+    among equals, and the streams of their requests (`stream`).
 
-    def __init__(self, urls: list[str], role: str = "", reprobe_s: float = 1.0):
+    How a server's readiness changes:
+    - a transport failure or server fault probes it at once (`mark_failed`);
+    - a stall (nothing for `stall_timeout_s`) marks it unready without a probe
+      (`mark_unready`): a stopped server would hold the probe for its whole timeout;
+    - while a server is unready, a watcher thread probes it every `reprobe_s` and marks it
+      ready once it answers; `/health` probes every server.
+
+    NOTE: no request waits for a probe: a request that finds no server ready is refused at
+    once (`none_ready`)."""
+
+    def __init__(self, urls: list[str], role: str = "", reprobe_s: float = 1.0, stall_timeout_s: float | None = None):
         if not urls:
             raise ValueError("a pool needs at least one server")
-        self.backends = [Backend(u) for u in urls]
+        self.stall_timeout_s = STALL_TIMEOUT_S.get() if stall_timeout_s is None else stall_timeout_s
+        self.backends = [Backend(u, self.stall_timeout_s) for u in urls]
         self.role = role
         self.reprobe_s = reprobe_s
+        self.aborted: str | None = None  # why `abort` ended the streams; no new one starts then
         self._turn = itertools.count()
         self._lock = threading.Lock()
+        self._watcher: threading.Thread | None = None
+        self._streams: set[GrpcChat] = set()  # clients whose stream runs
 
     def any_healthy(self) -> bool:
-        """Whether some server is worth a request now (probing those due for it)."""
-        now = time.monotonic()
-        for backend in self.backends:
-            if not backend.healthy and now - backend.checked_at >= self.reprobe_s:
-                backend.probe()
+        """Whether some server is ready now (as last found: this never probes)."""
         return any(b.healthy for b in self.backends)
 
     def mark_failed(self, backend: Backend) -> None:
         """A transport failure or server fault: probe it now, before it gets more requests."""
-        backend.probe()
+        self._found(backend, _ready(backend.url))
+
+    def mark_unready(self, backend: Backend) -> None:
+        """No new request for `backend` until the watcher's probe finds it ready."""
+        self._found(backend, False)
+
+    def probe_all(self) -> dict[str, bool]:
+        """Probe every server now: whether each is ready, by address."""
+        for backend in self.backends:
+            self._found(backend, _ready(backend.url))
+        return {b.url: b.healthy for b in self.backends}
 
     def none_ready(self) -> ChatError:
         """What a request gets while no server of the pool is ready."""
@@ -109,6 +150,89 @@ class BackendPool:
             with self._lock:
                 backend.in_flight -= 1
 
+    def stream(self, backend: Backend, inputs: dict[str, np.ndarray], request_id: str = "") -> Iterator[ChatOutput]:
+        """`backend`'s responses (it comes from `pick`) to one request. Its errors, by kind:
+        - nothing for `stall_timeout_s`: UpstreamTimeout, naming the server; the request is
+          cancelled and the server marked unready;
+        - a transport failure or server fault: the server is probed at once; one that does
+          not answer ends the stream UNAVAILABLE, naming it;
+        - once `abort` ran: Draining, the request cancelled.
+        A client error (the request is bad) ends it as the server said."""
+        with backend.client() as client, self._running(client):
+            try:
+                yield from client.stream(inputs, request_id=request_id)
+            except Exception as exc:
+                error = self._failure(backend, exc)
+                if error is exc:
+                    raise
+                raise error from exc
+
+    def abort(self, reason: str) -> None:
+        """End every running stream with Draining(reason), its request cancelled on its
+        server (the gRPC stream closed), and refuse new streams from now on."""
+        with self._lock:
+            self.aborted = reason
+            streams = list(self._streams)
+        for client in streams:
+            try:
+                client.client.stop_stream(cancel_requests=True)
+            except Exception:  # noqa: BLE001 - a stream ending meanwhile races tritonclient's stop
+                log.debug("a %s stream ended while it was being aborted", self.role, exc_info=True)
+
+    @contextmanager
+    def _running(self, client: GrpcChat) -> Iterator[None]:
+        """`client`'s stream counts as running (for `abort`) while inside."""
+        with self._lock:
+            if self.aborted is not None:
+                raise Draining(self.aborted)
+            self._streams.add(client)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._streams.discard(client)
+
+    def _failure(self, backend: Backend, exc: Exception) -> Exception:
+        """What a stream of `backend` that raised `exc` ends with; the server's readiness updated."""
+        if self.aborted is not None:  # the closed stream may surface as any of tritonclient's errors
+            return Draining(self.aborted)
+        if isinstance(exc, queue.Empty):  # GrpcChat waited its timeout for a response
+            self.mark_unready(backend)
+            stall = UpstreamTimeout(
+                f"{self.role or 'backend'} server {backend.url} sent nothing for {self.stall_timeout_s:g} s "
+                "(setting stall_timeout_s); the request was cancelled"
+            )
+            log.warning("%s; no new requests for it until it answers a readiness probe", stall)
+            return stall
+        if isinstance(exc, ChatError) and not exc.is_client_error:
+            self.mark_failed(backend)
+            if not backend.healthy:
+                return ChatError(f"{self.role} server {backend.url} is unavailable: {exc}", ErrorCode.UNAVAILABLE)
+        return exc
+
+    def _found(self, backend: Backend, ready: bool) -> None:
+        """Record what a probe or a request found; an unready server starts the watcher."""
+        with self._lock:
+            backend.healthy, backend.checked_at = ready, time.monotonic()
+            if not ready and self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch, name=f"pdchat-probe-{self.role}", daemon=True)
+                self._watcher.start()
+
+    def _watch(self) -> None:
+        """Probe the unready servers every `reprobe_s` until every server is ready."""
+        while True:
+            time.sleep(self.reprobe_s)
+            with self._lock:
+                unready = [b for b in self.backends if not b.healthy]
+                if not unready:
+                    self._watcher = None
+                    return
+            for backend in unready:
+                ready = _ready(backend.url)
+                if ready:
+                    log.info("%s server %s is ready again", self.role or "backend", backend.url)
+                self._found(backend, ready)
+
 
 @dataclass
 class RouterStats:
@@ -127,19 +251,31 @@ class ChatFront:
         self.stats = RouterStats()
         self._served_model: str | None = None
 
+    @property
+    def pools(self) -> tuple[BackendPool, ...]:
+        """Every pool this front streams from."""
+        return (self.serving,)
+
     def chat(self, body: dict[str, Any], request_id: str = "") -> Iterator[ChatOutput]:
         raise NotImplementedError
+
+    def abort(self, reason: str) -> None:
+        """End every running stream with Draining(reason), cancelling its request on its
+        server; streams asked for later end so at once."""
+        for pool in self.pools:
+            pool.abort(reason)
 
     def served_model(self) -> str:
         """The model name clients should send (asked of a server once)."""
         if self._served_model is None:
-            probe = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-            with self.serving.pick() as backend, backend.client() as client:
-                self._served_model = next(iter(client.stream(chat_inputs(probe)))).response["model"]
+            probe = chat_inputs({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+            with self.serving.pick() as backend:
+                [answer] = list(self.serving.stream(backend, probe))
+            self._served_model = answer.response["model"]
         return self._served_model
 
     def health(self) -> dict[str, Any]:
-        status = {self.serving.role: {b.url: b.probe() for b in self.serving.backends}, "stats": self.stats.__dict__}
+        status = {self.serving.role: self.serving.probe_all(), "stats": self.stats.__dict__}
         status["ok"] = any(status[self.serving.role].values())
         return status
 
@@ -152,21 +288,15 @@ class ChatFront:
             raise ChatError(str(exc), exc.code) from exc
 
     def _stream(self, text: bytes, request_id: str, **forwarded: Any) -> Iterator[ChatOutput]:
-        """Responses of one serving server; a server fault marks it for a probe."""
+        """Responses of one serving server (errors as `BackendPool.stream` says)."""
         if not self.serving.any_healthy():
             self.stats.failed += 1
             raise self.serving.none_ready()
-        with self.serving.pick() as backend, backend.client() as client:
+        with self.serving.pick() as backend:
             try:
-                yield from client.stream(chat_inputs(text, **forwarded), request_id=request_id)
-            except ChatError as exc:
+                yield from self.serving.stream(backend, chat_inputs(text, **forwarded), request_id)
+            except ChatError:
                 self.stats.failed += 1
-                if not exc.is_client_error:
-                    self.serving.mark_failed(backend)
-                    if not backend.healthy:
-                        raise ChatError(
-                            f"{self.serving.role} server {backend.url} is unavailable: {exc}", ErrorCode.UNAVAILABLE
-                        ) from exc
                 raise
 
 
@@ -175,8 +305,8 @@ class ServerFront(ChatFront):
     router of its own (vllm-router, production-stack) that drives P/D itself. The body goes
     as is, `kv_transfer_params` included; a prefill answer carries them back in its JSON."""
 
-    def __init__(self, url: str, role: str = "server"):
-        super().__init__(BackendPool([url], role))
+    def __init__(self, url: str, role: str = "server", stall_timeout_s: float | None = None):
+        super().__init__(BackendPool([url], role, stall_timeout_s=stall_timeout_s))
 
     def chat(self, body: dict[str, Any], request_id: str = "") -> Iterator[ChatOutput]:
         self.stats.requests += 1
@@ -187,13 +317,23 @@ class ServerFront(ChatFront):
 class PDRouter(ChatFront):
     """Prefill on one pool, decode on another. `forward_ids=False` is the comparison mode of
     the benchmarks (vLLM before it forwarded ids): decode gets the signed handoff without
-    the ids and renders itself."""
+    the ids and renders itself. `stall_timeout_s`: None reads the setting."""
 
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str], forward_ids: bool = True):
-        super().__init__(BackendPool(decode_urls, "decode"))
-        self.prefill = BackendPool(prefill_urls, "prefill")
+    def __init__(
+        self,
+        prefill_urls: list[str],
+        decode_urls: list[str],
+        forward_ids: bool = True,
+        stall_timeout_s: float | None = None,
+    ):
+        super().__init__(BackendPool(decode_urls, "decode", stall_timeout_s=stall_timeout_s))
+        self.prefill = BackendPool(prefill_urls, "prefill", stall_timeout_s=stall_timeout_s)
         self.decode = self.serving
         self.forward_ids = forward_ids
+
+    @property
+    def pools(self) -> tuple[BackendPool, ...]:
+        return (self.prefill, self.decode)
 
     def chat(self, body: dict[str, Any], request_id: str = "") -> Iterator[ChatOutput]:
         """The decode server's responses for one chat request (streamed if body asks)."""
@@ -220,28 +360,26 @@ class PDRouter(ChatFront):
 
     def _prefill_leg(self, body: bytes, request_id: str) -> ChatOutput | None:
         """Prefill's answer (first token, prompt ids, signed handoff), or None to let decode
-        do it all. A do_remote_decode request gets one answer, streamed or not."""
+        do it all: no prefill server ready, or the one picked failed or stalled. A
+        do_remote_decode request gets one answer, streamed or not."""
         started = time.perf_counter()
-        used = None
         try:
-            with self.prefill.pick() as used, used.client() as client:
+            with self.prefill.pick() as used:
                 inputs = chat_inputs(body, kv_transfer_params={"do_remote_decode": True})
-                [output] = list(client.stream(inputs, request_id=request_id))
+                [output] = list(self.prefill.stream(used, inputs, request_id))
             log.info(
                 "request %s: prefill on %s in %.1f ms", request_id, used.url, 1000 * (time.perf_counter() - started)
             )
             return output
         except ChatError as exc:
-            if exc.is_client_error:
-                raise  # the request itself is bad: decode would refuse it too
-            if used is not None:
-                self.prefill.mark_failed(used)
+            if exc.is_client_error or isinstance(exc, Draining):
+                raise  # the request itself is bad (decode would refuse it too), or the front is stopping
             self.stats.prefill_fallbacks += 1
             log.warning("request %s: prefill failed (%s: %s); decode serves it whole", request_id, exc.code.name, exc)
             return None
 
     def health(self) -> dict[str, Any]:
-        return {**super().health(), "prefill": {b.url: b.probe() for b in self.prefill.backends}}
+        return {**super().health(), "prefill": self.prefill.probe_all()}
 
 
 def _ready(url: str) -> bool:

@@ -4,7 +4,9 @@ itself (metrics, Triton's statistics)."""
 from __future__ import annotations
 
 import json
+import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -130,3 +132,38 @@ def router_answer(stack, body) -> dict:
             finish = choice["finish_reason"] or finish
             ids += choice.get("token_ids") or []
     return {"content": content, "reasoning": reasoning, "tool_calls": calls, "finish_reason": finish, "ids": ids}
+
+
+class StreamReader(threading.Thread):
+    """A streamed chat completion POSTed to `base_url`, read in the background. `events`:
+    each SSE event's JSON, "[DONE]" for the last; `first` is set at the first event;
+    `ended_at`: when the stream ended (time.monotonic()); `status`: the HTTP status."""
+
+    def __init__(self, base_url: str, body: dict, headers: dict | None = None):
+        super().__init__(daemon=True)
+        self.request = urllib.request.Request(
+            f"{base_url}/v1/chat/completions",
+            data=json.dumps({**body, "stream": True}).encode(),
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
+        self.events: list = []
+        self.first = threading.Event()
+        self.status = 0
+        self.ended_at = 0.0
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with urllib.request.urlopen(self.request, timeout=300) as reply:
+                self.status = reply.status
+                for line in reply:
+                    if line.startswith(b"data: "):
+                        data = line[6:].strip()
+                        self.events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+                        self.first.set()
+        except urllib.error.HTTPError as exc:
+            self.status = exc.code
+            self.events.append(json.loads(exc.read()))
+        finally:
+            self.ended_at = time.monotonic()
+            self.first.set()

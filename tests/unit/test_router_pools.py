@@ -1,20 +1,66 @@
-"""The router's server pools: a server that does not answer gets no requests, and no
-prefill work starts while no decode server could finish it."""
+"""The router's server pools: a server that does not answer gets no requests, no request
+waits for a probe, a server silent past the stall deadline is cancelled and marked unready
+until a probe finds it ready, and no prefill work starts while no decode server could
+finish it."""
+
+import socket
+import threading
+import time
 
 import pytest
 
-from pdchat.clients.chat import ChatError
-from pdchat.clients.router import BackendPool, PDRouter
+from pdchat.clients import router as router_module
+from pdchat.clients.chat import ChatError, chat_inputs
+from pdchat.clients.router import BackendPool, Draining, PDRouter, UpstreamTimeout
 from pdchat.core.errors import ErrorCode
 from pdchat.launcher import free_port
+from tests.integration.helpers import wait_for
+
+HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
 def unreachable() -> str:
     return f"127.0.0.1:{free_port()}"  # nothing listens there
 
 
+@pytest.fixture
+def silent():
+    """Addresses that accept connections and never answer, as a SIGSTOPped server does."""
+    sockets = []
+
+    def address() -> str:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)  # the kernel completes the handshakes; nothing reads
+        sockets.append(sock)
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+    yield address
+    for sock in sockets:
+        sock.close()
+
+
+class Probes:
+    """The readiness probe: ready are the addresses in `ready`; each probe takes `delay_s`."""
+
+    def __init__(self) -> None:
+        self.ready: set[str] = set()
+        self.delay_s = 0.0
+
+    def __call__(self, url: str) -> bool:
+        time.sleep(self.delay_s)
+        return url in self.ready
+
+
+@pytest.fixture
+def probes(monkeypatch) -> Probes:
+    probes = Probes()
+    monkeypatch.setattr(router_module, "_ready", probes)
+    return probes
+
+
 def test_a_pool_of_unreachable_servers_refuses_with_unavailable():
-    pool = BackendPool([unreachable(), unreachable()], "decode", reprobe_s=0.0)
+    pool = BackendPool([unreachable(), unreachable()], "decode", reprobe_s=3600)
     pool.mark_failed(pool.backends[0])
     pool.mark_failed(pool.backends[1])
     with pytest.raises(ChatError) as info, pool.pick():
@@ -30,6 +76,88 @@ def test_a_failed_server_is_skipped_while_another_is_healthy():
         with pool.pick() as backend:
             picks.add(backend.url)
     assert picks == {pool.backends[1].url}
+
+
+def test_an_unready_server_is_back_once_the_watcher_finds_it_ready(probes):
+    pool = BackendPool(["a:1", "b:1"], "decode", reprobe_s=0.05)
+    first, second = pool.backends
+    pool.mark_unready(first)
+    assert not first.healthy and second.healthy
+    time.sleep(0.2)  # probed a few times meanwhile: still not ready
+    with pool.pick() as backend:
+        assert backend is second
+    probes.ready.add("a:1")
+    assert wait_for(lambda: first.healthy, timeout=5, interval=0.02)
+    assert wait_for(lambda: pool._watcher is None, timeout=5, interval=0.02), "the watcher outlived the outage"
+    pool.mark_unready(second)  # a later outage starts a watcher again
+    probes.ready.add("b:1")
+    assert wait_for(lambda: second.healthy and pool._watcher is None, timeout=5, interval=0.02)
+
+
+def test_no_request_waits_for_a_probe(probes):
+    probes.delay_s = 2.0  # a stopped server holds each probe for its whole timeout
+    pool = BackendPool(["a:1", "b:1"], "decode", reprobe_s=0.05)
+    for backend in pool.backends:
+        pool.mark_unready(backend)
+    started = time.monotonic()
+    for _ in range(3):
+        with pytest.raises(ChatError) as info, pool.pick():
+            pass
+        assert info.value.code is ErrorCode.UNAVAILABLE and "no decode server is ready (a:1, b:1)" in str(info.value)
+    assert time.monotonic() - started < 0.5
+
+
+def test_a_silent_server_ends_the_stream_at_the_stall_deadline_and_is_marked_unready(silent):
+    pool = BackendPool([silent()], "decode", reprobe_s=3600, stall_timeout_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(UpstreamTimeout) as info, pool.pick() as backend:
+        list(pool.stream(backend, chat_inputs(HI)))
+    assert 0.5 <= time.monotonic() - started < 2.0
+    assert str(info.value) == (
+        f"decode server {backend.url} sent nothing for 0.5 s (setting stall_timeout_s); the request was cancelled"
+    )
+    assert info.value.code is ErrorCode.UNAVAILABLE and not backend.healthy
+    assert backend.idle.empty(), "the client of a stalled stream was kept for reuse"
+    with pytest.raises(ChatError, match="no decode server is ready"), pool.pick():
+        pass
+
+
+def test_a_stalled_prefill_leg_falls_back_to_decode_and_a_stalled_decode_is_a_timeout(silent):
+    router = PDRouter([silent()], [silent()], stall_timeout_s=0.3)
+    started = time.monotonic()
+    with pytest.raises(UpstreamTimeout, match="^decode server"):
+        list(router.chat(HI))
+    assert 0.6 <= time.monotonic() - started < 3.0, "one stall deadline per leg"
+    assert router.stats.prefill_fallbacks == 1 and router.stats.failed == 1
+    assert not router.prefill.backends[0].healthy and not router.decode.backends[0].healthy
+    started = time.monotonic()
+    with pytest.raises(ChatError, match="no decode server is ready"):
+        list(router.chat(HI))
+    assert time.monotonic() - started < 0.5
+
+
+def test_abort_ends_running_streams_with_draining_and_refuses_new_ones(silent):
+    router = PDRouter([silent()], [silent()], stall_timeout_s=30)
+    router.prefill.mark_unready(router.prefill.backends[0])  # straight to decode
+    ended: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            list(router.chat(HI))
+        except ChatError as exc:
+            ended.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert wait_for(lambda: router.decode._streams, timeout=5, interval=0.02), "the stream never started"
+    started = time.monotonic()
+    router.abort("stopping")
+    thread.join(5)
+    assert time.monotonic() - started < 2.0
+    assert len(ended) == 1 and isinstance(ended[0], Draining) and str(ended[0]) == "stopping"
+    assert router.decode.backends[0].healthy, "an aborted stream is no fault of its server"
+    with pytest.raises(Draining, match="stopping"):
+        list(router.chat(HI))
 
 
 def test_no_prefill_leg_starts_while_no_decode_server_is_ready():

@@ -471,6 +471,30 @@ API_KEY = Setting(
     "Bearer token the HTTP front requires on all but /health and /metrics (`--api-key` overrides it); unset: no key.",
 )
 
+# The router's and the per-server fronts' HTTP service.
+STALL_TIMEOUT_S = Setting(
+    "stall_timeout_s",
+    None,
+    "PDCHAT_STALL_TIMEOUT_S",
+    "30",
+    NUMBER,
+    ("router", "openai"),
+    "Longest the router (and `pdchat openai`) waits for a server's first response, or for its next one, in "
+    "seconds; past it the client gets 504 upstream_timeout, the server is told to cancel the request and gets no "
+    "new request until it answers a readiness probe. A request's wait for room in decode's batch (decode's "
+    "queue_timeout_s) is silence too.",
+)
+DRAIN_TIMEOUT_S = Setting(
+    "drain_timeout_s",
+    None,
+    "PDCHAT_DRAIN_TIMEOUT_S",
+    "30",
+    NUMBER,
+    ("router", "openai"),
+    "On SIGTERM or POST /drain: how long, in seconds, the requests running may take to finish while new ones get "
+    "503 draining; then those left end with an error and their servers are told to cancel them.",
+)
+
 SETTINGS: tuple[Setting, ...] = tuple(value for value in dict(globals()).values() if isinstance(value, Setting))
 """Every setting above, in the order the docs list them.
 NOTE: a Setting defined below this line would be missing from it."""
