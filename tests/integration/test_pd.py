@@ -17,6 +17,7 @@ from pdchat.core.kv.shm import SHM_PREFIX, ShmConnector, expired_files, kv_direc
 from pdchat.launcher import PDStack
 from tests.conversations import PARITY_CASES, PICK_TOOL, SAMPLING_CASES
 from tests.integration.helpers import (
+    StreamReader,
     answers_of,
     executions,
     metric,
@@ -29,6 +30,10 @@ from tests.integration.helpers import (
 from tests.logprobs import assert_logprobs_close, logprobs_of
 
 KV_TTL_S = 3.0
+STALL_S = 3.0  # the router's deadlines in the fault tests (restarted_router)
+DRAIN_S = 8.0
+SHORT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+ENDLESS = {"messages": [{"role": "user", "content": "Go on"}], "max_tokens": 3000, "ignore_eos": True}
 CASES = [
     "single_turn",
     "multi_turn",
@@ -76,11 +81,16 @@ def held_kv(stack) -> float:
 
 
 def router_health(stack) -> dict:
+    return router_readiness(stack)[1]
+
+
+def router_readiness(stack) -> tuple[int, dict]:
+    """The router's /health: its status and body (the same body with 503, while not ready)."""
     try:
         reply = urllib.request.urlopen(f"{stack.router_url}/health", timeout=30)
-    except urllib.error.HTTPError as exc:  # 503 while no decode server is ready: same body
+    except urllib.error.HTTPError as exc:
         reply = exc
-    return json.loads(reply.read())
+    return reply.status, json.loads(reply.read())
 
 
 @pytest.fixture(scope="module")
@@ -367,6 +377,126 @@ def test_the_baseline_mode_renders_on_decode_and_gives_the_reuse_answer(stack, m
     )
 
 
+@pytest.fixture(scope="module")
+def restart_router(stack, tmp_path_factory):
+    """The stack's router restarted with the deadlines STALL_S and DRAIN_S; calling it
+    restarts it again, with them or (`short=False`) with the defaults, which the last fault
+    test restores for the tests after. Only on the shm stack: the deadlines are the
+    router's, whatever the connector."""
+    if stack.connector != "shm":
+        pytest.skip("the router's deadlines do not depend on the connector")
+    logs = tmp_path_factory.mktemp("router-deadlines")
+
+    def restart(short: bool = True) -> None:
+        stack.stop_router()
+        with pytest.MonkeyPatch.context() as patch:
+            if short:  # the router process inherits them
+                patch.setenv("PDCHAT_STALL_TIMEOUT_S", str(STALL_S))
+                patch.setenv("PDCHAT_DRAIN_TIMEOUT_S", str(DRAIN_S))
+            stack.start_router(logs / f"router-{time.monotonic_ns()}.log")
+
+    restart()
+    return restart
+
+
+def refusal(stack) -> tuple[int, str, float, str]:
+    """(status, error code, seconds taken, message) of a request the router refuses."""
+    started = time.monotonic()
+    with pytest.raises(urllib.error.HTTPError) as info:
+        post(stack, SHORT)
+    error = json.loads(info.value.read())["error"]
+    return info.value.code, error["code"], time.monotonic() - started, error["message"]
+
+
+def serves(stack) -> bool:
+    try:
+        return router_answer(stack, SHORT)["finish_reason"] is not None
+    except urllib.error.HTTPError:
+        return False
+
+
+def test_a_stopped_decode_server_ends_streams_at_the_stall_deadline_and_gets_no_requests_until_it_continues(
+    stack, restart_router
+):
+    decode = stack.decode
+    cancelled = metric(decode, "pdchat_decode_requests_total", outcome="cancelled")
+    streams = [StreamReader(stack.router_url, ENDLESS) for _ in range(3)]
+    assert all(s.first.wait(60) for s in streams) and all(s.status == 200 for s in streams)
+    os.killpg(decode.process.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        for stream in streams:
+            stream.join(STALL_S + 10)
+            assert stream.ended_at - stopped < STALL_S + 5
+            *_, error, done = stream.events
+            assert done == "[DONE]" and error["error"]["type"] == "upstream_timeout", error
+            assert f"decode server {decode.grpc_url} sent nothing for 3 s" in error["error"]["message"]
+        for _ in range(3):  # for as long as it is stopped
+            status, code, took, message = refusal(stack)
+            assert (status, code) == (503, "UNAVAILABLE") and took < 2.0
+            assert f"no decode server is ready ({decode.grpc_url})" in message
+            time.sleep(1)
+    finally:
+        os.killpg(decode.process.pid, signal.SIGCONT)
+    assert wait_for(lambda: serves(stack), timeout=30), "the stack did not serve again after SIGCONT"
+    assert wait_for(lambda: metric(decode, "pdchat_decode_requests_total", outcome="cancelled") == cancelled + 3)
+    assert wait_for(lambda: metric(decode, "pdchat_decode_active") == 0)
+
+
+def test_a_stopped_prefill_server_costs_one_stall_then_decode_serves_whole(stack, restart_router):
+    prefill = stack.prefill
+    stats = router_health(stack)["stats"]
+    os.killpg(prefill.process.pid, signal.SIGSTOP)
+    try:
+        timings = []
+        for _ in range(2):
+            started = time.monotonic()
+            assert router_answer(stack, SHORT)["finish_reason"] is not None
+            timings.append(time.monotonic() - started)
+    finally:
+        os.killpg(prefill.process.pid, signal.SIGCONT)
+    assert STALL_S <= timings[0] < STALL_S + 5, "the stalled prefill leg"
+    assert timings[1] < STALL_S, "the next request waited for the stopped prefill server"
+    assert wait_for(lambda: router_health(stack)["prefill"][prefill.grpc_url], timeout=30)
+    assert router_answer(stack, SHORT)["finish_reason"] is not None
+    after = router_health(stack)["stats"]
+    assert after["prefill_fallbacks"] == stats["prefill_fallbacks"] + 2
+    assert after["disaggregated"] == stats["disaggregated"] + 1, "prefill did not come back"
+
+
+def test_sigterm_drains_the_router_then_it_exits(stack, restart_router):
+    short = StreamReader(stack.router_url, {**SHORT, "max_tokens": 16})
+    endless = StreamReader(stack.router_url, ENDLESS)
+    assert short.first.wait(60) and endless.first.wait(60)
+    stack.router.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    assert wait_for(lambda: router_readiness(stack)[0] == 503, timeout=1, interval=0.05), "readiness stayed true"
+    assert router_health(stack)["draining"] is True
+    status, code, took, _ = refusal(stack)
+    assert (status, code) == (503, "draining") and took < 2.0
+    short.join(DRAIN_S)
+    assert short.events[-1] == "[DONE]" and short.events[-2]["choices"][0]["finish_reason"] == "length"
+    endless.join(DRAIN_S + 10)
+    *_, error, done = endless.events
+    assert done == "[DONE]" and error["error"]["code"] == "draining", error
+    assert DRAIN_S <= endless.ended_at - signalled < DRAIN_S + 3
+    assert stack.router.wait(10) == 0
+    assert wait_for(lambda: metric(stack.decode, "pdchat_decode_active") == 0), "decode kept the ended stream"
+    restart_router()
+
+
+def test_post_drain_leaves_the_router_up_and_not_admitting(stack, restart_router):
+    drain = urllib.request.Request(f"{stack.router_url}/drain", data=b"", method="POST")
+    with urllib.request.urlopen(drain, timeout=30) as reply:
+        assert json.loads(reply.read()) == {"drained": True}
+    assert router_readiness(stack)[0] == 503
+    assert refusal(stack)[:2] == (503, "draining")
+    assert stack.router.poll() is None, "the router exited on /drain"
+    stack.stop_router()
+    assert stack.router.returncode == 0
+    restart_router(short=False)
+
+
 def test_prefill_dying_then_dead_falls_back_to_decode_alone_and_decode_dead_is_a_503(stack, monolithic_answers):
     """Last: it kills both servers. Requests run whole on decode, with the same answers."""
     import threading
@@ -392,7 +522,6 @@ def test_prefill_dying_then_dead_falls_back_to_decode_alone_and_decode_dead_is_a
     assert health["stats"]["prefill_fallbacks"] >= 2
 
     stack.decode.stop()
-    with pytest.raises(urllib.error.HTTPError) as info:
-        post(stack, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    assert info.value.code == 503
-    assert "decode server" in json.loads(info.value.read())["error"]["message"]
+    for needle in (f"decode server {stack.decode.grpc_url} is unavailable", "no decode server is ready"):
+        status, code, took, message = refusal(stack)
+        assert (status, code) == (503, "UNAVAILABLE") and took < 2.0 and needle in message
