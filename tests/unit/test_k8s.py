@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from pdchat.cli import build_parser
+from pdchat.core.settings import DRAIN_TIMEOUT_S
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy/k8s/pdchat.yaml"
 DOCUMENTS = [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d]
@@ -59,3 +60,15 @@ def test_probes_name_declared_ports_and_the_key_comes_from_a_secret():
         for env in container.get("env", []):
             if env["name"] == "PDCHAT_HANDOFF_KEY":
                 assert env["valueFrom"]["secretKeyRef"] == {"name": "pdchat-handoff-key", "key": "key"}
+
+
+def test_each_server_stops_after_its_front_drained():
+    """tritonserver's preStop drains the pod's OpenAI front (docs/supervision.md#draining),
+    within the pod's grace period."""
+    for name in ("pdchat-prefill", "pdchat-decode"):
+        pod = DEPLOYMENTS[name]["spec"]["template"]["spec"]
+        containers = {c["name"]: c for c in pod["containers"]}
+        port = containers["openai"]["ports"][0]["containerPort"]
+        hook = " ".join(containers["tritonserver"]["lifecycle"]["preStop"]["exec"]["command"])
+        assert f"'http://127.0.0.1:{port}/drain', method='POST'" in hook
+        assert pod["terminationGracePeriodSeconds"] > DRAIN_TIMEOUT_S.default_value
