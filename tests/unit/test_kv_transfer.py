@@ -12,7 +12,7 @@ import pytest
 from pdchat.core.kv import shm as shm_module
 from pdchat.core.kv.base import KVBudgetExceeded, KVHandle, KVUnavailable
 from pdchat.core.kv.connector import Connectors
-from pdchat.core.kv.shm import KVDirectoryRefused, ShmConnector, kv_directory
+from pdchat.core.kv.shm import OWNER_PREFIX, KVDirectoryRefused, ShmConnector, kv_directory
 
 
 def kv(tokens=16, seed=0):
@@ -28,6 +28,11 @@ def named(name):
 
 def mode(path):
     return stat.S_IMODE(path.lstat().st_mode)
+
+
+def kv_files(directory):
+    """The names in `directory` but the owner locks of the connectors still open."""
+    return sorted(p.name for p in directory.iterdir() if not p.name.startswith(OWNER_PREFIX))
 
 
 @pytest.fixture
@@ -80,6 +85,7 @@ def test_shm_cycle_is_exact_single_use_reuses_the_pages_and_leaves_nothing(shm, 
     # (`pulled` may now show the new KV: done() promises nothing reads it any more.)
     decode.done(second)
     shm.close()
+    decode.close()
     assert list(shm.directory.iterdir()) == []
 
 
@@ -168,7 +174,7 @@ def test_shm_sweep_frees_expired_kv_of_any_engine(directory):
     kept = survivor.publish(kv(), 2)
     time.sleep(0.05)
     assert survivor.sweep() == 1
-    assert [p.name for p in directory.iterdir()] == [kept.location["name"]]
+    assert kv_files(directory) == [kept.location["name"]]
 
 
 def test_kv_claimed_but_never_handed_back_is_swept_once_expired(directory):
@@ -179,7 +185,7 @@ def test_kv_claimed_but_never_handed_back_is_swept_once_expired(directory):
     assert prefill.held() == [claimed]
     assert prefill.sweep() == 0
     time.sleep(0.1)
-    assert prefill.sweep() == 1 and list(directory.iterdir()) == []
+    assert prefill.sweep() == 1 and kv_files(directory) == []
     assert np.array_equal(pulled, kv()), "a mapping outlives its file"
 
 

@@ -16,10 +16,18 @@ published it (whose budget it counts against), the prefix its state:
 - `pdchat_kv_`: published, waiting for its one pull;
 - `pdchat_kvpulled_`: claimed by a pull, name ending `_<puller engine>`; mapped by decode;
 - `pdchat_kvfree_`: handed back; prefill reuses its pages.
+
+Each connector (an engine) holds `pdchat_kvowner_<engine>` locked (flock) while it lives.
+The kernel drops the lock when its process dies, however it dies, so a sweeper that can
+take an engine's lock knows its owner is gone, whatever pid namespace either runs in. It
+then frees what only the dead engine would have used or freed: the pages handed back to
+it, the KV it was writing, the KV it claimed. The KV it published waits for its pull or
+its expiry: a decode server may still pull it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import re
@@ -51,15 +59,19 @@ SHM_PREFIX = "pdchat_kv_"
 STAGING_PREFIX = f".{SHM_PREFIX}"
 PULLED_PREFIX = "pdchat_kvpulled_"
 FREE_PREFIX = "pdchat_kvfree_"
+OWNER_PREFIX = "pdchat_kvowner_"
 _KV_NAME = re.compile(
     rf"(?P<prefix>{re.escape(STAGING_PREFIX)}|{SHM_PREFIX}|{PULLED_PREFIX}|{FREE_PREFIX})"
     r"(?P<engine>[0-9a-f]+)_(?P<expires_ms>\d+)_(?P<id>[0-9a-f]+)(?:_(?P<puller>[0-9a-f]+))?"
 )
 _ENGINE_ID = re.compile(r"[0-9a-f]+")
+_OWNER_NAME = re.compile(rf"{OWNER_PREFIX}(?P<engine>[0-9a-f]+)")
 _PRIVATE_MODE = 0o700
 _FILE_MODE = 0o600
 # Never through a link, and never blocking on a FIFO someone planted under a KV name.
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK
+# How often a new connector tries for its owner lock while a sweeper briefly holds it.
+_OWNER_LOCK_TRIES = 100
 
 _skipped = OncePerKey()
 
@@ -112,6 +124,13 @@ class _KVName:
         if match is None or bool(match["puller"]) != (match["prefix"] == PULLED_PREFIX):
             return None
         return cls(match["prefix"], match["engine"], int(match["expires_ms"]), match["id"], match["puller"] or "")
+
+    def left_by(self, dead: set[str]) -> bool:
+        """Whether only one of the `dead` engines would ever have used or freed this file:
+        pages handed back to it, KV it was writing, KV it claimed and never handed back."""
+        if self.prefix in (FREE_PREFIX, STAGING_PREFIX):
+            return self.engine in dead
+        return self.prefix == PULLED_PREFIX and self.puller in dead
 
 
 def expired_files(directory: Path | None = None, now: float | None = None) -> list[Path]:
@@ -166,9 +185,15 @@ def _private_directory(directory: Path) -> Iterator[int]:
 
 
 def _kv_files(dir_fd: int, directory: Path) -> list[tuple[_KVName, int]]:
-    """The KV files in the directory, with their sizes. Anything else there (a directory,
-    a link, a FIFO someone planted, a foreign name) is skipped, logged once, never fatal."""
-    files = []
+    """The KV files in the directory, with their sizes."""
+    return _entries(dir_fd, directory)[0]
+
+
+def _entries(dir_fd: int, directory: Path) -> tuple[list[tuple[_KVName, int]], list[str]]:
+    """The KV files in the directory, with their sizes, and the engines that have an owner
+    lock there. Anything else (a directory, a link, a FIFO someone planted, a foreign name)
+    is skipped, logged once, never fatal."""
+    files, owners = [], []
     with os.scandir(dir_fd) as entries:
         for entry in entries:
             try:
@@ -176,6 +201,10 @@ def _kv_files(dir_fd: int, directory: Path) -> list[tuple[_KVName, int]]:
             except FileNotFoundError:  # removed meanwhile
                 continue
             name = _KVName.parse(entry.name)
+            owner = _OWNER_NAME.fullmatch(entry.name)
+            if owner is not None and stat.S_ISREG(info.st_mode):
+                owners.append(owner["engine"])
+                continue
             if name is None or not stat.S_ISREG(info.st_mode):
                 path = directory / entry.name
                 _skipped.warn(
@@ -183,7 +212,101 @@ def _kv_files(dir_fd: int, directory: Path) -> list[tuple[_KVName, int]]:
                 )
                 continue
             files.append((name, info.st_size))
-    return files
+    return files, owners
+
+
+def _is_at(dir_fd: int, name: str, fd: int) -> bool:
+    """Whether `name` in the directory is still the file open as `fd` (neither removed nor replaced)."""
+    try:
+        there = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _hold_owner_lock(dir_fd: int, engine: str) -> int:
+    """An fd that holds `pdchat_kvowner_<engine>` locked for as long as it stays open.
+
+    NOTE: a sweeper removes an owner lock only while holding it and only while the name
+    is that file; so once this holds the file at the name, no sweeper takes this engine
+    for dead. The lock belongs to the open file, so a child process started by exec
+    (close_fds) does not keep it."""
+    name = f"{OWNER_PREFIX}{engine}"
+    for _ in range(_OWNER_LOCK_TRIES):
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | _FILE_FLAGS, _FILE_MODE, dir_fd=dir_fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a sweeper is removing a dead namesake's lock, or a live one has this id
+            os.close(fd)
+            time.sleep(0.01)
+            continue
+        if _is_at(dir_fd, name, fd):
+            return fd
+        os.close(fd)  # a sweeper removed it between the open and the lock: make it again
+    raise ValueError(f"KV engine id {engine} is taken by a live connector")
+
+
+def _lock_of_dead_owner(dir_fd: int, engine: str) -> int | None:
+    """An fd holding the engine's owner lock if its owner has died (nobody held it), else None."""
+    name = f"{OWNER_PREFIX}{engine}"
+    try:
+        fd = os.open(name, os.O_RDWR | _FILE_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:  # another sweeper removed it meanwhile
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # its owner lives
+        os.close(fd)
+        return None
+    if not _is_at(dir_fd, name, fd):  # removed meanwhile; the name may be a new owner's now
+        os.close(fd)
+        return None
+    return fd
+
+
+def _sweep(dir_fd: int, directory: Path, now: float) -> tuple[int, list[tuple[_KVName, int]]]:
+    """Remove expired KV files and what dead engines left (`_KVName.left_by`); return how
+    many, and the files left. A file it cannot remove is skipped (logged once), so nobody's
+    stray file stops it. A dead engine's owner lock goes once no file names that engine.
+
+    NOTE: an engine without an owner lock (a pdchat without them, or one whose file a
+    listing missed while it was renamed) is never taken for dead: its files wait for
+    their expiry."""
+    files, owners = _entries(dir_fd, directory)
+    dead = {engine: fd for engine in owners if (fd := _lock_of_dead_owner(dir_fd, engine)) is not None}
+    gone, freed, kept = set(dead), 0, []
+    try:
+        for name, size in files:
+            if name.expires_ms >= now * 1000 and not name.left_by(gone):
+                kept.append((name, size))
+                continue
+            try:
+                os.unlink(str(name), dir_fd=dir_fd)
+                freed += 1
+            except FileNotFoundError:  # pulled or swept by another process meanwhile
+                pass
+            except OSError as exc:
+                path = directory / str(name)
+                _skipped.warn(str(path), "cannot remove KV %s: %s", path, exc)
+        for engine in dead:
+            if not any(engine in (name.engine, name.puller) for name, _ in kept):
+                with suppress(FileNotFoundError):
+                    os.unlink(f"{OWNER_PREFIX}{engine}", dir_fd=dir_fd)
+    finally:
+        for fd in dead.values():
+            os.close(fd)
+    return freed, kept
+
+
+def sweep_directory(directory: Path | None = None, now: float | None = None) -> int:
+    """`ShmConnector.sweep` for a process without a connector (a launcher whose server
+    died): free expired KV and what dead engines left in `directory` (this user's KV
+    directory by default); return how many files."""
+    directory = kv_directory() if directory is None else Path(directory)
+    with _private_directory(directory) as dir_fd:
+        freed, _ = _sweep(dir_fd, directory, time.time() if now is None else now)
+    return freed
 
 
 def _map(dir_fd: int, name: str, handle: KVHandle) -> np.ndarray:
@@ -225,7 +348,8 @@ class ShmConnector:
         self.engine_id = engine_id or uuid.uuid4().hex[:12]
         if not _ENGINE_ID.fullmatch(self.engine_id):
             raise ValueError(f"engine_id must be lowercase hex (it is part of KV file names), not {self.engine_id!r}")
-        os.close(_open_private(self.directory))
+        with _private_directory(self.directory) as dir_fd:
+            self._owner_lock: int | None = _hold_owner_lock(dir_fd, self.engine_id)
 
     def publish(self, kv: np.ndarray, first_token_id: int) -> KVHandle:
         dtype, kv = kv_dtype_name(kv), np.ascontiguousarray(kv)
@@ -233,7 +357,7 @@ class ShmConnector:
         published = _KVName(SHM_PREFIX, self.engine_id, int(expires_at * 1000), uuid.uuid4().hex)
         staging = str(replace(published, prefix=STAGING_PREFIX))
         with _private_directory(self.directory) as dir_fd:
-            _, files = self._sweep(dir_fd, time.time())
+            _, files = _sweep(dir_fd, self.directory, time.time())
             held = sum(size for _, size in self._held(files))
             if held + kv.nbytes > self.budget_bytes:
                 raise KVBudgetExceeded(
@@ -299,10 +423,9 @@ class ShmConnector:
 
     def sweep(self, now: float | None = None) -> int:
         """Free expired KV of any engine in the directory (a crashed peer's too, and KV a
-        crashed decode claimed but never handed back); return how many files."""
-        with _private_directory(self.directory) as dir_fd:
-            freed, _ = self._sweep(dir_fd, time.time() if now is None else now)
-        return freed
+        crashed decode claimed but never handed back) and, at once, what dead engines
+        left; return how many files."""
+        return sweep_directory(self.directory, now)
 
     def held(self) -> list[Path]:
         """This engine's KV files waiting for a pull or claimed by one: what its budget counts."""
@@ -316,12 +439,18 @@ class ShmConnector:
         return sum(size for _, size in self._held(files))
 
     def close(self) -> None:
-        """Remove this engine's files in every state (a decode still mapping one keeps its pages)."""
+        """Remove this engine's files in every state and the KV it claimed (a mapping keeps
+        its pages), then its owner lock."""
         with _private_directory(self.directory) as dir_fd:
             for name, _ in _kv_files(dir_fd, self.directory):
-                if name.engine == self.engine_id:
+                if self.engine_id in (name.engine, name.puller):
                     with suppress(FileNotFoundError):
                         os.unlink(str(name), dir_fd=dir_fd)
+            if self._owner_lock is not None:
+                with suppress(FileNotFoundError):
+                    os.unlink(f"{OWNER_PREFIX}{self.engine_id}", dir_fd=dir_fd)
+                os.close(self._owner_lock)
+                self._owner_lock = None
 
     def _held(self, files: list[tuple[_KVName, int]]) -> list[tuple[_KVName, int]]:
         return [
@@ -329,24 +458,6 @@ class ShmConnector:
             for name, size in files
             if name.engine == self.engine_id and name.prefix in (SHM_PREFIX, PULLED_PREFIX)
         ]
-
-    def _sweep(self, dir_fd: int, now: float) -> tuple[int, list[tuple[_KVName, int]]]:
-        """Remove expired KV files; return how many, and the files left. A file it cannot
-        remove is skipped (logged once), so nobody's stray file stops it."""
-        freed, kept = 0, []
-        for name, size in _kv_files(dir_fd, self.directory):
-            if name.expires_ms >= now * 1000:
-                kept.append((name, size))
-                continue
-            try:
-                os.unlink(str(name), dir_fd=dir_fd)
-                freed += 1
-            except FileNotFoundError:  # pulled or swept by another process meanwhile
-                pass
-            except OSError as exc:
-                path = self.directory / str(name)
-                _skipped.warn(str(path), "cannot remove expired KV %s: %s", path, exc)
-        return freed, kept
 
     def _open_staging(self, dir_fd: int, staging: str, free: list[str]) -> int:
         """A 0600 file at `staging` to write the KV into: the first handed-back file of
