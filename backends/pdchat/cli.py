@@ -7,10 +7,12 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from pdchat import registry
 from pdchat.core import settings
+from pdchat.supervisor import Child, RestartPolicy, Supervisor
 
 DEMO_QUESTION = "In two sentences, why is the sky blue?"
 
@@ -37,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run tritonserver on the model repository until interrupted")
     _server_options(serve)
     serve.add_argument("--role", default=registry.MONOLITHIC, choices=registry.ROLES)
+    _supervision_options(serve)
 
     chat = commands.add_parser("chat", help="ask one question and print the answer as it streams")
     chat.add_argument("question")
@@ -72,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--model", default=registry.DEFAULT_MODEL)
     pd.add_argument("--connector", choices=registry.KV_CONNECTORS, default=registry.SHM)
     pd.add_argument("--port", type=int, default=8080, help="router port")
+    _supervision_options(pd)
 
     commands.add_parser(
         "env", help="print the exports and command that run a stock tritonserver on the model repository"
@@ -119,6 +123,17 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _supervision_options(parser: argparse.ArgumentParser) -> None:
+    policy = RestartPolicy()
+    parser.add_argument(
+        "--exit-on-failure",
+        action="store_true",
+        help="when a process dies, stop everything and exit 1 (for systemd or Kubernetes to restart the unit) "
+        f"instead of restarting it (backoff {policy.first_delay_s:g} s doubling to {policy.max_delay_s:g} s, "
+        f"{policy.describe()} per process, then exit 1)",
+    )
+
+
 def _chat_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     parser.add_argument("--model-name", default="chat", help="Triton model to call (chat or chat_ensemble)")
@@ -129,7 +144,7 @@ def _chat_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pdchat.launcher import TritonServer, watch
+    from pdchat.launcher import TritonServer
 
     env = {settings.MODEL.env: args.model} if args.model else {}
     server = TritonServer(
@@ -148,10 +163,8 @@ def _serve(args: argparse.Namespace) -> int:
             f"ready: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}, "
             f"pid {server.process.pid}; Ctrl-C stops"
         )
-        if watch({"server": server.process}, stop) is not None:
-            return _died(server.exit_report())
-    _say("stopped")
-    return 0
+        status = _supervise([server], stop, args.exit_on_failure)
+    return _stopped(status)
 
 
 def _chat(args: argparse.Namespace, url: str | None = None) -> int:
@@ -254,7 +267,7 @@ def _serve_http(args: argparse.Namespace, front, what: str) -> int:
 
 def _pd(args: argparse.Namespace) -> int:
     from pdchat import embedded
-    from pdchat.launcher import PDStack, watch
+    from pdchat.launcher import PDStack
 
     if args.model in registry.EMBEDDED_MODELS:
         embedded.ensure_model(args.model)
@@ -267,10 +280,9 @@ def _pd(args: argparse.Namespace) -> int:
             f"decode gRPC {stack.decode.grpc_url} pid {stack.decode.process.pid}, router pid {stack.router.pid}); "
             "Ctrl-C stops"
         )
-        dead = watch(stack.processes(), stop)
-        if dead is not None:
-            return _died(stack.exit_report(dead), "stopping the rest of the stack")
-    return 0
+        status = _supervise(stack.children(), stop, args.exit_on_failure)
+        _say("stopping the router, then the servers")
+    return _stopped(status)
 
 
 def _stop_on_signals() -> threading.Event:
@@ -280,11 +292,16 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
-def _died(report: str, then: str = "") -> int:
-    """A supervised process died: say why and exit non-zero, for systemd or Kubernetes to
-    restart the whole unit (the launcher itself does not restart anything)."""
-    _say(f"{report}\n[pdchat] {then + '; ' if then else ''}exiting with status 1")
-    return 1
+def _supervise(children: Sequence[Child], stop: threading.Event, exit_on_failure: bool) -> int:
+    """Keep `children` running (pdchat.supervisor) until `stop` is set: then 0. A process
+    that died with `exit_on_failure`, or past its restart budget, gives 1, for systemd or
+    Kubernetes to restart the whole unit; the caller stops the rest."""
+    return 0 if Supervisor(children, restart=not exit_on_failure, say=_say).run(stop) else 1
+
+
+def _stopped(status: int) -> int:
+    _say("stopped" if status == 0 else "stopped; exiting with status 1")
+    return status
 
 
 def _env(args: argparse.Namespace) -> int:

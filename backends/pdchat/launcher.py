@@ -3,7 +3,9 @@
 The pytriton wheel ships tritonserver, the python backend and one stub per Python
 version; we assemble them into a backend directory once, set what the stub needs
 (its libraries, this venv first on PATH), pick free ports, wait for readiness, and
-stop with SIGTERM so the python backend removes its shared-memory regions.
+stop with SIGTERM so the python backend removes its shared-memory regions. A server or
+router started here can be started again on the same ports once it died: each is a
+`pdchat.supervisor.Child`.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +33,9 @@ from pdchat.registry import MONOLITHIC, ROLES, SHM
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 SHM_DIR = Path("/dev/shm")
+# A stopping router has its drain timeout (settings.DRAIN_TIMEOUT_S) to finish its streams,
+# then this long to close its connections and exit.
+ROUTER_EXIT_MARGIN_S = 10.0
 
 
 class ServerError(RuntimeError):
@@ -82,33 +89,82 @@ def assemble_backend_dir(pytriton_root: Path) -> Path:
     return target
 
 
+def answers(url: str) -> bool:
+    """Whether `url` answers 200 now."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
 def wait_healthy(process: subprocess.Popen, url: str, timeout: float, what: str, log_path: Path | None) -> None:
     """Poll `url` until it answers 200; fail early if `process` exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise ServerError(f"{what} exited with code {process.returncode} during start; its log: {log_path}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
+        if answers(url):
+            return
         time.sleep(0.25)
     raise ServerError(f"{what} not ready after {timeout:.0f} s; its log: {log_path}")
 
 
+@dataclass
+class Service:
+    """A helper process (a front, a router) in its own process group, ready once
+    `health_url` answers 200."""
+
+    name: str
+    command: list[str]
+    health_url: str
+    log_path: Path
+    process: subprocess.Popen | None = None
+
+    def spawn(self) -> None:
+        """Start the process (its log appended to), without waiting for it."""
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start(self, timeout: float = 120.0) -> Service:
+        self.spawn()
+        try:
+            wait_healthy(self.process, self.health_url, timeout, self.name, self.log_path)
+        except BaseException:
+            self.reap()
+            raise
+        return self
+
+    def is_ready(self) -> bool:
+        return answers(self.health_url)
+
+    def exited(self) -> bool:
+        return self.process is not None and self.process.poll() is not None
+
+    def exit_report(self) -> str:
+        return describe_exit(f"{self.name} ({self.health_url})", self.process, self.log_path)
+
+    def reap(self) -> None:
+        """SIGKILL whatever is left of its process group, and wait for the process."""
+        _signal_group(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, `timeout` seconds to exit, then SIGKILL."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.reap()
+
+
 def start_service(command: list[str], health_url: str, log_path: Path, timeout: float = 120.0) -> subprocess.Popen:
     """A helper process (a front, a router) in its own process group, once `health_url` answers."""
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_healthy(process, health_url, timeout, Path(command[0]).name, log_path)
-    except BaseException:
-        process.kill()
-        process.wait()
-        raise
-    return process
+    return Service(Path(command[0]).name, command, health_url, log_path).start(timeout).process
 
 
 def _stub_library_dirs() -> list[Path]:
@@ -180,6 +236,10 @@ class TritonServer:
         self.log_path = None if self.log_path is None else Path(self.log_path)
 
     @property
+    def name(self) -> str:
+        return self.role
+
+    @property
     def http_url(self) -> str:
         return f"{self.host}:{self.http_port}"
 
@@ -222,7 +282,9 @@ class TritonServer:
         env = {**os.environ, **self.env}
         return args, {**env, **stub_environment(libs, env)}
 
-    def start(self, timeout: float = 300.0) -> TritonServer:
+    def spawn(self) -> None:
+        """Start tritonserver on this server's ports (chosen at the first start, kept for
+        a restart), without waiting for it."""
         args, env = self.command()
         if self.log_path is None:
             self.log_path = cache_dir() / "logs" / f"tritonserver-{self.role}-{self.http_port}.log"
@@ -231,6 +293,9 @@ class TritonServer:
             # Own process group: signals reach tritonserver and its stubs, not our caller.
             self.process = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         atexit.register(self.stop)  # a launcher that exits on an exception takes its server along
+
+    def start(self, timeout: float = 300.0) -> TritonServer:
+        self.spawn()
         try:
             self.wait_ready(timeout)
         except BaseException:
@@ -238,12 +303,21 @@ class TritonServer:
             raise
         return self
 
+    @property
+    def ready_url(self) -> str:
+        return f"http://{self.http_url}/v2/health/ready"
+
     def wait_ready(self, timeout: float) -> None:
-        wait_healthy(self.process, f"http://{self.http_url}/v2/health/ready", timeout, "tritonserver", self.log_path)
+        wait_healthy(self.process, self.ready_url, timeout, "tritonserver", self.log_path)
+
+    def is_ready(self) -> bool:
+        return answers(self.ready_url)
+
+    def exited(self) -> bool:
+        return self.process is not None and self.process.poll() is not None
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM (the python backend then cleans its shm), SIGKILL if it hangs; then
-        SIGKILL whatever is left of its process group (stubs of a server that died)."""
+        """SIGTERM (the python backend then cleans its shm), SIGKILL if it hangs; then reap."""
         atexit.unregister(self.stop)
         if self.process is None:
             return
@@ -253,12 +327,18 @@ class TritonServer:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 pass
+        self.reap()
+
+    def reap(self) -> None:
+        """SIGKILL whatever is left of its process group (stubs of a server that died) and
+        wait for it to go; then remove the shm regions and the shm KV it left."""
         _signal_group(self.process.pid, signal.SIGKILL)
         self.process.wait()
         deadline = time.monotonic() + 10  # SIGKILL is delivered, not yet done: wait for the stubs to go
         while process_group(self.process.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         self.cleanup_shm()
+        sweep_dead_kv()
 
     def memory(self) -> dict[int, int]:
         """RSS of tritonserver and each of its stubs, by pid (it leads its own process group)."""
@@ -316,6 +396,15 @@ def _signal_group(pgid: int, signum: int) -> None:
         pass
 
 
+def sweep_dead_kv() -> None:
+    """Free the shm KV files of engines whose process is gone, and expired ones
+    (`pdchat.core.kv.shm.sweep_directory`), in this user's KV directory if there is one."""
+    from pdchat.core.kv.shm import kv_directory, sweep_directory
+
+    if kv_directory().is_dir():
+        sweep_directory()
+
+
 def describe_exit(what: str, process: subprocess.Popen, log_path: Path | None, lines: int = 15) -> str:
     """'X was killed by SIGKILL' or 'X exited with code N', then its log's last lines."""
     code = process.returncode
@@ -328,22 +417,12 @@ def describe_exit(what: str, process: subprocess.Popen, log_path: Path | None, l
     return f"{what} {how}; the end of its log ({log_path}):\n{tail}"
 
 
-def watch(processes: dict[str, subprocess.Popen], stop, interval: float = 0.5) -> str | None:
-    """Block until `stop` (a threading.Event) is set, then None, or until one of the
-    processes exits, then its name."""
-    while not stop.wait(interval):
-        for name, process in processes.items():
-            if process.poll() is not None:
-                return name
-    return None
-
-
 @dataclass
 class PDStack:
     """A P/D deployment on loopback: prefill server, decode server, router process.
 
     One generated handoff key is shared by both servers; the router serves the
-    OpenAI-compatible API on `router_url`.
+    OpenAI-compatible API on `router_url`. `children()` are what a supervisor restarts.
     """
 
     model: str = "smollm2"
@@ -353,17 +432,23 @@ class PDStack:
     log_dir: Path | None = None
     prefill: TritonServer | None = None
     decode: TritonServer | None = None
-    router: subprocess.Popen | None = None
-    router_log: Path | None = None
+    front: Service | None = None  # the router process
     handoff_key: str = ""  # generated at start unless given
 
     @property
     def router_url(self) -> str:
         return f"http://127.0.0.1:{self.router_port}"
 
+    @property
+    def router(self) -> subprocess.Popen | None:
+        return None if self.front is None else self.front.process
+
+    @property
+    def router_log(self) -> Path | None:
+        return None if self.front is None else self.front.log_path
+
     def start(self, timeout: float = 300.0) -> PDStack:
         import secrets
-        import threading
 
         log_dir = Path(self.log_dir or cache_dir() / "logs")
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -376,19 +461,7 @@ class PDStack:
         }
         self.prefill = TritonServer(role="prefill", env=env, log_path=log_dir / "prefill.log")
         self.decode = TritonServer(role="decode", env=env, log_path=log_dir / "decode.log")
-        errors: list[BaseException] = []
-
-        def start(server: TritonServer) -> None:
-            try:
-                server.start(timeout)
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=start, args=(s,)) for s in (self.prefill, self.decode)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        errors = _each_in_a_thread([lambda s=s: s.start(timeout) for s in (self.prefill, self.decode)])
         if errors:
             self.stop()
             raise errors[0]
@@ -398,7 +471,6 @@ class PDStack:
     def start_router(self, log_path: Path, timeout: float = 60.0) -> None:
         """(Re)start the router process against the two servers."""
         self.router_port = self.router_port or free_port()
-        self.router_log = log_path
         command = [
             sys.executable,
             "-m",
@@ -411,39 +483,47 @@ class PDStack:
             "--decode",
             self.decode.grpc_url,
         ]
-        with open(log_path, "ab") as log:
-            self.router = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_healthy(self.router, f"{self.router_url}/health", timeout, "the router", log_path)
-        except ServerError:
-            self.stop_router()
-            raise
+        self.front = Service("router", command, f"{self.router_url}/health", log_path).start(timeout)
 
     def processes(self) -> dict[str, subprocess.Popen]:
         return {"prefill": self.prefill.process, "decode": self.decode.process, "router": self.router}
 
-    def exit_report(self, name: str) -> str:
-        if name == "router":
-            return describe_exit(f"the router ({self.router_url})", self.router, self.router_log)
-        return getattr(self, name).exit_report()
+    def children(self) -> list[TritonServer | Service]:
+        return [self.prefill, self.decode, self.front]
 
     def stop_router(self) -> None:
-        if self.router is not None and self.router.poll() is None:
-            self.router.terminate()
-            try:
-                self.router.wait(10)
-            except subprocess.TimeoutExpired:
-                self.router.kill()
-                self.router.wait()
+        """SIGTERM: the router drains its streams within its drain timeout (it inherits this
+        process's environment, so this reads the same one), then exits."""
+        if self.front is not None:
+            self.front.stop(settings.DRAIN_TIMEOUT_S.get() + ROUTER_EXIT_MARGIN_S)
 
     def stop(self) -> None:
+        """The router first, so no stream is cut by a server going away, then both servers at once."""
         self.stop_router()
-        for server in (self.prefill, self.decode):
-            if server is not None:
-                server.stop()
+        errors = _each_in_a_thread([server.stop for server in (self.prefill, self.decode) if server is not None])
+        if errors:
+            raise errors[0]
 
     def __enter__(self) -> PDStack:
         return self.start()
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def _each_in_a_thread(calls: list[Callable[[], object]]) -> list[BaseException]:
+    """Make the calls at once, a thread each; return what they raised."""
+    errors: list[BaseException] = []
+
+    def call(function: Callable[[], object]) -> None:
+        try:
+            function()
+        except BaseException as exc:  # noqa: BLE001 - returned
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(function,)) for function in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
