@@ -39,6 +39,13 @@ class ChatError(PdchatError):
         return self.code is ErrorCode.INVALID_ARG
 
 
+class ServerSilent(ChatError):
+    """The server sent no response (the first, or the next) within the client's `timeout_s`."""
+
+    def __init__(self, message: str):
+        super().__init__(message, ErrorCode.UNAVAILABLE)
+
+
 @dataclass(frozen=True)
 class ChatOutput:
     """One response of the stream (or the only one, when not streaming).
@@ -149,6 +156,7 @@ class GrpcChat:
 
         self._grpc = grpcclient
         self.client = grpcclient.InferenceServerClient(url)
+        self.url = url
         self.model = model
         self.timeout_s = timeout_s
 
@@ -175,7 +183,10 @@ class GrpcChat:
                     error = None
                 raise _grpc_error(error or exc) from exc
             while True:
-                result, error = responses.get(timeout=self.timeout_s)
+                try:
+                    result, error = responses.get(timeout=self.timeout_s)
+                except queue.Empty:  # unfinished: leaving cancels the request on the server
+                    raise ServerSilent(f"{self.url} sent nothing for {self.timeout_s:g} s") from None
                 if error is not None:
                     finished = True  # an error ends the request
                     raise _grpc_error(error)

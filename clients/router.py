@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pdchat.clients.chat import ChatError, ChatOutput, GrpcChat, chat_inputs
+from pdchat.clients.chat import ChatError, ChatOutput, GrpcChat, ServerSilent, chat_inputs
 from pdchat.core.errors import ErrorCode, InvalidRequest
 from pdchat.core.request.protocol import ChatRequest, chat_request_from_body, utf8_json
 from pdchat.core.settings import STALL_TIMEOUT_S
@@ -196,7 +196,7 @@ class BackendPool:
         """What a stream of `backend` that raised `exc` ends with; the server's readiness updated."""
         if self.aborted is not None:  # the closed stream may surface as any of tritonclient's errors
             return Draining(self.aborted)
-        if isinstance(exc, queue.Empty):  # GrpcChat waited its timeout for a response
+        if isinstance(exc, ServerSilent):  # GrpcChat waited its timeout for a response
             self.mark_unready(backend)
             stall = UpstreamTimeout(
                 f"{self.role or 'backend'} server {backend.url} sent nothing for {self.stall_timeout_s:g} s "

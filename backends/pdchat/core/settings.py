@@ -244,7 +244,7 @@ STAGE_STALL_TIMEOUT_S = Setting(
     "stage_stall_timeout_s",
     "stage_stall_timeout_s",
     "PDCHAT_STAGE_STALL_TIMEOUT_S",
-    "60",
+    "45",
     NUMBER,
     ("chat",),
     "Longest chat waits for decode's first response, or for its next one, in seconds; past it the request ends "
@@ -476,13 +476,14 @@ STALL_TIMEOUT_S = Setting(
     "stall_timeout_s",
     None,
     "PDCHAT_STALL_TIMEOUT_S",
-    "30",
+    "60",
     NUMBER,
     ("router", "openai"),
     "Longest the router (and `pdchat openai`) waits for a server's first response, or for its next one, in "
     "seconds; past it the client gets 504 upstream_timeout, the server is told to cancel the request and gets no "
     "new request until it answers a readiness probe. A request's wait for room in decode's batch (decode's "
-    "queue_timeout_s) is silence too.",
+    "queue_timeout_s) is silence too: keep it above stage_stall_timeout_s, so that a server's own clear error "
+    "arrives first.",
 )
 DRAIN_TIMEOUT_S = Setting(
     "drain_timeout_s",
