@@ -6,6 +6,36 @@ import http.client
 import io
 import json
 import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+from pdchat.clients.openai_api import HttpSettings, make_server
+from pdchat.launcher import free_port
+
+
+@contextmanager
+def running_fronts(router: Any) -> Iterator[Callable[[HttpSettings], int]]:
+    """start(settings) -> the port of an HTTP front on `router`, in this process on a thread
+    of its own; every front started is stopped on exit."""
+    with ExitStack() as stop:
+
+        def start(settings: HttpSettings) -> int:
+            port = free_port()
+            server = make_server(router, "127.0.0.1", port, settings)
+            thread = threading.Thread(target=server.run, daemon=True)
+            thread.start()
+            stop.callback(thread.join, 10)
+            stop.callback(setattr, server, "should_exit", True)
+            deadline = time.monotonic() + 10
+            while not server.started and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert server.started
+            return port
+
+        yield start
 
 
 def request(method: str, path: str, body: bytes = b"", headers: tuple[bytes, ...] = (), length: bool = True) -> bytes:

@@ -12,18 +12,16 @@ import http.client
 import json
 import select
 import socket
-import threading
 import time
 import urllib.request
-from contextlib import ExitStack
 
 import pytest
 
-from pdchat.clients.openai_api import HttpSettings, make_server
+from pdchat.clients.openai_api import HttpSettings
 from pdchat.clients.router import PDRouter
-from pdchat.launcher import PDStack, free_port, resident_bytes
+from pdchat.launcher import PDStack, resident_bytes
 from tests.integration.helpers import metric, wait_for
-from tests.raw_http import error_of, exchange, one_reply, read_to_end, request
+from tests.raw_http import error_of, exchange, one_reply, read_to_end, request, running_fronts
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
 API_KEY = "test-key-5b1c"
@@ -43,23 +41,7 @@ def stack(decode_server, tmp_path_factory):
 @pytest.fixture(scope="module")
 def fronts(stack):
     """start(settings) -> port of an in-process front on the stack's servers."""
-    with ExitStack() as stop:
-
-        def start(settings: HttpSettings) -> int:
-            port = free_port()
-            server = make_server(
-                PDRouter([stack.prefill.grpc_url], [stack.decode.grpc_url]), "127.0.0.1", port, settings
-            )
-            thread = threading.Thread(target=server.run, daemon=True)
-            thread.start()
-            stop.callback(thread.join, 10)
-            stop.callback(setattr, server, "should_exit", True)
-            deadline = time.monotonic() + 10
-            while not server.started and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert server.started
-            return port
-
+    with running_fronts(PDRouter([stack.prefill.grpc_url], [stack.decode.grpc_url])) as start:
         yield start
 
 

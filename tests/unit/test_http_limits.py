@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
 from types import SimpleNamespace
 
 import pytest
@@ -20,13 +18,11 @@ from pdchat.clients.openai_api import (
     JsonTooDeep,
     chat_api_error,
     json_depth,
-    make_server,
     parse_json_body,
     request_id_of,
 )
 from pdchat.core.errors import ErrorCode
-from pdchat.launcher import free_port
-from tests.raw_http import error_of, exchange, one_reply, read_to_end, request
+from tests.raw_http import error_of, exchange, one_reply, read_to_end, request, running_fronts
 
 
 @pytest.mark.parametrize(
@@ -139,21 +135,7 @@ class _Router:
 @pytest.fixture(scope="module")
 def fronts() -> Iterator[Callable[[HttpSettings], int]]:
     """start(settings) -> the port of a front on its own thread."""
-    with ExitStack() as stop:
-
-        def start(settings: HttpSettings) -> int:
-            port = free_port()
-            server = make_server(_Router(), "127.0.0.1", port, settings)  # type: ignore[arg-type]
-            thread = threading.Thread(target=server.run, daemon=True)
-            thread.start()
-            stop.callback(thread.join, 10)
-            stop.callback(setattr, server, "should_exit", True)
-            deadline = time.monotonic() + 10
-            while not server.started and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert server.started
-            return port
-
+    with running_fronts(_Router()) as start:
         yield start
 
 

@@ -5,6 +5,7 @@ import pytest
 
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.request.protocol import (
+    FIXED_FIELDS,
     ChatRequest,
     GenerationParams,
     parse_chat_json,
@@ -150,15 +151,7 @@ def test_token_ids_are_checked_against_the_vocabulary_and_min_tokens_against_the
 
 
 def test_router_switches_are_honoured_at_this_server_s_behaviour_and_refused_otherwise():
-    body = {
-        "messages": [{"role": "user", "content": "x"}],
-        "skip_special_tokens": True,
-        "include_reasoning": True,
-        "separate_reasoning": True,
-        "stream_reasoning": True,
-        "no_stop_trim": False,
-        "return_hidden_states": False,
-    }
+    body = {"messages": [{"role": "user", "content": "x"}], **FIXED_FIELDS}
     parse_chat_json(json.dumps(body))
     with pytest.raises(InvalidRequest, match="'no_stop_trim' can only be false"):
         parse_chat_json(json.dumps({**body, "no_stop_trim": True}))
