@@ -8,6 +8,8 @@
     python -m pdchat.clients.bench e2e      # TTFT with and without forwarded ids, by prompt length (clients/e2e.py)
     python -m pdchat.clients.bench vllm-router  # 2 prefill x 2 decode behind vllm-router, one decode killed
                                                 # (clients/scaleout.py)
+    python -m pdchat.clients.bench chaos    # mixed load through a supervised P/D stack, kill -9 and SIGSTOP
+                                            # along the way (clients/chaos.py)
 
 Ratios are measured side by side in one run; these machines are noisy.
 """
@@ -23,7 +25,7 @@ import time
 
 import numpy as np
 
-from pdchat.clients import e2e, scaleout
+from pdchat.clients import chaos, e2e, scaleout
 from pdchat.clients.report import plot, table, timed, write_results
 from pdchat.core.settings import DEVICE, DTYPE, FORWARDED_IDS, MODEL
 
@@ -456,6 +458,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     e2e.add_arguments(commands.add_parser("e2e"))
     scaleout.add_arguments(commands.add_parser("vllm-router"))
+    chaos.add_arguments(commands.add_parser("chaos"))
     args = parser.parse_args(argv)
     benches = {
         "reuse": bench_reuse,
@@ -465,6 +468,7 @@ def main(argv: list[str] | None = None) -> None:
         "batching": bench_batching,
         "e2e": e2e.bench_e2e,
         "vllm-router": scaleout.bench_vllm_router,
+        "chaos": chaos.run,
     }
     benches[args.bench](args)
 

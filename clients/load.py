@@ -61,13 +61,7 @@ class RouterStreams:
             return Outcome(ok, error, time.perf_counter() - started, tuple(arrivals), abandoned)
 
         try:
-            connection.request(
-                "POST",
-                "/v1/chat/completions",
-                json.dumps({**body, "stream": True}),
-                {"Content-Type": "application/json"},
-            )
-            reply = connection.getresponse()
+            reply = self._post(connection, json.dumps({**body, "stream": True}))
             if reply.status != 200:
                 return outcome(False, f"HTTP {reply.status}: {reply.read()[:300]!r}")
             while True:
@@ -91,6 +85,21 @@ class RouterStreams:
         except (OSError, http.client.HTTPException, ValueError) as exc:
             self._drop()
             return outcome(False, f"{type(exc).__name__}: {exc}")
+
+    def _post(self, connection: http.client.HTTPConnection, payload: str) -> http.client.HTTPResponse:
+        """The reply to one POST; sent again on a new connection once if a kept-alive one was
+        closed by the front meanwhile (before any answer: the request never reached it)."""
+        reused = connection.sock is not None
+        try:
+            connection.request("POST", "/v1/chat/completions", payload, {"Content-Type": "application/json"})
+            return connection.getresponse()
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            if not reused:
+                raise
+        self._drop()
+        connection = self._connection()
+        connection.request("POST", "/v1/chat/completions", payload, {"Content-Type": "application/json"})
+        return connection.getresponse()
 
     def _connection(self) -> http.client.HTTPConnection:
         if getattr(self._local, "connection", None) is None:

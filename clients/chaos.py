@@ -1,0 +1,270 @@
+"""A supervised P/D stack under mixed load and faults: `python -m pdchat.clients.bench chaos`.
+
+Streams N requests at concurrency C through the router of a `pdchat pd`-like stack (prefill,
+decode, router, kept running by `pdchat.supervisor`): plain chats, tool calls (auto and
+forced), JSON-schema output, logprobs, clients that leave mid-stream and bad requests. Along
+the way it `kill -9`s the prefill tritonserver (at 30% of the requests) and SIGSTOPs the
+decode tritonserver for `--stop-s` seconds (at 60%). It reports:
+
+- errors by kind, split into those of requests in flight at a fault (or refused while a
+  server was down: 503 at once) and the rest, which should be none;
+- every process's RSS after warm-up and at the end;
+- KV files left in the shm KV directory once idle, and python-backend shm after the stop;
+
+and writes bench-results/chaos.json and chaos.png (outcomes per second, faults marked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from pdchat.clients import load
+from pdchat.clients.report import OUT_DIR, table, write_results
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}, "days": {"type": "integer"}},
+    "required": ["city", "days"],
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+# One kind per request, in turn: what each asks, and what its client does.
+KINDS = ("plain", "plain", "plain", "tools", "forced_tool", "json_schema", "logprobs", "leaves", "bad", "plain")
+LEAVE_AFTER = 3  # chunks a leaving client reads
+
+
+@dataclass(frozen=True)
+class Sent:
+    kind: str
+    started: float
+    ended: float
+    outcome: load.Outcome
+
+    @property
+    def failed(self) -> bool:
+        """Not what this kind expects: a bad request must be refused 400, the rest answered."""
+        if self.kind == "bad":
+            return not self.outcome.error.startswith("HTTP 400")
+        return not self.outcome.ok
+
+
+def body(index: int, max_tokens: int) -> tuple[str, dict]:
+    kind = KINDS[index % len(KINDS)]
+    request: dict = {
+        "messages": [{"role": "user", "content": f"Request {index}: plan a trip " + "and more " * (index % 5)}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    if kind == "tools":
+        request["tools"] = [WEATHER]
+    elif kind == "forced_tool":
+        request |= {"tools": [WEATHER], "tool_choice": "required", "max_tokens": 40}
+    elif kind == "json_schema":
+        request |= {"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}}
+        request["max_tokens"] = 40
+    elif kind == "logprobs":
+        request |= {"logprobs": True, "top_logprobs": 2}
+    elif kind == "bad":
+        request["messages"] = [{"role": "wizard", "content": "hi"}]
+    return kind, request
+
+
+class Faults(threading.Thread):
+    """kill -9 of prefill at 30% of the requests, SIGSTOP of decode for `stop_s` at 60%."""
+
+    def __init__(self, stack, requests: int, stop_s: float, done: list):
+        super().__init__(daemon=True)
+        self.stack, self.requests, self.stop_s, self.done = stack, requests, stop_s, done
+        self.windows: list[tuple[str, float, float]] = []  # (fault, from, until)
+
+    def run(self) -> None:
+        self._wait_for(0.3)
+        killed_at = time.monotonic()
+        os.kill(self.stack.prefill.process.pid, signal.SIGKILL)
+        say("fault: kill -9 of the prefill tritonserver")
+        self._wait_ready(self.stack.prefill)
+        self.windows.append(("prefill kill -9", killed_at, time.monotonic()))
+        self._wait_for(0.6)
+        decode = self.stack.decode.process.pid
+        stopped_at = time.monotonic()
+        os.kill(decode, signal.SIGSTOP)
+        say(f"fault: SIGSTOP of the decode tritonserver for {self.stop_s:g} s")
+        time.sleep(self.stop_s)
+        os.kill(decode, signal.SIGCONT)
+        self._wait_ready(self.stack.decode)
+        self.windows.append(("decode SIGSTOP", stopped_at, time.monotonic()))
+
+    def _wait_for(self, share: float) -> None:
+        while len(self.done) < share * self.requests:
+            time.sleep(0.2)
+
+    @staticmethod
+    def _wait_ready(server) -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if server.is_ready():
+                    return
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            time.sleep(0.5)
+
+    def at_fault(self, sent: Sent, grace_s: float) -> bool:
+        """In flight at a fault, or sent while a server was down (until `grace_s` after it was back)."""
+        return any(sent.started <= until + grace_s and sent.ended >= start for _, start, until in self.windows)
+
+
+def run(args: argparse.Namespace) -> None:
+    from pdchat import embedded
+    from pdchat.core.kv.shm import kv_directory
+    from pdchat.launcher import PDStack, resident_bytes
+    from pdchat.supervisor import Supervisor
+
+    embedded.ensure_model(args.model)
+    os.environ.setdefault("PDCHAT_STALL_TIMEOUT_S", str(args.stall_s))
+    sent: list[Sent] = []
+    lock = threading.Lock()
+
+    def progress(done: int, total: int) -> None:
+        if done % max(1, total // 20) == 0 or done == total:
+            say(f"{done}/{total} requests")
+
+    with PDStack(model=args.model, connector=args.connector) as stack:
+        stop = threading.Event()
+        supervisor = Supervisor(stack.children(), say=say)
+        watcher = threading.Thread(target=supervisor.run, args=(stop,), daemon=True)
+        watcher.start()
+        streams = load.RouterStreams(stack.router_url, timeout=args.stall_s + 30)
+
+        def send(index: int) -> load.Outcome:
+            kind, request = body(index, args.max_tokens)
+            started = time.monotonic()
+            outcome = streams(request, LEAVE_AFTER if kind == "leaves" else None)
+            with lock:
+                sent.append(Sent(kind, started, time.monotonic(), outcome))
+            return outcome
+
+        say(f"warm-up: {args.concurrency * 4} requests")
+        load.run(lambda index, _: send(index), lambda i: i, args.concurrency * 4, args.concurrency)
+        sent.clear()
+
+        def memory() -> dict[str, int]:
+            return {
+                "prefill": sum(stack.prefill.memory().values()),
+                "decode": sum(stack.decode.memory().values()),
+                "router": sum(resident_bytes([stack.router.pid]).values()),
+            }
+
+        before = memory()
+        faults = Faults(stack, args.requests, args.stop_s, sent)
+        faults.start()
+        began = time.monotonic()
+        load.run(lambda index, _: send(index), lambda i: i, args.requests, args.concurrency, progress=progress)
+        wall = time.monotonic() - began
+        faults.join(timeout=600)
+        time.sleep(args.idle_s)  # expiries and sweeps
+        after = memory()
+        kv_left = sorted(p.name for p in kv_directory().glob("pdchat_kv*")) if kv_directory().exists() else []
+        stop.set()
+        watcher.join(10)
+        restarts = supervisor.restarts()
+        servers = (stack.prefill, stack.decode)
+    shm_left = [str(path) for server in servers for path in server.leaked_shm()]
+    report(args, sent, faults, wall, before, after, kv_left, shm_left, restarts)
+
+
+def report(args, sent, faults, wall, before, after, kv_left, shm_left, restarts) -> None:
+    grace_s = args.stall_s + 5
+    failed = [s for s in sent if s.failed]
+    at_fault = [s for s in failed if faults.at_fault(s, grace_s)]
+    unexpected = [s for s in failed if not faults.at_fault(s, grace_s)]
+    by_kind = Counter(s.kind for s in sent)
+    result = {
+        "model": args.model,
+        "requests": len(sent),
+        "concurrency": args.concurrency,
+        "wall_s": wall,
+        "faults": [
+            {"fault": name, "from_s": start - sent[0].started, "until_s": until - sent[0].started}
+            for name, start, until in faults.windows
+        ]
+        if sent
+        else [],
+        "failed_at_faults": len(at_fault),
+        "failed_elsewhere": len(unexpected),
+        "failed_elsewhere_first": sorted({f"{s.kind}: {s.outcome.error[:160]}" for s in unexpected})[:10],
+        "by_kind": dict(by_kind),
+        "failed_by_kind": dict(Counter(s.kind for s in failed)),
+        "restarts": restarts,
+        "rss_mib_after_warm_up": {k: v / 2**20 for k, v in before.items()},
+        "rss_mib_at_end": {k: v / 2**20 for k, v in after.items()},
+        "rss_growth": {k: after[k] / before[k] - 1 for k in before if before[k]},
+        "kv_files_left": kv_left,
+        "python_backend_shm_left": shm_left,
+    }
+    rows = [[k, v] for k, v in result.items() if not isinstance(v, list | dict)]
+    rows += [[f"rss growth {k}", f"{v:+.1%}"] for k, v in result["rss_growth"].items()]
+    print(f"\nchaos through the P/D router ({len(sent)} streamed requests, concurrency {args.concurrency}):")
+    print(table(["", "value"], rows))
+    for line in result["failed_elsewhere_first"]:
+        print("  unexpected:", line)
+    write_results("chaos", result)
+    plot_timeline(sent, faults)
+
+
+def plot_timeline(sent: list[Sent], faults: Faults) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return
+    if not sent:
+        return
+    origin = min(s.started for s in sent)
+    seconds = int(max(s.ended for s in sent) - origin) + 1
+    answered, failed = [0] * seconds, [0] * seconds
+    for s in sent:
+        (failed if s.failed else answered)[int(s.ended - origin)] += 1
+    figure, axis = plt.subplots(figsize=(8, 4.2))
+    axis.plot(range(seconds), answered, label="as expected")
+    axis.plot(range(seconds), failed, label="failed", color="tab:red")
+    for name, start, until in faults.windows:
+        axis.axvspan(start - origin, until - origin, alpha=0.15, color="tab:orange")
+        axis.text(start - origin, max(answered) * 0.95, name, fontsize=8)
+    axis.set(title="requests ending per second, faults shaded", xlabel="s", ylabel="requests")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    OUT_DIR.mkdir(exist_ok=True)
+    figure.savefig(OUT_DIR / "chaos.png", dpi=120)
+    print(f"plot: {OUT_DIR / 'chaos.png'}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--connector", default="shm")
+    parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--stop-s", type=float, default=45.0, help="how long decode stays SIGSTOPped")
+    parser.add_argument("--stall-s", type=float, default=10.0, help="the router's stall deadline for this run")
+    parser.add_argument("--idle-s", type=float, default=8.0, help="idle time before the final checks")
+
+
+def say(message: str) -> None:
+    print(f"[chaos] {message}", file=sys.stderr, flush=True)
