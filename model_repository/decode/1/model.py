@@ -61,6 +61,7 @@ class TritonPythonModel:
         self.model = TextModel(
             settings.path, settings.device, settings.dtype, settings.threads, compile_options(parameters)
         )
+        self.model.constraints.start()  # its grammar worker, before a request with a grammar waits for it
         self.seal = StageSeal.for_this_server()
         self.connectors = Connectors(**kv_options(parameters))
         self.metrics = DecodeMetrics(args["model_name"])

@@ -29,6 +29,7 @@ class TritonPythonModel:
         self.model = TextModel(
             settings.path, settings.device, settings.dtype, settings.threads, compile_options(parameters)
         )
+        self.model.constraints.start()  # its grammar worker, before a request with a grammar waits for it
         self.seal = StageSeal.for_this_server()
         self.metrics = KVHeldMetrics(args["model_name"], args["model_instance_name"])
         self.connectors = Connectors(on_sweep=self.metrics.update, **kv_options(parameters))

@@ -73,6 +73,11 @@ class ConstraintCompiler:
             return done
         return self._background.submit(self._compiled, _canonical(spec))
 
+    def start(self) -> Future:
+        """Start the worker process now, in the background, by compiling the JSON-object
+        grammar: a serving model's first request with a grammar then waits for no start."""
+        return self.prepare({"type": "json_object"})
+
     def close(self) -> None:
         self._background.shutdown(wait=False, cancel_futures=True)
         if self._worker is not None:
