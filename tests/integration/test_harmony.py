@@ -12,19 +12,12 @@ import pytest
 
 from pdchat.clients.chat import GrpcChat, HttpChat, chat_inputs
 from pdchat.launcher import PDStack
+from tests.conversations import WEATHER_TOOL as WEATHER
 from tests.integration.adversarial import ADVERSARIAL
 from tests.integration.helpers import ask, executions, metric, refusal, router_answer, summary
 
 CHAT = "chat"
 DATE = "2026-11-30"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 ASKED = {"role": "user", "content": "What is the weather in Paris?"}
 CASES = {
     "instructions": {"messages": [{"role": "system", "content": "Answer briefly."}, ASKED], "reasoning_effort": "high"},

@@ -15,16 +15,9 @@ from pdchat.core.errors import InvalidRequest, ModelUnavailable
 from pdchat.core.request import harmony_vocab
 from pdchat.core.request.protocol import chat_request_from_body
 from pdchat.ensemble.handoff import render_fingerprint
+from tests.conversations import WEATHER_TOOL as WEATHER
 
 DATE = "2026-11-30"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 
 
