@@ -79,6 +79,10 @@ class GrammarWorker:
         return body.decode()
 
     def close(self) -> None:
+        """Stop the child at once, also while a compile or its start is waiting on it."""
+        child = self._child
+        if child is not None:
+            child.kill()  # NOTE: a call waiting on the child's pipe sees EOF and lets go of the lock
         with self._lock:
             self._stop_child()
 
