@@ -390,7 +390,7 @@ def _forward_alone(
     for rows in row_counts:
         batch = DecodeBatch(engine)
         for _ in range(rows):
-            batch.join(engine.prefill(prompt).cache)
+            batch.join(engine.prefill(prompt)[1])
         batch.step([1] * rows)  # warm
         per_step = float("inf")
         for _ in range(rounds):

@@ -282,7 +282,7 @@ class ChatFlow:
         """Prefill's first token as the prefill leg's answer shows it."""
         token, logprobs = handle.first_token_id, handle.first_token_logprobs
         text = self.renderer.tokenizer.decode([token], skip_special_tokens=True)
-        return Delta(text, [token], None, [] if logprobs is None else [logprobs])
+        return Delta(text, [token], None, [] if logprobs is None else [logprobs], handle.cached_tokens)
 
     def _render_ids(self, messages: list[dict]) -> list[int]:
         return self.renderer.token_ids(ChatRequest(messages=messages))

@@ -9,8 +9,8 @@ others through decode's scheduler (`LocalPipeline.run_batched`).
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +57,14 @@ class LocalPipeline:
         self.renderer = self.flow.renderer
         self.model = TextModel(model_dir, device)
         self.connectors = Connectors()
+        self._model_dir = model_dir
+
+    @functools.cached_property
+    def reference_model(self):
+        """transformers' own model of the same weights, with its own attention and cache."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self._model_dir, dtype=self.model.engine.dtype).eval()
 
     def run(self, request: ChatRequest, *, handoff: bool = True) -> list[ClientOutput]:
         """Every output the client would receive. `handoff`: decode starts from prefill's
@@ -114,9 +122,10 @@ class LocalStages:
         self.seal.check_prompt(ids, params_text, "", rendered.seal)
         handle = ""
         if self.handoff:
-            choice, kv = self.pipeline.model.prefill(ids, GenerationParams.from_json(params_text))
-            published = self.pipeline.connectors.get(destination).publish(kv, choice.token_id)
-            handle = replace(published, first_token_logprobs=choice.logprobs).to_json()
+            prefilled = self.pipeline.model.prefill(ids, GenerationParams.from_json(params_text))
+            handle = self.pipeline.connectors.publish(
+                destination, prefilled.kv, prefilled.first.token_id, prefilled.first.logprobs, prefilled.cached_tokens
+            ).to_json()
         return Prefilled(handle, self.seal.seal_prompt(ids, params_text, handle))
 
     async def decode(self, call: DecodeCall) -> AsyncIterator[ClientOutput]:
@@ -162,6 +171,7 @@ class LocalStages:
             first=Choice(handle.first_token_id, handle.first_token_logprobs),
             kv_cache=connectors.pull(handle),
             on_kv_released=lambda: connectors.done(handle),
+            cached_tokens=handle.cached_tokens,
         )
 
     async def _batched(self, key: str, generation: Generation) -> AsyncIterator[Delta]:

@@ -1,13 +1,17 @@
-"""DecodeBatch: rows of different lengths joining and leaving mid-way decode exactly the
-tokens each would alone (greedy, fp32, CPU)."""
+"""The paged engine: rows of different lengths joining and leaving mid-way decode exactly
+the tokens each would alone (greedy, fp32, CPU), against transformers' own model and
+cache; memory held is the blocks used; the prefix cache gives the same tokens it saves."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from pdchat.core.errors import Unavailable
 from pdchat.core.generation.engine import CausalLM, DecodeBatch
+from pdchat.core.settings import KVPoolOptions
 
 STEPS = 16
+MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -15,37 +19,41 @@ def engine(tiny_model_dir):
     return CausalLM(tiny_model_dir, "cpu")
 
 
-def alone(engine, prompt):
-    result = engine.prefill(prompt)
-    token, out = int(result.last_logits.argmax()), []
-    for _ in range(STEPS):
-        out.append(token)
-        token = int(engine.step(token, result.cache).argmax())
-    return out
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
-# Small room: the storage grows (and shrinks) mid-way, often.
-@pytest.mark.parametrize(
-    ("spare_columns", "spare_rows"), [(DecodeBatch.SPARE_COLUMNS, DecodeBatch.SPARE_ROWS), (3, 0), (3, 1)]
-)
-def test_joining_and_leaving_rows_decode_what_each_would_alone(engine, spare_columns, spare_rows, monkeypatch):
-    monkeypatch.setattr(DecodeBatch, "SPARE_COLUMNS", spare_columns)
-    monkeypatch.setattr(DecodeBatch, "SPARE_ROWS", spare_rows)
-    generator = torch.Generator().manual_seed(0)
-    prompts = [
-        torch.randint(0, engine.vocab_size, (n,), generator=generator).tolist() for n in (5, 40, 17, 300, 2, 90, 64, 11)
-    ]
-    expected = [alone(engine, p) for p in prompts]
+@torch.inference_mode()
+def alone(reference, prompt, steps=STEPS):
+    """Greedy tokens of transformers' model with its own DynamicCache: no pdchat code."""
+    out = reference(input_ids=torch.tensor([prompt]), use_cache=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    for _ in range(steps - 1):
+        out = reference(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+def prompts_of(lengths, vocab_size, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize(("block_tokens", "prefix_caching"), [(16, True), (3, True), (1, False)])
+def test_joining_and_leaving_rows_decode_what_each_would_alone(tiny_model_dir, reference, block_tokens, prefix_caching):
+    engine = CausalLM(tiny_model_dir, "cpu", pool=KVPoolOptions(8 * MIB, block_tokens, prefix_caching))
+    prompts = prompts_of((5, 40, 17, 300, 2, 90, 64, 11), engine.vocab_size)
+    prompts.append(prompts[3][:150] + prompts[0])  # shares 150 tokens with another prompt
+    expected = [alone(reference, p) for p in prompts]
     batch, rows, results, waiting, turn = DecodeBatch(engine), [], {}, list(range(len(prompts))), 0
     while waiting or rows:
         if waiting and turn % 3 == 0:  # a new request joins every third step
             index = waiting.pop(0)
-            result = engine.prefill(prompts[index])
-            batch.join(result.cache)
-            rows.append((index, [int(result.last_logits.argmax())]))
-        done = [
-            row for row, (index, tokens) in enumerate(rows) if len(tokens) >= STEPS - index % 4
-        ]  # leave at different times
+            logits, sequence = engine.prefill(prompts[index])
+            batch.join(sequence)
+            rows.append((index, [int(logits.argmax())]))
+        done = [row for row, (index, tokens) in enumerate(rows) if len(tokens) >= STEPS - index % 4]
         results.update(rows[row] for row in done)
         batch.leave(done)
         rows = [r for row, r in enumerate(rows) if row not in done]
@@ -56,15 +64,57 @@ def test_joining_and_leaving_rows_decode_what_each_would_alone(engine, spare_col
     for index in range(len(prompts)):
         assert results[index] == expected[index][: len(results[index])], f"prompt {index} diverged in the batch"
     assert len(batch) == 0 and batch.kv_bytes() == 0
+    if prefix_caching:
+        assert engine.pool.usage().cached_blocks > 0, "full blocks stayed cached after their rows left"
 
 
-def test_the_batch_drops_padding_once_the_longest_row_leaves(engine):
+def test_kv_held_is_the_blocks_used_not_the_longest_row(engine):
+    per_token = engine.kv_bytes_per_token()
     batch = DecodeBatch(engine)
-    batch.join(engine.prefill(list(range(1, 300))).cache)
-    batch.join(engine.prefill([5, 6, 7]).cache)
-    assert batch.columns == 299
+    batch.join(engine.prefill(list(range(1, 300)))[1])
+    batch.join(engine.prefill([5, 6, 7])[1])
+    assert batch.kv_bytes() == (19 + 1) * 16 * per_token  # 299 tokens in 19 blocks, 3 in one
     batch.leave([0])
-    assert batch.columns == 3 and batch.kv_bytes() == 3 * engine.kv_bytes_per_token()
+    assert batch.kv_bytes() == 16 * per_token
+    batch.leave([0])
+    assert batch.kv_bytes() == 0
+
+
+def test_a_cached_prefix_gives_the_same_tokens_and_is_not_computed_again(tiny_model_dir, reference):
+    engine = CausalLM(tiny_model_dir, "cpu", pool=KVPoolOptions(8 * MIB, 16, True))
+    system, turn = prompts_of((200, 30), engine.vocab_size, seed=1)
+    first_logits, first = engine.prefill(system + turn)
+    assert first.cached_tokens == 0
+    first.release()
+    logits, again = engine.prefill(system + turn)
+    assert again.cached_tokens == 224, "every full block but the one holding the last token"
+    assert int(logits.argmax()) == int(first_logits.argmax())
+    again.release()
+    _, other_tenant = engine.prefill(system + turn, cache_salt="tenant-b")
+    assert other_tenant.cached_tokens == 0, "another cache_salt shares nothing"
+    other_tenant.release()
+    batch = DecodeBatch(engine)
+    next_logits, next_turn = engine.prefill(system + turn + [9, 10, 11])
+    assert next_turn.cached_tokens == 224, "the next turn hits the blocks of this one's prompt"
+    batch.join(next_turn)
+    tokens = [int(next_logits.argmax())]
+    for _ in range(5):
+        tokens.append(int(batch.step([tokens[-1]])[0].argmax()))
+    assert tokens == alone(reference, system + turn + [9, 10, 11], 6)
+
+
+def test_eviction_under_a_small_pool_keeps_outputs_right_and_too_big_a_prompt_is_refused(tiny_model_dir, reference):
+    per_block = 16 * CausalLM(tiny_model_dir, "cpu", pool=KVPoolOptions(MIB, 16)).kv_bytes_per_token()
+    engine = CausalLM(tiny_model_dir, "cpu", pool=KVPoolOptions(30 * per_block, 16, True))
+    prompts = prompts_of((200, 200, 200), engine.vocab_size, seed=2)
+    for prompt in prompts + prompts[:1]:  # 13 blocks each in a 30-block pool: the first is evicted, then again
+        logits, sequence = engine.prefill(prompt)
+        assert int(logits.argmax()) == alone(reference, prompt, 1)[0]
+        sequence.release()
+    assert engine.pool.evictions > 0
+    with pytest.raises(Unavailable, match="whole KV pool holds 30"):
+        engine.prefill(list(range(1, 600)))
+    assert engine.pool.usage().used_blocks == 0
 
 
 def test_the_cpu_vocab_projection_gives_nn_linears_logits(tiny_model_dir, engine):
@@ -80,38 +130,3 @@ def test_the_cpu_vocab_projection_gives_nn_linears_logits(tiny_model_dir, engine
         assert ours.shape == theirs.shape
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-4)
         assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
-
-
-def test_rows_join_into_free_room_and_leave_in_place(engine):
-    """Within its room the batch's KV storage stays put: a join writes one row, a leave
-    moves rows down; neither copies the batch into new storage."""
-    batch = DecodeBatch(engine)
-    for length in (50, 40, 45):
-        batch.join(engine.prefill(list(range(1, length))).cache)
-
-    def storage():
-        return batch._cache.layers[0].keys.untyped_storage().data_ptr()
-
-    before = storage()
-    batch.leave([1])
-    batch.join(engine.prefill(list(range(1, 30))).cache)
-    batch.step([1, 2, 3])
-    assert storage() == before and len(batch) == 3 and batch.columns == 50
-    batch.join(engine.prefill(list(range(1, 200))).cache)  # longer than the room on the left: new storage
-    assert storage() != before and batch.columns == 199
-
-
-def test_the_storage_shrinks_when_most_rows_leave(engine):
-    """Room is bounded: once more than 2 x SPARE_ROWS rows lie unused, the storage shrinks."""
-    batch = DecodeBatch(engine)
-    for length in range(40, 52):
-        batch.join(engine.prefill(list(range(1, length))).cache)
-    batch.leave(list(range(10)))
-    keys = batch._cache.layers[0].keys
-    most = (
-        (len(batch) + 2 * DecodeBatch.SPARE_ROWS)
-        * keys.shape[1]
-        * (batch.columns + 2 * DecodeBatch.SPARE_COLUMNS)
-        * keys.shape[3]
-    )
-    assert len(batch) == 2 and keys.untyped_storage().nbytes() <= most * keys.element_size()

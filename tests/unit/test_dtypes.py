@@ -41,19 +41,22 @@ def test_an_unknown_dtype_is_refused_at_load(tiny_model_dir):
 def test_kv_travels_in_the_models_dtype_through_shm_bit_for_bit(engines, tmp_path, dtype):
     engine = engines[dtype]
     assert engine.model.dtype == getattr(torch, dtype)
-    result = engine.prefill(PROMPT)
-    kv = engine.export_kv(result.cache)
+    logits, sequence = engine.prefill(PROMPT)
+    kv = engine.export_kv(sequence)
     assert kv.nbytes == len(PROMPT) * engine.kv_bytes_per_token(), "2 bytes a value in 16-bit dtypes, not 4"
     prefill, decode = ShmConnector(tmp_path / "kv"), ShmConnector(tmp_path / "kv")
     try:
-        handle = prefill.publish(kv, int(result.last_logits.argmax()))
+        handle = prefill.publish(kv, int(logits.argmax()))
         assert handle.dtype == dtype
         handle = KVHandle.from_json(handle.to_json())  # as decode receives it
         pulled = decode.pull(handle)
         assert pulled.dtype == kv.dtype and np.array_equal(pulled.view(np.uint8), kv.view(np.uint8))
-        cache = engine.import_kv(pulled, len(PROMPT))
-        for mine, theirs in zip(cache.layers, result.cache.layers, strict=True):
-            assert mine.keys.dtype == engine.dtype and torch.equal(mine.keys, theirs.keys)
+        sequence.release()
+        engine.pool.clear_cache()  # so the import writes every block, not the cached ones
+        imported = engine.import_kv(pulled, PROMPT)
+        assert imported.cached_tokens == 0 and engine.pool.keys.dtype == engine.dtype
+        assert np.array_equal(engine.export_kv(imported).view(np.uint8), kv.view(np.uint8))
+        imported.release()
         decode.done(handle)
     finally:
         prefill.close()
@@ -64,19 +67,23 @@ def test_a_16_bit_batch_decodes_and_its_logits_are_float32_for_sampling(engines)
     engine = engines["bfloat16"]
     batch = DecodeBatch(engine)
     for prompt in (PROMPT, PROMPT[:17]):
-        batch.join(engine.prefill(prompt).cache)
+        batch.join(engine.prefill(prompt)[1])
     logits = batch.step([5, 6])
     assert logits.shape == (2, engine.vocab_size) and logits.dtype == torch.float32
-    assert batch.kv_bytes() == 2 * (len(PROMPT) + 1) * engine.kv_bytes_per_token()
+    # 61 and 18 tokens held, by whole blocks of 16 (the 17-token prompt shares PROMPT's first block)
+    assert batch.kv_bytes() == (4 + 1) * 16 * engine.kv_bytes_per_token()
+    batch.leave([0, 1])
+    assert batch.kv_bytes() == 0
 
 
 @pytest.mark.parametrize(
     ("prefill_dtype", "decode_dtype"), [("bfloat16", "float32"), ("float32", "float16"), ("float16", "bfloat16")]
 )
 def test_kv_in_another_dtype_is_refused_by_name(engines, prefill_dtype, decode_dtype):
-    kv = engines[prefill_dtype].export_kv(engines[prefill_dtype].prefill(PROMPT).cache)
+    kv = _exported(engines[prefill_dtype])
     with pytest.raises(InvalidRequest, match=f"the KV is {prefill_dtype}; this server's model runs in {decode_dtype}"):
-        engines[decode_dtype].import_kv(kv, len(PROMPT))
+        engines[decode_dtype].import_kv(kv, PROMPT)
+    assert engines[decode_dtype].pool.usage().used_blocks == 0
 
 
 def test_a_handle_naming_an_unknown_dtype_is_malformed():
@@ -93,14 +100,14 @@ def test_kv_travels_in_bfloat16_through_nixl_bit_for_bit(engines):
     from pdchat.core.kv.nixl import NixlConnector
 
     engine = engines["bfloat16"]
-    kv = engine.export_kv(engine.prefill(PROMPT).cache)
+    kv = _exported(engine)
     prefill, decode = NixlConnector(ttl_s=60), NixlConnector()
     try:
         handle = KVHandle.from_json(prefill.publish(kv, 1).to_json())
         assert handle.dtype == "bfloat16"
         pulled = decode.pull(handle)
         assert pulled.dtype == np.uint16 and np.array_equal(pulled, kv)
-        engine.import_kv(pulled, len(PROMPT))
+        engine.import_kv(pulled, PROMPT).release()
     finally:
         prefill.close()
         decode.close()
@@ -112,7 +119,7 @@ def test_refused_kv_is_handed_back_at_once_not_held_until_its_ttl(tiny_model_dir
     from pdchat.core.request.protocol import ChatRequest
 
     model = TextModel(tiny_model_dir, "cpu")  # float32
-    kv = engines["bfloat16"].export_kv(engines["bfloat16"].prefill(PROMPT).cache)
+    kv = _exported(engines["bfloat16"])
     params = ChatRequest(messages=[{"role": "user", "content": "x"}]).generation_params(
         len(PROMPT), 16384, model.engine.vocab_size, "m"
     )
@@ -122,3 +129,12 @@ def test_refused_kv_is_handed_back_at_once_not_held_until_its_ttl(tiny_model_dir
             PROMPT, params, first=Choice(5, None), kv_cache=kv, on_kv_released=lambda: released.append(True)
         )
     assert released == [True]
+
+
+def _exported(engine: CausalLM) -> np.ndarray:
+    """PROMPT's KV from `engine`, its blocks given back."""
+    sequence = engine.prefill(PROMPT)[1]
+    try:
+        return engine.export_kv(sequence)
+    finally:
+        sequence.release()

@@ -24,7 +24,7 @@ def chat(**fields):
 def test_greedy_matches_transformers_generate(pipeline):
     outputs = pipeline.run(chat(max_tokens=24, temperature=0))
     ids = outputs[-1].prompt_token_ids
-    reference = pipeline.model.engine.model.generate(
+    reference = pipeline.reference_model.generate(
         torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=sorted(pipeline.model.eos_ids)
     )[0, len(ids) :].tolist()
     assert outputs[-1].output_token_ids == reference
@@ -68,7 +68,7 @@ def test_stop_string_ends_the_answer_early(pipeline):
 
 def generation_starting_with(pipeline, first_token, **fields):
     rendered = pipeline.renderer.render(chat(temperature=0, **fields))
-    _, kv = pipeline.model.prefill(rendered.prompt_token_ids, rendered.params)
+    kv = pipeline.model.prefill(rendered.prompt_token_ids, rendered.params).kv
     return pipeline.model.generation(rendered.prompt_token_ids, rendered.params, first=Choice(first_token), kv_cache=kv)
 
 
@@ -81,15 +81,26 @@ def test_eos_ends_the_answer_unless_ignored(pipeline):
     assert [d.finish_reason for d in deltas] == [None] * 4 + ["length"]
 
 
-def test_return_token_ids_in_json(pipeline):
-    result = pipeline.run(chat(max_tokens=4, temperature=0, return_token_ids=True))[-1]
-    body = json.loads(result.response)
-    assert body["prompt_token_ids"] == result.prompt_token_ids
-    assert body["choices"][0]["token_ids"] == result.output_token_ids
+@pytest.mark.parametrize("handoff", [True, False])
+def test_return_token_ids_in_json_and_the_usage_counts_cached_prompt_tokens(tiny_model_dir, handoff):
+    pipeline = LocalPipeline(tiny_model_dir)  # a cold prefix cache
+    story = "Tell me a story about a lighthouse keeper, a cat and a storm that lasted three days."
+    request = parse_chat_json(
+        json.dumps({"messages": [{"role": "user", "content": story}], "max_tokens": 4, "temperature": 0})
+    )
+    request = replace(request, return_token_ids=True)
+    cold, warm = (pipeline.run(request, handoff=handoff)[-1] for _ in range(2))
+    body = json.loads(warm.response)
+    assert body["prompt_token_ids"] == warm.prompt_token_ids
+    assert body["choices"][0]["token_ids"] == warm.output_token_ids == cold.output_token_ids
+    prompt = len(warm.prompt_token_ids)
+    cached = (prompt - 1) // 16 * 16  # the full blocks before the last prompt token
+    assert cached > 0 and json.loads(cold.response)["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert body["usage"] == {
-        "prompt_tokens": len(result.prompt_token_ids),
+        "prompt_tokens": prompt,
         "completion_tokens": 4,
-        "total_tokens": len(result.prompt_token_ids) + 4,
+        "total_tokens": prompt + 4,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -191,7 +202,7 @@ def reference_greedy(pipeline, prompt, tokens, *, bias=None, presence=0.0, frequ
 
 def next_logits(pipeline, token_ids):
     with torch.inference_mode():
-        logits = pipeline.model.engine.model(torch.tensor([token_ids])).logits[0, -1]
+        logits = pipeline.reference_model(torch.tensor([token_ids])).logits[0, -1]
     return logits.clone()
 
 
@@ -279,7 +290,8 @@ def test_logprobs_prefill_did_not_hand_over_come_from_its_last_prompt_token_agai
     KV and first token all the same, computing the prompt's last token again for the logprobs."""
     rendered = pipeline.renderer.render(chat(temperature=0, max_tokens=4, logprobs=True, top_logprobs=3))
     ids, params = rendered.prompt_token_ids, rendered.params
-    first, kv = pipeline.model.prefill(ids, params)
+    prefilled = pipeline.model.prefill(ids, params)
+    first, kv = prefilled.first, prefilled.kv
     given = Choice(first.token_id, None if handed == "none" else first.logprobs.trimmed(1))
     [entry] = pipeline.model.generation(ids, params, first=given, kv_cache=kv).advance().logprobs
     assert entry.token_id == first.token_id and [t for t, _ in entry.top] == [t for t, _ in first.logprobs.top]

@@ -11,7 +11,7 @@ class CountingGeneration:
 
     def __init__(self, name, length, fail_at=None, prefill_chunks=0):
         self.name, self.length, self.fail_at, self.step = name, length, fail_at, 0
-        self.chunks_left, self.finished, self.cache, self.moved = prefill_chunks, False, name, False
+        self.chunks_left, self.finished, self.cache, self.dropped = prefill_chunks, False, name, False
 
     @property
     def prefilling(self):
@@ -35,8 +35,8 @@ class CountingGeneration:
     def accept(self, logits):
         assert logits == (self.name, self.step), "the batch handed this row another row's logits"
 
-    def kv_moved(self):
-        self.moved = True
+    def drop(self):
+        self.dropped = True
 
 
 class RecordingBatch:
@@ -181,7 +181,7 @@ def test_running_requests_share_each_forward_pass_and_leave_when_done():
     a, b = CountingGeneration("a", 3), CountingGeneration("b", 2)
     run_jobs(recorder, [recorder.job(a), recorder.job(b)], 7, batch)
     assert batch.steps == [["a", "b"], ["a"]]  # "z" (held start) finished first; b left after 2
-    assert a.moved and b.moved, "the imported KV was released once the batch held it"
+    assert batch.rows == [] and not (a.dropped or b.dropped), "the batch, not the request, gave their KV back"
 
 
 def test_a_local_prefill_is_chunked_between_the_others_steps():
@@ -222,5 +222,28 @@ def test_a_request_bigger_than_the_whole_kv_budget_is_refused_at_once():
     recorder = Recorder()
     job = recorder.job(CountingGeneration("a", 2))
     job.tokens = 2000
-    events = run_jobs(recorder, [job], 1, limits=Limits(kv_budget_bytes=1 << 20, kv_bytes_per_token=4096))
-    assert len(events) == 1 and "more than decode's whole KV budget of 1 MiB" in events[0]
+    events = run_jobs(recorder, [job], 1, limits=Limits(kv_blocks=64, block_tokens=16))
+    assert len(events) == 1 and "125 KV blocks" in events[0] and "whole KV pool of 64 blocks" in events[0]
+
+
+def test_requests_wait_for_blocks_and_a_cancelled_local_prefill_gives_its_kv_back():
+    recorder, batch = Recorder(), RecordingBatch()
+    limits = Limits(kv_blocks=10, block_tokens=16)
+    a, b = CountingGeneration("a", 3), CountingGeneration("b", 2, prefill_chunks=10**9)
+    job_a, job_b = recorder.job(a), recorder.job(b)
+    job_a.tokens = job_b.tokens = 16 * 6  # six blocks each: b waits until a left
+    scheduler = DecodeScheduler(batch, limits)
+    scheduler.submit(job_a)
+    scheduler.submit(job_b)
+    for _ in range(300):
+        if "a3" in recorder.events and b.chunks_left < 10**9:
+            break
+        threading.Event().wait(0.01)
+    scheduler.cancel(job_b.key)
+    for _ in range(300):
+        if b.dropped:
+            break
+        threading.Event().wait(0.01)
+    scheduler.close()
+    assert recorder.events.index("a3") < recorder.events.index("b:cancelled"), "b was admitted only once a left"
+    assert b.dropped, "a request cancelled while prefilling gave its blocks back"

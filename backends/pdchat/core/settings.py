@@ -321,6 +321,37 @@ KV_PULL_TIMEOUT_S = Setting(
     "Longest NIXL READ from a prefill server, in seconds; then decode recomputes the prompt from its ids.",
 )
 
+# The KV block pool of prefill and decode.
+PREFILL_KV_MB = Setting(
+    "prefill_kv_mb",
+    "prefill_kv_mb",
+    "PDCHAT_PREFILL_KV_MB",
+    "512",
+    NUMBER,
+    ("prefill",),
+    "prefill's KV pool, in MiB, allocated at load: the prompt being computed and its prefix cache. A prompt "
+    "larger than the pool is refused as UNAVAILABLE.",
+)
+KV_BLOCK_TOKENS = Setting(
+    "kv_block_tokens",
+    "kv_block_tokens",
+    "PDCHAT_KV_BLOCK_TOKENS",
+    "16",
+    INTEGER,
+    ("prefill", "decode"),
+    "Tokens per KV block: the unit the pool hands out and the prefix cache shares (prefill and decode may differ).",
+)
+PREFIX_CACHING = Setting(
+    "prefix_caching",
+    "prefix_caching",
+    "PDCHAT_PREFIX_CACHING",
+    "true",
+    FLAG,
+    ("prefill", "decode"),
+    "Keep full KV blocks after their request and reuse them for prompts that start with the same tokens "
+    "(and the same cache_salt).",
+)
+
 # decode's batch.
 MAX_RUNNING = Setting(
     "max_running",
@@ -338,7 +369,8 @@ DECODE_KV_MB = Setting(
     "1024",
     NUMBER,
     ("decode",),
-    "KV, in MiB, the admitted requests may reserve (prompt plus max_tokens each).",
+    "decode's KV pool, in MiB, allocated at load: the running sequences' blocks and its prefix cache. Each admitted "
+    "request reserves blocks for its prompt plus max_tokens; past the pool, requests wait.",
 )
 QUEUE_TIMEOUT_S = Setting(
     "queue_timeout_s",
@@ -534,18 +566,36 @@ def max_request_bytes(parameters: dict[str, str], environ: os._Environ | dict | 
 
 
 @dataclass(frozen=True)
+class KVPoolOptions:
+    bytes: int = 256 * MIB  # the pool's size, allocated at load
+    block_tokens: int = 16  # tokens per block
+    prefix_caching: bool = True  # full blocks kept and reused
+
+
+DEFAULT_KV_POOL = KVPoolOptions()  # what a model made outside a server (tests, benchmarks) gets
+
+
+def kv_pool_options(role: str, parameters: dict[str, str], environ: os._Environ | dict | None = None) -> KVPoolOptions:
+    """A stage's KV pool (`role` prefill or decode): PREFILL_KV_MB or DECODE_KV_MB, KV_BLOCK_TOKENS, PREFIX_CACHING."""
+    size = {"prefill": PREFILL_KV_MB, "decode": DECODE_KV_MB}[role]
+    return KVPoolOptions(
+        bytes=int(size.get(parameters, environ) * MIB),
+        block_tokens=KV_BLOCK_TOKENS.get(parameters, environ),
+        prefix_caching=PREFIX_CACHING.get(parameters, environ),
+    )
+
+
+@dataclass(frozen=True)
 class BatchingOptions:
     max_running: int  # sequences in one decode batch
-    kv_budget_bytes: int  # KV those sequences may reserve (prompt + max_tokens each)
     queue_timeout_s: float  # longest wait for room, then UNAVAILABLE
     prefill_chunk: int  # prompt tokens per local prefill chunk, between decode steps
 
 
 def batching_options(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> BatchingOptions:
-    """Decode's limits: MAX_RUNNING, DECODE_KV_MB, QUEUE_TIMEOUT_S and PREFILL_CHUNK."""
+    """Decode's limits: MAX_RUNNING, QUEUE_TIMEOUT_S and PREFILL_CHUNK (its KV pool: kv_pool_options)."""
     return BatchingOptions(
         max_running=MAX_RUNNING.get(parameters, environ),
-        kv_budget_bytes=int(DECODE_KV_MB.get(parameters, environ) * MIB),
         queue_timeout_s=QUEUE_TIMEOUT_S.get(parameters, environ),
         prefill_chunk=PREFILL_CHUNK.get(parameters, environ),
     )

@@ -112,7 +112,7 @@ class DecodeMetrics:
         self._waiting_family = _gauge(
             "pdchat_decode_waiting", "Decode requests queued at the limits (max_running, KV budget)"
         )
-        self._kv_family = _gauge("pdchat_decode_kv_bytes", "KV the decode batch holds now, padding included")
+        self._kv_family = _gauge("pdchat_decode_kv_bytes", "KV decode's running sequences hold now, by whole blocks")
         self._waiting = _Metric(self._waiting_family, labels)
         self._kv = _Metric(self._kv_family, labels)
         self._ended = {o: _Metric(self._ended_family, {**labels, "outcome": o}) for o in self.OUTCOMES}
@@ -165,6 +165,55 @@ class KVHeldMetrics:
     def close(self) -> None:
         self._by_connector.clear()
         del self._family
+
+
+class KVPoolMetrics:
+    """A stage instance's KV block pool and prefix cache (core.generation.paged.PoolUsage):
+    blocks used, cached and in all, the usage fraction, and in tokens the prompts looked
+    up, the cache's hits and what prefill computed. One series per instance."""
+
+    GAUGES = {
+        "pdchat_kv_blocks_used": "KV blocks held by running sequences",
+        "pdchat_kv_blocks_cached": "KV blocks kept for the prefix cache, unreferenced (evicted when room is needed)",
+        "pdchat_kv_blocks_total": "KV blocks in the pool",
+        "pdchat_kv_cache_usage": "Fraction of the KV pool's blocks held by running sequences",
+    }
+    COUNTERS = {
+        "pdchat_prefix_cache_queries_tokens_total": "Prompt tokens looked up in the prefix cache",
+        "pdchat_prefix_cache_hits_tokens_total": "Prompt tokens the prefix cache gave (not computed)",
+        "pdchat_prompt_tokens_computed_total": "Prompt tokens computed by forward passes",
+    }
+
+    def __init__(self, model_name: str, instance_name: str):
+        labels = {"model": model_name, "instance": instance_name}
+        self._families = {name: _gauge(name, doc) for name, doc in self.GAUGES.items()}
+        self._families.update({name: _counter(name, doc) for name, doc in self.COUNTERS.items()})
+        self._metrics = {name: _Metric(family, labels) for name, family in self._families.items()}
+        self._counted = dict.fromkeys(self.COUNTERS, 0)
+
+    def update(self, usage) -> None:
+        """Set the gauges and advance the counters to `usage` (a PoolUsage)."""
+        values = {
+            "pdchat_kv_blocks_used": usage.used_blocks,
+            "pdchat_kv_blocks_cached": usage.cached_blocks,
+            "pdchat_kv_blocks_total": usage.total_blocks,
+            "pdchat_kv_cache_usage": usage.used_blocks / usage.total_blocks,
+        }
+        for name, value in values.items():
+            self._metrics[name].set(value)
+        totals = {
+            "pdchat_prefix_cache_queries_tokens_total": usage.queried_tokens,
+            "pdchat_prefix_cache_hits_tokens_total": usage.hit_tokens,
+            "pdchat_prompt_tokens_computed_total": usage.computed_prompt_tokens,
+        }
+        for name, total in totals.items():
+            if total > self._counted[name]:
+                self._metrics[name].increment(total - self._counted[name])
+                self._counted[name] = total
+
+    def close(self) -> None:
+        self._metrics.clear()
+        self._families.clear()
 
 
 def _gauge(name: str, description: str):

@@ -24,11 +24,11 @@ from pdchat.core.generation.generation import TextModel
 from pdchat.core.generation.sampling import Choice
 from pdchat.core.generation.scheduler import DecodeJob, DecodeScheduler, Limits
 from pdchat.core.kv.connector import Connectors, KVUnavailable
-from pdchat.core.settings import batching_options, compile_options, kv_options
+from pdchat.core.settings import batching_options, compile_options, kv_options, kv_pool_options
 from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
 from pdchat.triton import io
-from pdchat.triton.metrics import DecodeMetrics
+from pdchat.triton.metrics import DecodeMetrics, KVPoolMetrics
 from pdchat.triton.outbox import Outbox
 from pdchat.triton.server_watch import exit_with_server
 
@@ -59,17 +59,23 @@ class TritonPythonModel:
             )
         settings = resolve_model(parameters).on_instance(kind, device_id)
         self.model = TextModel(
-            settings.path, settings.device, settings.dtype, settings.threads, compile_options(parameters)
+            settings.path,
+            settings.device,
+            settings.dtype,
+            settings.threads,
+            compile_options(parameters),
+            kv_pool_options("decode", parameters),
         )
         self.model.constraints.start()  # its grammar worker, before a request with a grammar waits for it
         self.seal = StageSeal.for_this_server()
         self.connectors = Connectors(**kv_options(parameters))
         self.metrics = DecodeMetrics(args["model_name"])
+        self.pool_metrics = KVPoolMetrics(args["model_name"], args["model_instance_name"])
         self.options = batching_options(parameters)
         limits = Limits(
             max_running=self.options.max_running,
-            kv_budget_bytes=self.options.kv_budget_bytes,
-            kv_bytes_per_token=self.model.engine.kv_bytes_per_token(),
+            kv_blocks=self.model.engine.pool.total_blocks,
+            block_tokens=self.model.engine.pool.block_tokens,
             max_wait_s=self.options.queue_timeout_s,
         )
         # About one step's responses may wait for the outbox before the scheduler waits too.
@@ -100,6 +106,7 @@ class TritonPythonModel:
         self.outbox.close()
         self.connectors.close()
         self.metrics.close()
+        self.pool_metrics.close()
 
     def _queue(self, job: DecodeJob, compiled: Future) -> None:
         """Queue `job` for the scheduler, or fail it with its grammar's error."""
@@ -131,6 +138,7 @@ class TritonPythonModel:
                 kv_cache=kv_cache,
                 on_kv_released=released,
                 prefill_chunk=self.options.prefill_chunk,
+                cached_tokens=0 if handle is None else handle.cached_tokens,
             )
 
         self.outbox.watch(stream, sender.is_cancelled, functools.partial(self.scheduler.cancel, stream.key))
@@ -156,6 +164,7 @@ class TritonPythonModel:
 
     def _on_state(self, state) -> None:
         self.outbox.call(functools.partial(self.metrics.scheduler, state.waiting, state.kv_bytes))
+        self.outbox.call(functools.partial(self.pool_metrics.update, self.model.engine.pool.usage()))
 
     # On the outbox thread:
 

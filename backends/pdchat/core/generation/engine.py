@@ -3,25 +3,24 @@
 Prefill and decode run in different processes (and later on different servers), so
 the KV cache leaves the process as one numpy array and comes back bit-identical.
 
-Caches are plain `DynamicCache()`s, full-length in every layer, also in sliding-window
-layers (GPT-OSS): the attention mask applies the window, so every layer has one layout
-on the wire and in the decode batch. That spends memory on sliding layers, not
-correctness (tested against a cache-free forward).
+KV lives in the instance's block pool (core.generation.paged): a sequence holds the
+blocks it uses, decode's rows step together over their own blocks (no padding held),
+and prompts that start alike share their leading blocks through the prefix cache.
+Sliding-window layers (GPT-OSS) keep every block too: the window is applied in
+attention, so every layer has one layout on the wire and in the pool.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-from pdchat.core.errors import InvalidRequest
+from pdchat.core.errors import InvalidRequest, Unavailable
+from pdchat.core.generation.paged import NULL_BLOCK, PAGED_ATTENTION, BlockPool, PagedForward, Sequence, root_hash
 from pdchat.core.kv.base import KV_WIRE_TYPES, kv_dtype_name
-from pdchat.core.settings import DTYPE
+from pdchat.core.settings import DEFAULT_KV_POOL, DTYPE, KVPoolOptions
 
 # KV layout on the wire: [layers, 2 (key, value), kv_heads, tokens, head_dim].
 KV_TOKEN_AXIS = 3
@@ -41,16 +40,17 @@ def pick_dtype(preference: str, device: str) -> torch.dtype:
     return getattr(torch, preference)
 
 
-@dataclass
-class PrefillResult:
-    last_logits: torch.Tensor  # [vocab], for the first output token
-    cache: object  # transformers Cache holding the prompt's KV
-
-
 class CausalLM:
-    """One causal LM: prefill a prompt, step one token, move KV in and out."""
+    """One causal LM over one block pool: prefill a prompt, step rows, move KV in and out."""
 
-    def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto", threads: int | None = None):
+    def __init__(
+        self,
+        model_dir: Path,
+        device: str = "auto",
+        dtype: str = "auto",
+        threads: int | None = None,
+        pool: KVPoolOptions = DEFAULT_KV_POOL,
+    ):
         from transformers import AutoModelForCausalLM
 
         if threads is not None:
@@ -59,7 +59,7 @@ class CausalLM:
         self.dtype = pick_dtype(dtype, self.device)
         self.dtype_name = str(self.dtype).removeprefix("torch.")
         self.wire_type = KV_WIRE_TYPES[self.dtype_name]
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype, attn_implementation=PAGED_ATTENTION)
         self.model = model.to(self.device).eval()
         if self.device == "cpu":
             _project_vocab_by_rows(self.model)
@@ -67,23 +67,90 @@ class CausalLM:
         self.context_length = int(config.max_position_embeddings)
         self.vocab_size = int(config.vocab_size)
         self.num_layers = int(config.num_hidden_layers)
+        self._model_key = f"{Path(model_dir).resolve()}:{self.dtype_name}"
+        _, _, heads, _, head_dim = self.kv_shape(1)
+        blocks = 1 + pool.bytes // (self.kv_bytes_per_token() * pool.block_tokens)
+        self.pool = BlockPool(
+            layers=self.num_layers,
+            kv_heads=heads,
+            head_dim=head_dim,
+            block_tokens=pool.block_tokens,
+            blocks=max(2, blocks),
+            dtype=self.dtype,
+            device=self.device,
+            prefix_caching=pool.prefix_caching,
+        )
+
+    def sequence(self, cache_salt: str | None = None) -> Sequence:
+        """A new, empty sequence in the pool; it shares cached blocks only with sequences
+        of the same `cache_salt`."""
+        return Sequence(self.pool, root_hash(self._model_key, cache_salt))
+
+    def check_fits(self, tokens: int) -> None:
+        """A sequence of `tokens` tokens can be held by this pool at all (Unavailable if not)."""
+        blocks = -(-tokens // self.pool.block_tokens)
+        if blocks > self.pool.total_blocks:
+            raise Unavailable(
+                f"{tokens} tokens of KV need {blocks} blocks; this server's whole KV pool holds "
+                f"{self.pool.total_blocks} ({self.pool.total_blocks * self.pool.block_tokens} tokens): "
+                "raise prefill_kv_mb / decode_kv_mb"
+            )
 
     @torch.inference_mode()
-    def prefill(self, prompt_token_ids: list[int]) -> PrefillResult:
-        """The whole prompt in one pass (prefill's model); decode's local prefill goes by chunks."""
+    def prefill(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> tuple[torch.Tensor, Sequence]:
+        """The prompt's KV in a new sequence, its cached prefix reused; the logits after it."""
         self.check_prompt(prompt_token_ids)
-        return self.prefill_chunk(prompt_token_ids, None)
+        self.check_fits(len(prompt_token_ids))
+        sequence = self.sequence(cache_salt)
+        try:
+            cached = sequence.reuse_prefix(prompt_token_ids)
+            return self.prefill_chunk(sequence, prompt_token_ids[cached:]), sequence
+        except BaseException:
+            sequence.release()
+            raise
 
     @torch.inference_mode()
-    def prefill_chunk(self, token_ids: list[int], cache: object | None) -> PrefillResult:
-        """Extend `cache` (None: a new one) by `token_ids`: prefill in pieces, so a long
-        prompt can share the thread with other requests' decode steps."""
-        if cache is None:
-            cache = DynamicCache()
+    def prefill_chunk(self, sequence: Sequence, token_ids: list[int]) -> torch.Tensor:
+        """Extend `sequence` by `token_ids` in one pass (decode's local prefill goes by
+        chunks, between the batch's steps); the logits after the last of them."""
+        start = len(sequence)
+        sequence.extend(token_ids)
+        read = self._read_slots([sequence])
+        positions = torch.arange(start, len(sequence), device=self.device).view(1, -1)
+        paged = PagedForward(self.pool, read[0, start:], read, positions)
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         # logits_to_keep=1: full-prompt logits would be vocab x tokens floats for nothing.
-        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        return PrefillResult(out.logits[0, -1].float(), out.cache)
+        out = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1, paged=paged)
+        sequence.written()
+        self.pool.computed_prompt_tokens += len(token_ids)
+        return out.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def step(self, sequences: list[Sequence], token_ids: list[int]) -> torch.Tensor:
+        """Feed one token to each sequence, all in one pass; the next token's logits, [rows, vocab]."""
+        for sequence, token_id in zip(sequences, token_ids, strict=True):
+            sequence.extend([token_id])
+        lengths = torch.tensor([len(s) for s in sequences], device=self.device)
+        read = self._read_slots(sequences)
+        rows = torch.arange(len(sequences), device=self.device)
+        positions = (lengths - 1).view(-1, 1)
+        full_rows = bool((lengths == read.shape[1]).all())
+        paged = PagedForward(self.pool, read[rows, lengths - 1], read, positions, full_rows)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device).view(-1, 1)
+        out = self.model(input_ids=ids, position_ids=positions, use_cache=False, paged=paged)
+        for sequence in sequences:
+            sequence.written()
+        return out.logits[:, -1].float()
+
+    def _read_slots(self, sequences: list[Sequence]) -> torch.Tensor:
+        """[rows, longest] the slots of each sequence's positions, the null slot past its end."""
+        size = self.pool.block_tokens
+        width = max(len(s.blocks) for s in sequences)
+        table = torch.tensor([s.blocks + [NULL_BLOCK] * (width - len(s.blocks)) for s in sequences])
+        lengths = torch.tensor([len(s) for s in sequences]).view(-1, 1)
+        positions = torch.arange(int(lengths.max()))
+        slots = table[:, positions // size] * size + positions % size
+        return slots.masked_fill(positions >= lengths, NULL_BLOCK * size).to(self.device)
 
     def kv_shape(self, tokens: int) -> tuple[int, ...]:
         """The wire layout of `tokens` tokens of this model's KV."""
@@ -96,12 +163,9 @@ class CausalLM:
         layers, pair, heads, _, head_dim = self.kv_shape(1)
         return layers * pair * heads * head_dim * self.model.dtype.itemsize
 
-    @torch.inference_mode()
-    def step(self, token_id: int, cache: object) -> torch.Tensor:
-        """Feed one token after `cache`; return the next token's logits (the cache grows)."""
-        ids = torch.tensor([[token_id]], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, cache=cache, use_cache=True)
-        return out.logits[0, -1].float()
+    def kv_bytes_held(self) -> int:
+        """Bytes of KV the pool's live sequences hold (whole blocks; cached blocks not counted)."""
+        return self.pool.usage().used_blocks * self.pool.block_tokens * self.kv_bytes_per_token()
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -116,32 +180,53 @@ class CausalLM:
                 f"prompt token ids must lie in [0, {self.vocab_size}); got values from {low} to {high}"
             )
 
-    def export_kv(self, cache: object) -> np.ndarray:
-        """The cache as one contiguous array in the model's dtype (see KV layout above;
-        bfloat16's bits as uint16, numpy having no bfloat16)."""
-        layers = [torch.stack((layer.keys[0], layer.values[0])) for layer in cache.layers]
-        kv = torch.stack(layers).to("cpu").contiguous()
+    @torch.inference_mode()
+    def export_kv(self, sequence: Sequence) -> np.ndarray:
+        """The sequence's KV as one contiguous array in the model's dtype (see KV layout
+        above; bfloat16's bits as uint16, numpy having no bfloat16)."""
+        slots = self._read_slots([sequence])[0]
+        kv = torch.stack((self.pool.keys[:, slots], self.pool.values[:, slots]), dim=1)  # [layers, 2, T, heads, dim]
+        kv = kv.transpose(2, 3).to("cpu").contiguous()
         return kv.view(torch.int16).numpy().view(np.uint16) if self.dtype == torch.bfloat16 else kv.numpy()
 
-    def import_kv(self, kv: np.ndarray, prompt_tokens: int) -> object:
-        """Rebuild a cache from export_kv's array, checking it fits this model and prompt."""
-        self._check_kv(kv, prompt_tokens)
-        cache = DynamicCache()
-        tensor = torch.from_numpy(np.ascontiguousarray(kv))
-        if self.dtype == torch.bfloat16:
-            tensor = tensor.view(torch.int16).view(torch.bfloat16)
-        tensor = tensor.to(self.device)
-        for index in range(self.num_layers):
-            cache.update(tensor[index, 0].unsqueeze(0), tensor[index, 1].unsqueeze(0), index)
-        return cache
+    @torch.inference_mode()
+    def import_kv(self, kv: np.ndarray, prompt_token_ids: list[int], cache_salt: str | None = None) -> Sequence:
+        """A sequence holding export_kv's array for this prompt, checked to fit this model and
+        prompt. Leading blocks this pool already caches are taken from the cache, not written."""
+        self._check_kv(kv, len(prompt_token_ids))
+        self.check_fits(len(prompt_token_ids))
+        sequence = self.sequence(cache_salt)
+        try:
+            cached = sequence.reuse_prefix(prompt_token_ids) if len(prompt_token_ids) > 1 else 0
+            sequence.extend(prompt_token_ids[cached:])
+            tensor = torch.from_numpy(np.ascontiguousarray(kv[(slice(None),) * KV_TOKEN_AXIS + (slice(cached, None),)]))
+            if self.dtype == torch.bfloat16:
+                tensor = tensor.view(torch.int16).view(torch.bfloat16)
+            tensor = tensor.to(self.device).transpose(2, 3)  # [layers, 2, T, heads, dim]
+            slots = self._read_slots([sequence])[0, cached:]
+            self.pool.keys[:, slots] = tensor[:, 0]
+            self.pool.values[:, slots] = tensor[:, 1]
+            sequence.written()
+        except BaseException:
+            sequence.release()
+            raise
+        return sequence
 
-    def import_kv_recomputing_last(self, kv: np.ndarray, prompt_token_ids: list[int]) -> PrefillResult:
-        """The prompt's cache from export_kv's array, its last token computed again for the
+    def import_kv_recomputing_last(
+        self, kv: np.ndarray, prompt_token_ids: list[int], cache_salt: str | None = None
+    ) -> tuple[torch.Tensor, Sequence]:
+        """The prompt's sequence from export_kv's array, its last token computed again for the
         logits after the prompt, which a handoff does not carry: one token, not the prompt."""
         self._check_kv(kv, len(prompt_token_ids))
+        if len(prompt_token_ids) == 1:
+            return self.prefill(prompt_token_ids, cache_salt)
         head = kv[(slice(None),) * KV_TOKEN_AXIS + (slice(None, -1),)]
-        cache = self.import_kv(head, len(prompt_token_ids) - 1) if len(prompt_token_ids) > 1 else None
-        return self.prefill_chunk(prompt_token_ids[-1:], cache)
+        sequence = self.import_kv(head, prompt_token_ids[:-1], cache_salt)
+        try:
+            return self.prefill_chunk(sequence, prompt_token_ids[-1:]), sequence
+        except BaseException:
+            sequence.release()
+            raise
 
     def _check_kv(self, kv: np.ndarray, prompt_tokens: int) -> None:
         """A KV from another server must be this model's, in its dtype, for this prompt (a
@@ -159,180 +244,36 @@ class CausalLM:
 
 
 class DecodeBatch:
-    """The KV of every running sequence as one left-padded batch: one forward pass steps them all.
-
-    Why this layout: transformers' causal LMs take a 2-D attention mask and per-row
-    position ids together with a cache, so rows of different lengths step together in
-    plain HF code, with no custom attention kernel or paged storage. Rows are aligned on
-    the right (each row's tokens end at the last column) and masked on the left, so a
-    step appends one column for every row at once. Each layer's KV lives in storage with
-    room for `SPARE_ROWS` more rows and `SPARE_COLUMNS` more columns (`_RoomyLayer`): a
-    step writes its column in place (no `torch.cat` of the whole cache, as transformers'
-    DynamicCache does), a joining row is written into a free row, and the rows after a
-    leaving one move down over it; only when the room runs out is the batch copied into
-    larger storage (docs/batching.md). Padding is trimmed whenever every row has some.
-
-    NOTE: rotary positions come from each row's own length, so padding changes no row's
-    numbers beyond floating-point summation order.
-    """
-
-    SPARE_COLUMNS = 64  # room for this many steps before the storage is copied into a larger one
-    SPARE_ROWS = 4  # room for this many more rows, made when a join finds none
+    """The running sequences, stepped together: one forward pass per step, each row
+    attending over its own blocks. A join or a leave moves no KV (a leaving row's
+    blocks go back to the pool, its full ones staying cached)."""
 
     def __init__(self, engine: CausalLM):
         self.engine = engine
-        self._cache = None  # DynamicCache of _RoomyLayers; every layer [rows, kv_heads, columns, head_dim]
-        self._pads: list[int] = []  # left padding of each row
+        self._sequences: list[Sequence] = []
 
     def __len__(self) -> int:
-        return len(self._pads)
-
-    @property
-    def columns(self) -> int:
-        return 0 if self._cache is None else self._cache.layers[0].keys.shape[-2]
+        return len(self._sequences)
 
     def kv_bytes(self) -> int:
-        """Bytes of KV the batch holds, padding included (not the spare room)."""
-        return len(self) * self.columns * self.engine.kv_bytes_per_token()
+        """Bytes of KV the pool's live sequences hold (this batch's and those still prefilling)."""
+        return self.engine.kv_bytes_held()
 
-    @torch.inference_mode()  # as step(), which may allocate the storage: inference tensors change only in it
-    def join(self, cache: object) -> int:
-        """Add a one-row cache (a prefilled or imported prompt); return its row. The KV is
-        copied: the cache passed in (and memory it maps) is not read afterwards."""
-        columns, length = self.columns, cache.layers[0].keys.shape[-2]
-        if self._cache is None:
-            self._cache = _cache_of([_RoomyLayer.of_row(layer.keys, layer.values) for layer in cache.layers])
-        else:
-            for mine, theirs in zip(self._cache.layers, cache.layers, strict=True):
-                mine.add_row(theirs.keys, theirs.values)
-        width = max(columns, length)
-        self._pads = [pad + width - columns for pad in self._pads] + [width - length]
-        return len(self._pads) - 1
+    def join(self, sequence: Sequence) -> int:
+        """Add a prefilled or imported sequence; return its row."""
+        self._sequences.append(sequence)
+        return len(self._sequences) - 1
 
-    @torch.inference_mode()
     def leave(self, rows: list[int]) -> None:
-        """Drop these rows (finished, cancelled or failed); their KV is overwritten or freed."""
+        """Drop these rows (finished, cancelled or failed), giving their blocks back."""
         leaving = set(rows)
-        keep = [row for row in range(len(self._pads)) if row not in leaving]
-        if not keep:
-            self._cache, self._pads = None, []
-            return
-        trim = min(self._pads[row] for row in keep)  # columns that are padding in every row left
-        for layer in self._cache.layers:
-            layer.keep_rows(keep, trim)
-        self._pads = [self._pads[row] - trim for row in keep]
+        for row in sorted(leaving):
+            self._sequences[row].release()
+        self._sequences = [s for row, s in enumerate(self._sequences) if row not in leaving]
 
-    @torch.inference_mode()
     def step(self, token_ids: list[int]) -> torch.Tensor:
         """Feed one token per row; the next token's logits per row, [rows, vocab]."""
-        rows, columns = len(self._pads), self.columns
-        device = self.engine.device
-        ids = torch.tensor(token_ids, dtype=torch.long, device=device).view(rows, 1)
-        pads = torch.tensor(self._pads, device=device)
-        mask = (torch.arange(columns + 1, device=device).unsqueeze(0) >= pads.unsqueeze(1)).long()
-        positions = (columns - pads).view(rows, 1)  # each row's own length: where its new token sits
-        out = self.engine.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, cache=self._cache, use_cache=True
-        )
-        self._cache = out.cache
-        return out.logits[:, -1].float()
-
-
-def _cache_of(layers: list[_RoomyLayer]) -> DynamicCache:
-    cache = DynamicCache()
-    cache.layers = layers
-    return cache
-
-
-class _RoomyLayer(DynamicLayer):
-    """A DynamicLayer whose keys and values are views [:rows, :, start:start + length] of
-    storage with room for more rows and columns. update() writes new columns in place,
-    add_row() fills a free row, keep_rows() moves rows down over those leaving; each
-    copies into larger storage only when the room runs out, and keep_rows() into smaller
-    once twice the room lies unused.
-
-    Storage outside the view may hold stale KV (finite numbers, never uninitialized
-    memory): whatever becomes visible is written first, or zeroed when it is padding."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: int, start: int, length: int):
-        super().__init__()
-        self._stored, self._rows, self._start, self._length = (keys, values), rows, start, length
-        self.device, self.is_initialized = keys.device, True
-        self._expose()
-
-    @classmethod
-    def of_row(cls, keys: torch.Tensor, values: torch.Tensor) -> _RoomyLayer:
-        """A layer holding (a copy of) one row, [1, heads, length, head_dim], with room."""
-        layer = cls(keys, values, 1, 0, keys.shape[-2])
-        layer._move(1 + DecodeBatch.SPARE_ROWS, layer._length + DecodeBatch.SPARE_COLUMNS, 0)
-        return layer
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        new = key_states.shape[-2]
-        if self._start + self._length + new > self._stored[0].shape[-2]:
-            self._move(self._stored[0].shape[0], self._length + new + DecodeBatch.SPARE_COLUMNS, 0)
-        end = self._start + self._length
-        self._stored[0][: self._rows, :, end : end + new] = key_states
-        self._stored[1][: self._rows, :, end : end + new] = value_states
-        self._length += new
-        self._expose()
-        return self.keys, self.values
-
-    def add_row(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append one row, [1, heads, its length, head_dim], aligned on the right with the
-        others; a row longer than the batch widens it on the left, as padding of the rest."""
-        length = keys.shape[-2]
-        widen = max(0, length - self._length)
-        if self._rows == self._stored[0].shape[0] or widen > self._start:
-            room = self._length + widen + DecodeBatch.SPARE_COLUMNS
-            self._move(self._rows + 1 + DecodeBatch.SPARE_ROWS, room, widen)
-        if widen:
-            self._start -= widen
-            self._length += widen
-            for stored in self._stored:
-                stored[: self._rows, :, self._start : self._start + widen] = 0
-        end = self._start + self._length
-        for stored, new in zip(self._stored, (keys, values), strict=True):
-            stored[self._rows, :, self._start : end - length] = 0
-            stored[self._rows, :, end - length : end] = new[0]
-        self._rows += 1
-        self._expose()
-
-    def keep_rows(self, keep: list[int], trim: int) -> None:
-        """Keep these rows (ascending), moved down into the first rows, without the first
-        `trim` columns (padding in all of them)."""
-        end = self._start + self._length
-        for slot, row in enumerate(keep):
-            if slot != row:
-                for stored in self._stored:
-                    stored[slot, :, self._start : end] = stored[row, :, self._start : end]
-        self._rows, self._start, self._length = len(keep), self._start + trim, self._length - trim
-        rows_room, columns_room = self._stored[0].shape[0], self._stored[0].shape[-2]
-        # Twice the room unused: the storage shrinks, so it never holds much more than the batch.
-        if (
-            rows_room > self._rows + 2 * DecodeBatch.SPARE_ROWS
-            or columns_room > self._length + 2 * DecodeBatch.SPARE_COLUMNS
-        ):
-            self._move(self._rows + DecodeBatch.SPARE_ROWS, self._length + DecodeBatch.SPARE_COLUMNS, 0)
-        self._expose()
-
-    def _move(self, rows: int, columns: int, left: int) -> None:
-        """Copy the view into new zeroed storage of [rows, ..., columns, ...], at column `left`."""
-        end = self._start + self._length
-        moved = tuple(_storage(stored, rows, columns) for stored in self._stored)
-        for new, old in zip(moved, self._stored, strict=True):
-            new[: self._rows, :, left : left + self._length] = old[: self._rows, :, self._start : end]
-        self._stored, self._start = moved, left
-
-    def _expose(self) -> None:
-        end = self._start + self._length
-        self.keys, self.values = (stored[: self._rows, :, self._start : end] for stored in self._stored)
-
-
-def _storage(like: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
-    """Zeroed [rows, heads, columns, head_dim] storage for KV like `like` (zeros: padding
-    columns are masked, and must not hold NaNs that 0 * NaN would spread)."""
-    return like.new_zeros((rows, like.shape[1], columns, like.shape[3]))
+        return self.engine.step(self._sequences, token_ids)
 
 
 def _project_vocab_by_rows(model: torch.nn.Module) -> None:

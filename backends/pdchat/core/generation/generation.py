@@ -8,6 +8,7 @@ implementation of sampling, constraints and stop conditions.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +25,19 @@ from pdchat.core.output.responses import Delta, ResponseAssembler
 from pdchat.core.output.stopping import StopStringMatcher
 from pdchat.core.request.harmony_vocab import harmony_encoding, uses_harmony
 from pdchat.core.request.protocol import GenerationParams
-from pdchat.core.settings import CompileOptions, compile_options
+from pdchat.core.settings import DEFAULT_KV_POOL, CompileOptions, KVPoolOptions, compile_options
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 # Prompt tokens decoded to see whether the prompt left a <think> block open.
 PROMPT_TAIL_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    first: Choice  # the first output token
+    kv: np.ndarray  # the prompt's KV (engine.export_kv's layout)
+    cached_tokens: int  # prompt tokens taken from the prefix cache, not computed
 
 
 class TextModel:
@@ -40,11 +48,13 @@ class TextModel:
         dtype: str = "auto",
         threads: int | None = None,
         grammar: CompileOptions | None = None,
+        pool: KVPoolOptions = DEFAULT_KV_POOL,
     ):
-        """`grammar`: how output grammars compile (the settings' defaults unless given)."""
+        """`grammar`: how output grammars compile (the settings' defaults unless given);
+        `pool`: the KV block pool's size and prefix caching."""
         from transformers import AutoTokenizer
 
-        self.engine = CausalLM(model_dir, device, dtype, threads)
+        self.engine = CausalLM(model_dir, device, dtype, threads, pool)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.eos_ids = self._eos_ids()
         self.constraints = ConstraintCompiler(self.tokenizer, self.engine.vocab_size, grammar or compile_options({}))
@@ -56,12 +66,15 @@ class TextModel:
         """Stop what runs beside the model (the grammar worker process)."""
         self.constraints.close()
 
-    def prefill(self, prompt_token_ids: list[int], params: GenerationParams) -> tuple[Choice, np.ndarray]:
+    def prefill(self, prompt_token_ids: list[int], params: GenerationParams) -> Prefilled:
         """Prefill's whole job: the first output token (with its logprobs, if asked) and the
-        prompt's KV for decode."""
+        prompt's KV for decode. The prompt's full blocks stay in the pool's prefix cache."""
         chooser = self.chooser(prompt_token_ids, params)
-        result = self.engine.prefill(prompt_token_ids)
-        return chooser.choose(result.last_logits), self.engine.export_kv(result.cache)
+        logits, sequence = self.engine.prefill(prompt_token_ids, params.cache_salt)
+        try:
+            return Prefilled(chooser.choose(logits), self.engine.export_kv(sequence), sequence.cached_tokens)
+        finally:
+            sequence.release()
 
     def generation(
         self,
@@ -72,10 +85,12 @@ class TextModel:
         kv_cache: np.ndarray | None = None,
         on_kv_released: Callable[[], None] | None = None,
         prefill_chunk: int | None = None,
+        cached_tokens: int = 0,
     ) -> Generation:
-        """Decode state continuing from prefill's KV and first token; without them, prefill
-        here: at once, or with `prefill_chunk`, chunk by chunk through prefill_step().
-        `on_kv_released` runs once the cache no longer reads `kv_cache`'s memory."""
+        """Decode state continuing from prefill's KV and first token (`cached_tokens`: what
+        prefill's prefix cache gave); without them, prefill here: at once, or with
+        `prefill_chunk`, chunk by chunk through prefill_step(). `on_kv_released` runs once
+        the pool no longer reads `kv_cache`'s memory."""
         return Generation(
             self,
             prompt_token_ids,
@@ -84,6 +99,7 @@ class TextModel:
             kv_cache=kv_cache,
             on_kv_released=on_kv_released,
             prefill_chunk=prefill_chunk,
+            cached_tokens=cached_tokens,
         )
 
     def chooser(self, prompt_token_ids: list[int], params: GenerationParams) -> TokenChooser:
@@ -147,8 +163,8 @@ class TextModel:
 
 class Generation:
     """Decode state of one request: per-request sampling, grammar, stop conditions and
-    text; the KV lives in the request's own cache or, once decode has batched it, in a
-    `DecodeBatch` row.
+    text; its KV is a pool sequence (`cache`), held by the request until decode batches
+    it, then by the `DecodeBatch` (which sets `cache` to None).
 
     A step is two halves, so many requests can share one forward pass: `emit()` hands out
     the pending token (and says whether the request is finished), `accept(logits)` picks
@@ -166,6 +182,7 @@ class Generation:
         kv_cache: np.ndarray | None,
         on_kv_released: Callable[[], None] | None = None,
         prefill_chunk: int | None = None,
+        cached_tokens: int = 0,
     ):
         engine = model.engine
         self.engine = engine
@@ -184,16 +201,20 @@ class Generation:
         self._prefill_chunk = prefill_chunk or len(prompt_token_ids)
         self._prefilled = 0
         self.cache = None
+        self.cached_tokens = cached_tokens  # prompt tokens a prefix cache gave (prefill's, or this server's)
         self._pending: Choice | None = None
         engine.check_prompt(prompt_token_ids)
         if kv_cache is not None and first is not None:
             try:
                 self._pending = self._continue_from(first, kv_cache)
-            except BaseException:
-                self.kv_moved()  # refused (another model's or dtype's KV): hand it back now, not at its TTL
-                raise
+            finally:
+                self.kv_moved()  # copied into the pool, or refused: hand it back now, not at its TTL
         elif prefill_chunk is None:
-            self.prefill_step()  # the whole prompt at once
+            try:
+                self.prefill_step()  # the whole prompt at once
+            except BaseException:
+                self.drop()
+                raise
 
     def _continue_from(self, first: Choice, kv_cache: np.ndarray) -> Choice:
         """Take over prefill's KV and first token. Logprobs the request asks for that prefill
@@ -202,10 +223,10 @@ class Generation:
         params, prompt = self.params, self.prompt_token_ids
         logprobs = first.logprobs if params.logprobs else None
         if params.logprobs and (logprobs is None or not logprobs.covers(first.token_id, params.top_logprobs)):
-            result = self.engine.import_kv_recomputing_last(kv_cache, prompt)
-            self.cache, logprobs = result.cache, token_logprobs(result.last_logits, first.token_id, params.top_logprobs)
+            logits, self.cache = self.engine.import_kv_recomputing_last(kv_cache, prompt, params.cache_salt)
+            logprobs = token_logprobs(logits, first.token_id, params.top_logprobs)
         else:
-            self.cache = self.engine.import_kv(kv_cache, len(prompt))
+            self.cache = self.engine.import_kv(kv_cache, prompt, params.cache_salt)
         self._prefilled = len(prompt)
         self._chooser.replay(first.token_id)  # prefill's choice, into grammar and penalties
         return Choice(first.token_id, None if logprobs is None else logprobs.trimmed(params.top_logprobs))
@@ -216,12 +237,16 @@ class Generation:
         return self._pending is None
 
     def prefill_step(self) -> bool:
-        """Compute the next chunk of the prompt's KV; True once the first token is chosen."""
+        """Compute the next chunk of the prompt's KV (the first chunk starts after the
+        prompt's cached prefix); True once the first token is chosen."""
+        if self.cache is None:
+            self.cache = self.engine.sequence(self.params.cache_salt)
+            self._prefilled = self.cached_tokens = self.cache.reuse_prefix(self.prompt_token_ids)
         end = min(len(self.prompt_token_ids), self._prefilled + self._prefill_chunk)
-        result = self.engine.prefill_chunk(self.prompt_token_ids[self._prefilled : end], self.cache)
-        self.cache, self._prefilled = result.cache, end
+        logits = self.engine.prefill_chunk(self.cache, self.prompt_token_ids[self._prefilled : end])
+        self._prefilled = end
         if end == len(self.prompt_token_ids):
-            self._pending = self._chooser.choose(result.last_logits)
+            self._pending = self._chooser.choose(logits)
             return True
         return False
 
@@ -233,6 +258,7 @@ class Generation:
         self.output_token_ids.append(token)
         stopped = token in self._stop_ids
         text = "" if stopped else self._detokenizer.push(token)
+        first = len(self.output_token_ids) == 1
         finish = self._finish(stopped, text)
         if finish:
             text += self._detokenizer.flush()
@@ -243,8 +269,9 @@ class Generation:
             released += self._stops.flush()
         self.finished = bool(finish)
         if self.finished:
-            self.cache = None  # free the KV as soon as the answer is complete
-        return Delta(released, [token], finish, [] if choice.logprobs is None else [choice.logprobs])
+            self.drop()  # free the KV as soon as the answer is complete (a batched row's: at its leave)
+        logprobs = [] if choice.logprobs is None else [choice.logprobs]
+        return Delta(released, [token], finish, logprobs, self.cached_tokens if first else None)
 
     def _finish(self, stopped: bool, text: str) -> str | None:
         if stopped:
@@ -266,17 +293,22 @@ class Generation:
         """Choose the next token from the logits that followed the last emitted one."""
         self._pending = self._chooser.choose(logits)
 
+    def drop(self) -> None:
+        """Give the KV this request holds back to the pool (idempotent)."""
+        if self.cache is not None:
+            self.cache.release()
+            self.cache = None
+
     def kv_moved(self) -> None:
-        """The KV no longer reads the imported memory (grown into new tensors, copied into a
-        batch, or freed): tell whoever handed it over, once."""
+        """The KV no longer reads the imported memory (copied into the pool, or refused):
+        tell whoever handed it over, once."""
         if self._on_kv_released is not None:
             released, self._on_kv_released = self._on_kv_released, None
             released()
 
     def advance(self) -> Delta:
-        """emit() then accept() on the request's own cache: one request, one forward pass."""
+        """emit() then accept() on the request's own sequence: one request, one forward pass."""
         delta = self.emit()
         if not self.finished:
-            self.accept(self.engine.step(self.last_token_id, self.cache))
-        self.kv_moved()
+            self.accept(self.engine.step([self.cache], [self.last_token_id])[0])
         return delta

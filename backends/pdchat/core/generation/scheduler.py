@@ -50,7 +50,7 @@ class Decoding(Protocol):
 
     def accept(self, logits: Any) -> None: ...
 
-    def kv_moved(self) -> None: ...
+    def drop(self) -> None: ...
 
 
 class Batch(Protocol):
@@ -82,9 +82,13 @@ class DecodeJob:
 @dataclass(frozen=True)
 class Limits:
     max_running: int = 32  # sequences decoding or prefilling at once
-    kv_budget_bytes: int = 1 << 30  # KV reserved by admitted requests (prompt + max_tokens each)
-    kv_bytes_per_token: int = 0  # 0: reserve nothing (no KV budget check)
+    kv_blocks: int = 0  # KV blocks admitted requests may reserve (the pool's); 0: no KV check
+    block_tokens: int = 16  # tokens a block holds
     max_wait_s: float = 30.0  # in the queue, before UNAVAILABLE
+
+    def blocks(self, tokens: int) -> int:
+        """Blocks a request of `tokens` (prompt + max_tokens) reserves."""
+        return -(-tokens // self.block_tokens) if self.kv_blocks else 0
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,11 @@ class DecodeScheduler:
             self._prefill_chunk()
             self._step()
             self._report()
-        for entry in self._waiting + self._prefilling + self._running:
+        ending = self._waiting + self._prefilling + self._running
+        for entry in self._prefilling:
+            entry.decoding.drop()
+        self._leave(list(range(len(self._running))))
+        for entry in ending:
             entry.job.on_cancel()
 
     def _take_incoming(self, *, block: bool) -> bool:
@@ -177,6 +185,9 @@ class DecodeScheduler:
             return False
 
         self._waiting = [e for e in self._waiting if not cancelled(e)]
+        for entry in self._prefilling:
+            if entry.job.key in keys:
+                entry.decoding.drop()
         self._prefilling = [e for e in self._prefilling if not cancelled(e)]
         self._leave([row for row, entry in enumerate(self._running) if cancelled(entry)])
 
@@ -184,20 +195,19 @@ class DecodeScheduler:
         limits = self._limits
         while self._waiting:
             entry = self._waiting[0]
-            reserved = limits.kv_bytes_per_token * sum(e.job.tokens for e in self._prefilling + self._running)
-            wanted = limits.kv_bytes_per_token * entry.job.tokens
-            if wanted > limits.kv_budget_bytes:
+            reserved = sum(limits.blocks(e.job.tokens) for e in self._prefilling + self._running)
+            wanted = limits.blocks(entry.job.tokens)
+            if wanted > limits.kv_blocks:
                 self._waiting.pop(0)
                 entry.job.fail(
                     Unavailable(
-                        f"this request may need {wanted >> 20} MiB of KV "
-                        f"(prompt + max_tokens = {entry.job.tokens} tokens), "
-                        f"more than decode's whole KV budget of {limits.kv_budget_bytes >> 20} MiB (kv_budget_mb)"
+                        f"this request may need {wanted} KV blocks (prompt + max_tokens = {entry.job.tokens} "
+                        f"tokens), more than decode's whole KV pool of {limits.kv_blocks} blocks (decode_kv_mb)"
                     )
                 )
                 continue
             busy = len(self._prefilling) + len(self._running)
-            if busy >= limits.max_running or reserved + wanted > limits.kv_budget_bytes:
+            if busy >= limits.max_running or reserved + wanted > limits.kv_blocks:
                 self._expire_waiting(busy, reserved)
                 return
             self._waiting.pop(0)
@@ -219,7 +229,7 @@ class DecodeScheduler:
                 Unavailable(
                     f"decode stayed at its limits for {limits.max_wait_s:g} s: "
                     f"{busy} of max_running={limits.max_running} sequences, "
-                    f"{reserved >> 20} of kv_budget_mb={limits.kv_budget_bytes >> 20} MiB KV reserved; retry later"
+                    f"{reserved} of {limits.kv_blocks} KV blocks reserved (decode_kv_mb); retry later"
                 )
             )
         self._waiting = [e for e in self._waiting if e not in expired]
@@ -232,6 +242,7 @@ class DecodeScheduler:
             done = entry.decoding.prefill_step()
         except Exception as exc:  # noqa: BLE001
             self._prefilling.pop(0)
+            entry.decoding.drop()
             entry.job.fail(exc)
             return
         if done:
@@ -243,9 +254,9 @@ class DecodeScheduler:
             self._batch.join(entry.decoding.cache)
         except Exception as exc:  # noqa: BLE001
             entry.job.fail(exc)
+            entry.decoding.drop()
             return
-        entry.decoding.cache = None  # the batch holds (a copy of) it now
-        entry.decoding.kv_moved()
+        entry.decoding.cache = None  # the batch holds it now
         self._running.append(entry)
 
     def _step(self) -> None:

@@ -60,6 +60,7 @@ class KVHandle:
     location: dict[str, Any] = field(default_factory=dict)
     first_token_logprobs: TokenLogprobs | None = None
     dtype: str = "float32"  # the prefill model's dtype (KV_WIRE_TYPES)
+    cached_tokens: int = 0  # prompt tokens prefill took from its prefix cache (the client's usage shows them)
 
     @property
     def wire_type(self) -> np.dtype:
@@ -81,6 +82,8 @@ class KVHandle:
         }
         if self.first_token_logprobs is not None:
             value["first_token_logprobs"] = self.first_token_logprobs.to_dict()
+        if self.cached_tokens:
+            value["cached_tokens"] = self.cached_tokens
         return value
 
     def to_json(self) -> str:
@@ -111,6 +114,7 @@ class KVHandle:
                 value["location"],
                 logprobs,
                 dtype,
+                max(0, int(value.get("cached_tokens", 0))),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise KVUnavailable(f"malformed KV handle: {exc!r}") from None

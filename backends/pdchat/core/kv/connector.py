@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,7 +17,8 @@ import numpy as np
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.kv.base import KVConnector, KVHandle, KVUnavailable, OncePerKey
 from pdchat.core.kv.nixl import NixlConnector
-from pdchat.core.kv.shm import ShmConnector
+from pdchat.core.kv.shm import ShmConnector, kv_directory, sweep_directory
+from pdchat.core.output.logprobs import TokenLogprobs
 from pdchat.registry import KV_CONNECTORS
 
 CONNECTORS: dict[str, type] = {ShmConnector.name: ShmConnector, NixlConnector.name: NixlConnector}
@@ -51,6 +54,19 @@ class Connectors:
                 self._made[name] = make_connector(name, **self._options)
             return self._made[name]
 
+    def publish(
+        self,
+        destination: str,
+        kv: np.ndarray,
+        first_token_id: int,
+        first_token_logprobs: TokenLogprobs | None = None,
+        cached_tokens: int = 0,
+    ) -> KVHandle:
+        """Prefill's KV published through the `destination` connector; the handle carries the
+        first token, its logprobs and the prompt tokens prefill's prefix cache gave."""
+        published = self.get(destination).publish(kv, first_token_id)
+        return replace(published, first_token_logprobs=first_token_logprobs, cached_tokens=cached_tokens)
+
     def pull(self, handle: KVHandle) -> np.ndarray:
         if handle.connector not in CONNECTORS:
             raise KVUnavailable(f"the KV handle names no known connector: {handle.connector!r}")
@@ -75,9 +91,17 @@ class Connectors:
                 _sweep_failures.warn(f"sweep:{type(exc).__name__}:{exc}", "KV sweep failed (will retry): %s", exc)
 
     def sweep_once(self) -> None:
+        """Sweep every connector made here, and the shm KV directory (if there is one) before
+        this process made its shm connector: a survivor that has not published or pulled yet
+        (a restarted server, a decode server still idle) frees what a dead peer left there
+        within SWEEP_INTERVAL_S too."""
         with self._lock:
             connectors = list(self._made.values())
+            shm_unmade = ShmConnector.name not in self._made
         for connector in connectors:
             connector.sweep()
+        directory = self._options.get("directory") or kv_directory()
+        if shm_unmade and Path(directory).is_dir():  # never made here for a process that uses no shm KV
+            sweep_directory(directory)
         if self._on_sweep is not None:
             self._on_sweep({c.name: c.held_bytes() for c in connectors})

@@ -32,6 +32,7 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when the request asked
+    cached_tokens: int | None = None  # on the first delta: prompt tokens the prefix cache gave
 
 
 @dataclass(frozen=True)
@@ -66,10 +67,13 @@ class ResponseAssembler:
         self._token_ids: list[int] = []
         self._logprobs: list[TokenLogprobs] = []
         self._parsed = ParsedDelta()
+        self._cached_tokens = 0
 
     def on_delta(self, delta: Delta) -> list[ClientOutput]:
         """The outputs this delta produces now (none, one, or at the end of a stream that
         asked for usage, two); only the last one of a request carries its finish_reason."""
+        if delta.cached_tokens is not None:
+            self._cached_tokens = delta.cached_tokens
         self._text.append(delta.text)
         self._token_ids.extend(delta.token_ids)
         self._logprobs.extend(delta.logprobs)
@@ -157,7 +161,12 @@ class ResponseAssembler:
 
     def _usage(self) -> dict:
         prompt, completion = len(self._prompt_token_ids), len(self._token_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self._cached_tokens},
+        }
 
 
 def remote_prefill_output(

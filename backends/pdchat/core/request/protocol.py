@@ -97,6 +97,7 @@ HONOURED_FIELDS = frozenset(
         "top_logprobs",
         "parallel_tool_calls",
         "reasoning_effort",
+        "cache_salt",
     }
 )
 REASONING_EFFORTS = ("low", "medium", "high")
@@ -144,6 +145,8 @@ class SamplingOptions:
     top_logprobs: int = 0
     # False: the answer ends with its first complete tool call.
     parallel_tool_calls: bool = True
+    # vLLM's field: prompts share cached KV blocks only with requests of the same salt.
+    cache_salt: str | None = None
 
     def sampling_options(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(SamplingOptions)}
@@ -344,7 +347,16 @@ def _sampling_controls(data: dict[str, Any]) -> dict[str, Any]:
         "logprobs": logprobs,
         "top_logprobs": top_logprobs,
         "parallel_tool_calls": _typed(data, "parallel_tool_calls", bool, True),
+        "cache_salt": _cache_salt(data.get("cache_salt")),
     }
+
+
+def _cache_salt(salt: Any) -> str | None:
+    if salt is None:
+        return None
+    if type(salt) is not str or not salt:
+        raise InvalidRequest(f"'cache_salt' must be a non-empty string, got {salt!r}")
+    return salt
 
 
 def _min_tokens_fit(min_tokens: int, max_tokens: int | None) -> None:
