@@ -175,7 +175,7 @@ class BackendPool:
             streams = list(self._streams)
         for client in streams:
             try:
-                client.client.stop_stream(cancel_requests=True)
+                client.cancel()
             except Exception:  # noqa: BLE001 - a stream ending meanwhile races tritonclient's stop
                 log.debug("a %s stream ended while it was being aborted", self.role, exc_info=True)
 
