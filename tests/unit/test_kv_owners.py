@@ -11,6 +11,7 @@ import pytest
 
 from pdchat.core.kv import shm as shm_module
 from pdchat.core.kv.base import KVHandle
+from pdchat.core.kv.connector import Connectors
 from pdchat.core.kv.shm import HOST_ID, OWNER_PREFIX, ShmConnector, sweep_directory
 
 FAR_MS = int((time.time() + 3600) * 1000)  # nothing here expires during a test
@@ -105,3 +106,37 @@ def test_an_engine_id_held_by_a_live_connector_is_refused_and_a_dead_ones_is_tak
     assert sweep_directory(directory) == 0 and (directory / f"{OWNER_PREFIX}cd34").exists()
     again.close()
     assert list(directory.iterdir()) == []
+
+
+def test_a_survivor_that_made_no_connector_yet_sweeps_a_dead_engines_kv_and_lock(directory, monkeypatch):
+    monkeypatch.setattr(Connectors, "SWEEP_INTERVAL_S", 0.05)
+    absent = directory.parent / "never-made"
+    idle = Connectors(directory=absent)  # a process that never uses shm KV makes no directory
+    time.sleep(0.2)
+    idle.close()
+    assert not absent.exists()
+
+    ShmConnector(directory).close()  # the directory exists, as on a host that ran a server before
+    (directory / f"{OWNER_PREFIX}dead0").write_bytes(b"")  # a kill -9'd prefill's lock...
+    (directory / f"pdchat_kvfree_dead0_{FAR_MS}_01").write_bytes(b"\0" * 64)  # ...and what decode handed back to it
+    restarted = Connectors(directory=directory)  # e.g. its restarted server, before its first publish
+    try:
+        deadline = time.monotonic() + 2
+        while list(directory.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(directory.iterdir()) == [], "swept within a few sweep intervals, lock and all"
+    finally:
+        restarted.close()
+
+
+def test_a_check_tells_a_live_engines_kv_from_what_a_dead_one_left(directory, decode):
+    (directory / f"{OWNER_PREFIX}dead0").write_bytes(b"")
+    assert shm_module.live_engines(directory) == {decode.engine_id}
+    assert (directory / f"{OWNER_PREFIX}dead0").exists(), "a check removes nothing"
+    names = [
+        f"pdchat_kvfree_dead0_{FAR_MS}_01",  # handed back to the dead one
+        f"pdchat_kvfree_{decode.engine_id}_{FAR_MS}_02",  # a live engine's pages, kept for reuse
+        f"pdchat_kv_dead0_{FAR_MS}_03",  # published: may still be pulled
+        f"pdchat_kvpulled_{decode.engine_id}_{FAR_MS}_04_dead0",  # the dead one claimed it
+    ]
+    assert shm_module.left_by_dead_engines(names, {decode.engine_id}) == [names[0], names[3]]

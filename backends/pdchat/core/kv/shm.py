@@ -299,6 +299,29 @@ def _sweep(dir_fd: int, directory: Path, now: float) -> tuple[int, list[tuple[_K
     return freed, kept
 
 
+def live_engines(directory: Path | None = None) -> set[str]:
+    """The engines of `directory` (this user's KV directory by default) whose owner lock is
+    held: their process lives. For a check of what is left, e.g. after a benchmark."""
+    directory = kv_directory() if directory is None else Path(directory)
+    with _private_directory(directory) as dir_fd:
+        _, owners = _entries(dir_fd, directory)
+        live = set()
+        for engine in owners:
+            fd = _lock_of_dead_owner(dir_fd, engine)
+            if fd is None:
+                live.add(engine)
+            else:
+                os.close(fd)
+    return live
+
+
+def left_by_dead_engines(names: list[str], live: set[str]) -> list[str]:
+    """Of the KV file names `names`, those only an engine not in `live` would have used:
+    what a sweep must free at once (`_KVName.left_by`)."""
+    parsed = [(name, _KVName.parse(name)) for name in names]
+    return [name for name, kv in parsed if kv is not None and kv.left_by({kv.engine, kv.puller} - live - {""})]
+
+
 def sweep_directory(directory: Path | None = None, now: float | None = None) -> int:
     """`ShmConnector.sweep` for a process without a connector (a launcher whose server
     died): free expired KV and what dead engines left in `directory` (this user's KV
