@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import signal
 import socket
@@ -138,6 +139,9 @@ class Service:
     def is_ready(self) -> bool:
         return answers(self.health_url)
 
+    def progress(self) -> str:
+        return ""
+
     def exited(self) -> bool:
         return self.process is not None and self.process.poll() is not None
 
@@ -230,6 +234,7 @@ class TritonServer:
     netns: str | None = None
     process: subprocess.Popen | None = None
     shm_prefix: str = field(default_factory=lambda: f"pdchat_{uuid.uuid4().hex[:8]}_")
+    log_offset: int = 0  # where the log of the latest start begins
 
     def __post_init__(self) -> None:
         self.model_repository = Path(self.model_repository)
@@ -290,6 +295,7 @@ class TritonServer:
             self.log_path = cache_dir() / "logs" / f"tritonserver-{self.role}-{self.http_port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
+            self.log_offset = log.tell()
             # Own process group: signals reach tritonserver and its stubs, not our caller.
             self.process = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         atexit.register(self.stop)  # a launcher that exits on an exception takes its server along
@@ -312,6 +318,11 @@ class TritonServer:
 
     def is_ready(self) -> bool:
         return answers(self.ready_url)
+
+    def progress(self) -> str:
+        """Which models the latest start loaded, is loading, failed: 'loaded renderer, chat;
+        loading prefill, decode', from its log (its HTTP API answers only once all are loaded)."""
+        return model_progress(_read_from(self.log_path, self.log_offset))
 
     def exited(self) -> bool:
         return self.process is not None and self.process.poll() is not None
@@ -362,6 +373,37 @@ class TritonServer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+_LOADING = re.compile(r'"loading: ([\w.-]+):\d+"')
+_LOADED = re.compile(r"\"successfully loaded '([\w.-]+)'\"")
+_FAILED = re.compile(r"\"failed to load '([\w.-]+)'")
+
+
+def model_progress(log: str) -> str:
+    """The models a tritonserver log shows loaded, loading and failed, in the order it began them."""
+    started = list(dict.fromkeys(_LOADING.findall(log)))
+    loaded, failed = set(_LOADED.findall(log)), set(_FAILED.findall(log))
+    parts = [
+        f"{what} {', '.join(names)}"
+        for what, names in (
+            ("loaded", [m for m in started if m in loaded]),
+            ("loading", [m for m in started if m not in loaded | failed]),
+            ("failed", [m for m in started if m in failed]),
+        )
+        if names
+    ]
+    return "; ".join(parts) or "no model loading yet"
+
+
+def _read_from(path: Path | None, offset: int, limit: int = 4 << 20) -> str:
+    """The text of `path` from `offset` (at most `limit` bytes of it); "" if there is none."""
+    try:
+        with open(path, "rb") as log:
+            log.seek(offset)
+            return log.read(limit).decode("utf-8", "replace")
+    except (OSError, TypeError):
+        return ""
 
 
 def process_group(pgid: int) -> list[int]:

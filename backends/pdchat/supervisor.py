@@ -25,7 +25,12 @@ class RestartPolicy:
     max_delay_s: float = 30.0
     max_restarts: int = 5
     window_s: float = 600.0
-    start_timeout_s: float = 300.0  # a restarted process not ready by then has failed again
+    # A restarted process not ready by then has failed again. Generous: a tritonserver that
+    # restarts while its peer serves the load on the same cores loads its models at a
+    # fraction of their idle speed (200 s and more for tiny's six stubs on 2 busy cores, 35 s
+    # idle), and a restart given up is started again from nothing.
+    start_timeout_s: float = 600.0
+    progress_interval_s: float = 30.0  # how often a restart still starting is logged, with its progress
 
     def describe(self) -> str:
         return f"at most {self.max_restarts} in {self.window_s:g} s"
@@ -79,6 +84,9 @@ class Child(Protocol):
     def is_ready(self) -> bool:
         """One readiness probe."""
 
+    def progress(self) -> str:
+        """How far a start got, for the log (e.g. which models loaded); "" when it cannot tell."""
+
 
 class Supervisor:
     """Watches `children`; restarts one that died (or that failed to get ready after a
@@ -106,6 +114,7 @@ class Supervisor:
         self._clock = clock
         self._down_until: dict[str, float] = {}  # waiting out a backoff, by name
         self._starting_until: dict[str, float] = {}  # restarted, not yet ready, by name
+        self._report_at: dict[str, float] = {}  # when a start still under way is logged next, by name
 
     def restarts(self) -> dict[str, int]:
         """Restarts so far, by child."""
@@ -128,6 +137,7 @@ class Supervisor:
                 if now >= self._down_until[name]:
                     del self._down_until[name]
                     self._starting_until[name] = now + self.policy.start_timeout_s
+                    self._report_at[name] = now + self.policy.progress_interval_s
                     try:
                         child.spawn()
                     except OSError as exc:
@@ -140,16 +150,33 @@ class Supervisor:
                     if not self._failed(child, child.exit_report(), now):
                         return False
                 elif child.is_ready():
-                    del self._starting_until[name]
-                    self._say(f"{name} is back (restart {self.budgets[name].total})")
+                    took = now - (self._starting_until.pop(name) - self.policy.start_timeout_s)
+                    self._say(
+                        f"{name} is back (restart {self.budgets[name].total}, ready {took:.0f} s after its start)"
+                    )
                 elif now >= self._starting_until[name]:
                     del self._starting_until[name]
                     why = f"{name} was not ready {self.policy.start_timeout_s:g} s after its restart"
+                    if progress := child.progress():
+                        why += f" ({progress})"
                     if not self._failed(child, why, now):
                         return False
+                elif now >= self._report_at[name]:
+                    self._report_at[name] = now + self.policy.progress_interval_s
+                    self._say(self._still_starting(child, now))
             elif child.exited() and not self._failed(child, child.exit_report(), now):
                 return False
         return True
+
+    def _still_starting(self, child: Child, now: float) -> str:
+        """'prefill is not ready yet, 30 s into restart 1 (up to 600 s): <its progress>'."""
+        started = self._starting_until[child.name] - self.policy.start_timeout_s
+        line = (
+            f"{child.name} is not ready yet, {now - started:.0f} s into restart {self.budgets[child.name].total} "
+            f"(up to {self.policy.start_timeout_s:g} s)"
+        )
+        progress = child.progress()
+        return f"{line}: {progress}" if progress else line
 
     def _failed(self, child: Child, report: str, now: float) -> bool:
         """Report a failure; reap the child and schedule its restart if allowed (True)."""

@@ -159,7 +159,7 @@ def test_a_prefill_killed_under_load_comes_back_while_the_stack_serves_on(launch
             worker.join(120)
     failed = [(started - killed, o.error) for started, o in outcomes if not o.ok]
     assert all(after < 0 for after, _ in failed), f"requests sent after the kill failed: {failed}"
-    launcher.wait_for_line(r"prefill is back \(restart 1\)", timeout=300)
+    launcher.wait_for_line(r"prefill is back \(restart 1, ready \d+ s after its start\)", timeout=300)
     send = load.RouterStreams(f"http://127.0.0.1:{port}")  # new connections: the last ones idled out
     restarted = SimpleNamespace(grpc_url=prefill_url)
     assert wait_for(lambda: send(BODY).ok and executions(restarted, "prefill") > 0, timeout=30), (

@@ -6,7 +6,9 @@ import pytest
 
 from pdchat.supervisor import RestartBudget, RestartPolicy, Supervisor
 
-POLICY = RestartPolicy(first_delay_s=1, max_delay_s=30, max_restarts=5, window_s=600, start_timeout_s=60)
+POLICY = RestartPolicy(
+    first_delay_s=1, max_delay_s=30, max_restarts=5, window_s=600, start_timeout_s=60, progress_interval_s=30
+)
 
 
 class FakeChild:
@@ -34,6 +36,9 @@ class FakeChild:
     def spawn(self):
         self.spawned += 1
         self.running, self.polls_to_ready = True, self.comes_up_after
+
+    def progress(self):
+        return "loaded renderer; loading chat"
 
     def is_ready(self):
         if self.polls_to_ready is None:
@@ -91,7 +96,7 @@ def test_a_dead_process_is_reaped_at_once_restarted_after_its_delay_and_reported
     assert watcher.poll() and prefill.spawned == 1
     decode.die()  # seen while prefill is still coming up
     assert watcher.poll() and decode.reaped == 1
-    assert watcher.poll() and said[-1] == "prefill is back (restart 1)"
+    assert watcher.poll() and said[-1] == "prefill is back (restart 1, ready 0 s after its start)"
     assert watcher.restarts() == {"prefill": 1, "decode": 1}
 
 
@@ -121,7 +126,7 @@ def test_a_restart_that_never_gets_ready_counts_as_a_failure(clock):
     assert watcher.poll()
     assert prefill.reaped == 2, "the hung process is killed before the next try"
     assert said[-2:] == [
-        "prefill was not ready 60 s after its restart",
+        "prefill was not ready 60 s after its restart (loaded renderer; loading chat)",
         "restarting prefill in 2 s: restart 2 (2 in the last 600 s, at most 5 in 600 s)",
     ]
 
@@ -153,3 +158,36 @@ def test_run_returns_true_once_stopped_and_false_once_it_gives_up(clock):
     assert watcher.run(stop, interval_s=0)
     prefill.die()
     assert not watcher.run(threading.Event(), interval_s=0)
+
+
+def test_a_restart_still_starting_is_logged_with_its_progress_every_interval(clock):
+    prefill = FakeChild("prefill", comes_up_after=None)
+    watcher, said = supervisor([prefill], clock)
+    prefill.die()
+    watcher.poll()
+    clock.now += 1
+    watcher.poll()  # spawned
+    clock.now += POLICY.progress_interval_s - 1
+    watcher.poll()
+    assert not said[-1].startswith("prefill is not ready yet")
+    clock.now += 1
+    watcher.poll()
+    assert said[-1] == "prefill is not ready yet, 30 s into restart 1 (up to 60 s): loaded renderer; loading chat"
+    watcher.poll()
+    assert said.count(said[-1]) == 1, "once per interval"
+
+
+def test_a_servers_progress_is_read_from_its_log():
+    from pdchat.launcher import model_progress
+
+    log = "\n".join(
+        [
+            'I1201 model_lifecycle.cc:472] "loading: decode:1"',
+            'I1201 model_lifecycle.cc:472] "loading: chat:1"',
+            'I1201 model_lifecycle.cc:472] "loading: renderer:1"',
+            "I1201 model_lifecycle.cc:839] \"successfully loaded 'renderer'\"",
+            "E1201 model_lifecycle.cc:638] \"failed to load 'decode' version 1: Internal: ...\"",
+        ]
+    )
+    assert model_progress(log) == "loaded renderer; loading chat; failed decode"
+    assert model_progress("") == "no model loading yet"
