@@ -9,7 +9,10 @@ decode tritonserver for `--stop-s` seconds (at 60%). It reports:
 - errors by kind, split into those of requests in flight at a fault (or refused while a
   server was down: 503 at once) and the rest, which should be none;
 - every process's RSS after warm-up and at the end;
-- KV files left in the shm KV directory once idle, and python-backend shm after the stop;
+- KV files left in the shm KV directory once idle: those of dead engines (a sweep frees them
+  within a second: there should be none), those of live ones (published KV waiting for a
+  pull, pages handed back for reuse: each goes at its expiry), and what is left once the
+  last of those expiries has passed; python-backend shm after the stop;
 
 and writes bench-results/chaos.json and chaos.png (outcomes per second, faults marked).
 """
@@ -128,7 +131,7 @@ class Faults(threading.Thread):
 
 def run(args: argparse.Namespace) -> None:
     from pdchat import embedded
-    from pdchat.core.kv.shm import kv_directory
+    from pdchat.core.kv.shm import kv_directory, left_by_dead_engines, live_engines
     from pdchat.launcher import PDStack, resident_bytes
     from pdchat.supervisor import Supervisor
 
@@ -176,16 +179,38 @@ def run(args: argparse.Namespace) -> None:
         faults.join(timeout=600)
         time.sleep(args.idle_s)  # expiries and sweeps
         after = memory()
-        kv_left = sorted(p.name for p in kv_directory().glob("pdchat_kv*")) if kv_directory().exists() else []
+        kv = kv_check(kv_directory(), live_engines, left_by_dead_engines)
         stop.set()
         watcher.join(10)
         restarts = supervisor.restarts()
         servers = (stack.prefill, stack.decode)
     shm_left = [str(path) for server in servers for path in server.leaked_shm()]
-    report(args, sent, faults, wall, before, after, kv_left, shm_left, restarts)
+    report(args, sent, faults, wall, before, after, kv, shm_left, restarts)
 
 
-def report(args, sent, faults, wall, before, after, kv_left, shm_left, restarts) -> None:
+def kv_check(directory, live_engines, left_by_dead_engines) -> dict[str, list[str]]:
+    """The KV directory once idle: files and owner locks of dead engines (none expected),
+    files of live ones, and what is left once the latest expiry among those has passed."""
+
+    def listing() -> list[str]:
+        return sorted(p.name for p in directory.glob("*pdchat_kv*")) if directory.exists() else []
+
+    names = listing()
+    live = live_engines(directory) if directory.exists() else set()
+    files = [n for n in names if "_kvowner_" not in n]
+    dead_files = left_by_dead_engines(files, live)
+    dead_locks = [n for n in names if "_kvowner_" in n and n.rsplit("_", 1)[1] not in live]
+    expiries = [int(n.split("_")[3]) / 1000 for n in files if n.split("_")[3].isdigit()]
+    if expiries:  # each goes at the sweep after its expiry
+        time.sleep(max(0.0, min(max(expiries) - time.time(), 120.0)) + 2 * 1.0 + 1)
+    return {
+        "kv_files_of_dead_engines": dead_files + dead_locks,
+        "kv_files_of_live_engines": [n for n in files if n not in dead_files],
+        "kv_files_left_after_their_expiry": [n for n in listing() if "_kvowner_" not in n],
+    }
+
+
+def report(args, sent, faults, wall, before, after, kv, shm_left, restarts) -> None:
     grace_s = args.stall_s + 5
     failed = [s for s in sent if s.failed]
     at_fault = [s for s in failed if faults.at_fault(s, grace_s)]
@@ -211,7 +236,7 @@ def report(args, sent, faults, wall, before, after, kv_left, shm_left, restarts)
         "rss_mib_after_warm_up": {k: v / 2**20 for k, v in before.items()},
         "rss_mib_at_end": {k: v / 2**20 for k, v in after.items()},
         "rss_growth": {k: after[k] / before[k] - 1 for k in before if before[k]},
-        "kv_files_left": kv_left,
+        **kv,
         "python_backend_shm_left": shm_left,
     }
     rows = [[k, v] for k, v in result.items() if not isinstance(v, list | dict)]
