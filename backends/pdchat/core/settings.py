@@ -234,11 +234,11 @@ STAGE_LANES = Setting(
     "stage_lanes",
     "stage_lanes",
     "PDCHAT_STAGE_LANES",
-    "2",
+    "4",
     INTEGER,
     ("chat",),
-    "Blocking calls chat makes to renderer and prefill at once. Match prefill's instance count (2 on a CPU host, "
-    "2 per GPU on a GPU host), so that a long prompt's prefill holds one lane and the prompts behind it take another.",
+    "Blocking calls chat makes to renderer and prefill at once. Prefill takes the prompts it is given in turns by "
+    "chunk, so a short prompt sent beside long ones is answered first when it has a lane of its own.",
 )
 STAGE_STALL_TIMEOUT_S = Setting(
     "stage_stall_timeout_s",
@@ -387,8 +387,9 @@ PREFILL_CHUNK = Setting(
     "PDCHAT_PREFILL_CHUNK",
     "512",
     INTEGER,
-    ("decode",),
-    "Prompt tokens per chunk when decode prefills a prompt itself, between the batch's decode steps.",
+    ("prefill", "decode"),
+    "Prompt tokens per chunk: prefill's prompts take turns by chunk, and decode prefills a prompt itself by "
+    "chunks between the batch's decode steps.",
 )
 
 # Output grammars (response_format, forced tool calls).

@@ -3,20 +3,31 @@
 The KV goes back as a tensor with the first token and its logprobs (one server), or, when
 the request names a `kv_destination` connector, is published there for a decode server
 and only its handle goes back, carrying the first token and its logprobs.
+
+One instance and one KV pool per server, so the prefix cache serves every request: the
+prompts take turns by chunk on the scheduler's thread (core.generation.prefill_scheduler),
+and execute() only validates and queues. Each answer goes out through the response sender
+(one response per request, as a non-decoupled model may) from the outbox thread.
 """
+
+import functools
 
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
-from pdchat.core.generation.generation import TextModel
+from pdchat.core.generation.generation import PrefillJob, TextModel
+from pdchat.core.generation.prefill_scheduler import PrefillScheduler, PrefillTask
 from pdchat.core.kv.connector import Connectors
-from pdchat.core.settings import compile_options, kv_options, kv_pool_options
+from pdchat.core.settings import batching_options, compile_options, kv_options, kv_pool_options
 from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
 from pdchat.registry import SHM
 from pdchat.triton import io
 from pdchat.triton.metrics import KVHeldMetrics, KVPoolMetrics
+from pdchat.triton.outbox import Outbox
 from pdchat.triton.server_watch import exit_with_server
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class TritonPythonModel:
@@ -33,39 +44,70 @@ class TritonPythonModel:
             kv_pool_options("prefill", parameters),
         )
         self.model.constraints.start()  # its grammar worker, before a request with a grammar waits for it
+        self.chunk = batching_options(parameters).prefill_chunk
         self.seal = StageSeal.for_this_server()
         self.metrics = KVHeldMetrics(args["model_name"], args["model_instance_name"])
         self.pool_metrics = KVPoolMetrics(args["model_name"], args["model_instance_name"])
-        self.connectors = Connectors(on_sweep=self.metrics.update, **kv_options(parameters))
+        self.connectors = Connectors(on_sweep=self._on_sweep, **kv_options(parameters))
+        self.outbox = Outbox("pdchat-prefill-outbox")
+        self.scheduler = PrefillScheduler()
 
     def execute(self, requests):
-        responses = [self._prefill(request) for request in requests]
-        self.pool_metrics.update(self.model.engine.pool.usage())
-        return responses
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                engine = self.model.engine
+                stage = io.stage_input(request, self.seal, engine.context_length, engine.vocab_size)
+                destination = io.input_text(request, tensors.KV_DESTINATION) or SHM
+            except Exception as exc:  # noqa: BLE001
+                self.outbox.call(functools.partial(sender.send, io.error_response(exc), flags=FINAL))
+                continue
+            self.scheduler.submit(
+                PrefillTask(
+                    start=functools.partial(PrefillJob, self.model, stage.prompt_token_ids, stage.params, self.chunk),
+                    done=functools.partial(self._done, sender, stage, destination),
+                    fail=functools.partial(self._fail, sender),
+                )
+            )
+        return None
 
     def finalize(self):
+        self.scheduler.close()
+        self.outbox.close()
         self.model.close()
         self.connectors.close()
         self.metrics.close()
         self.pool_metrics.close()
 
-    def _prefill(self, request):
+    # On the scheduler thread: each hands its work to the outbox.
+
+    def _done(self, sender, stage, destination: str, prefilled) -> None:
+        self.outbox.call(functools.partial(self._answer, sender, stage, destination, prefilled))
+        self.outbox.call(functools.partial(self.pool_metrics.update, self.model.engine.pool.usage()))
+
+    def _fail(self, sender, exc: Exception) -> None:
+        self.outbox.call(functools.partial(sender.send, io.error_response(exc), flags=FINAL))
+
+    # On the outbox thread:
+
+    def _answer(self, sender, stage, destination: str, prefilled) -> None:
         try:
-            engine = self.model.engine
-            stage = io.stage_input(request, self.seal, engine.context_length, engine.vocab_size)
-            destination = io.input_text(request, tensors.KV_DESTINATION) or SHM
-            prefilled = self.model.prefill(stage.prompt_token_ids, stage.params)
             handle = self.connectors.publish(
                 destination, prefilled.kv, prefilled.first.token_id, prefilled.first.logprobs, prefilled.cached_tokens
             ).to_json()
         except Exception as exc:  # noqa: BLE001 - KVBudgetExceeded becomes UNAVAILABLE
-            return io.error_response(exc)
+            sender.send(io.error_response(exc), flags=FINAL)
+            return
         # Decode takes this KV only with prefill's seal over it and the prompt it belongs to.
         seal = self.seal.seal_prompt(stage.prompt_token_ids, stage.params_text, handle)
-        return pb_utils.InferenceResponse(
+        response = pb_utils.InferenceResponse(
             output_tensors=[
                 io.int32_tensor(tensors.FIRST_TOKEN_ID, [prefilled.first.token_id]),
                 io.string_tensor(tensors.KV_HANDLE, handle),
                 io.string_tensor(tensors.STAGE_SEAL, seal),
             ]
         )
+        sender.send(response, flags=FINAL)
+
+    def _on_sweep(self, held: dict[str, int]) -> None:
+        self.outbox.call(functools.partial(self.metrics.update, held))

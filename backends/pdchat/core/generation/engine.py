@@ -96,18 +96,11 @@ class CausalLM:
                 "raise prefill_kv_mb / decode_kv_mb"
             )
 
-    @torch.inference_mode()
     def prefill(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> tuple[torch.Tensor, Sequence]:
-        """The prompt's KV in a new sequence, its cached prefix reused; the logits after it."""
-        self.check_prompt(prompt_token_ids)
-        self.check_fits(len(prompt_token_ids))
-        sequence = self.sequence(cache_salt)
-        try:
-            cached = sequence.reuse_prefix(prompt_token_ids)
-            return self.prefill_chunk(sequence, prompt_token_ids[cached:]), sequence
-        except BaseException:
-            sequence.release()
-            raise
+        """The prompt's KV in a new sequence, its cached prefix reused, in one pass; the logits after it."""
+        prompt = PromptPrefill(self, prompt_token_ids, cache_salt, chunk=len(prompt_token_ids))
+        logits = prompt.step()
+        return logits, prompt.sequence
 
     @torch.inference_mode()
     def prefill_chunk(self, sequence: Sequence, token_ids: list[int]) -> torch.Tensor:
@@ -117,7 +110,7 @@ class CausalLM:
         sequence.extend(token_ids)
         read = self._read_slots([sequence])
         positions = torch.arange(start, len(sequence), device=self.device).view(1, -1)
-        paged = PagedForward(self.pool, read[0, start:], read, positions)
+        paged = PagedForward(self.pool, read[0, start:], read, positions, causal=start == 0)
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         # logits_to_keep=1: full-prompt logits would be vocab x tokens floats for nothing.
         out = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1, paged=paged)
@@ -241,6 +234,41 @@ class CausalLM:
                 f"the KV has shape {list(kv.shape)}; this model and a prompt of {prompt_tokens} tokens "
                 f"need {list(self.kv_shape(prompt_tokens))} (are prefill and decode serving the same model?)"
             )
+
+
+class PromptPrefill:
+    """A prompt's KV computed into a new sequence chunk by chunk, after the prefix the pool
+    caches, so a long prompt can share the thread with other work between chunks.
+
+    The sequence (`sequence`) holds the cached blocks from construction on: a caller that
+    abandons the prefill calls `release()`."""
+
+    def __init__(self, engine: CausalLM, prompt_token_ids: list[int], cache_salt: str | None, chunk: int):
+        engine.check_prompt(prompt_token_ids)
+        engine.check_fits(len(prompt_token_ids))
+        self.engine, self.prompt_token_ids, self.chunk = engine, prompt_token_ids, chunk
+        self.sequence = engine.sequence(cache_salt)
+        self.cached_tokens = self._done = self.sequence.reuse_prefix(prompt_token_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to compute."""
+        return len(self.prompt_token_ids) - self._done
+
+    def step(self) -> torch.Tensor | None:
+        """Compute the next chunk; the logits after the prompt once it is complete, else None.
+        A failure releases the sequence."""
+        end = min(len(self.prompt_token_ids), self._done + self.chunk)
+        try:
+            logits = self.engine.prefill_chunk(self.sequence, self.prompt_token_ids[self._done : end])
+        except BaseException:
+            self.release()
+            raise
+        self._done = end
+        return logits if end == len(self.prompt_token_ids) else None
+
+    def release(self) -> None:
+        self.sequence.release()
 
 
 class DecodeBatch:

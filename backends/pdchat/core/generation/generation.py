@@ -15,7 +15,7 @@ import numpy as np
 
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.generation.constraints import ConstraintCompiler
-from pdchat.core.generation.engine import CausalLM
+from pdchat.core.generation.engine import CausalLM, PromptPrefill
 from pdchat.core.generation.sampling import Choice, LogitsShaper, TokenChooser, token_logprobs
 from pdchat.core.output.detokenizer import IncrementalDetokenizer
 from pdchat.core.output.harmony import HarmonyOutputParser
@@ -38,6 +38,36 @@ class Prefilled:
     first: Choice  # the first output token
     kv: np.ndarray  # the prompt's KV (engine.export_kv's layout)
     cached_tokens: int  # prompt tokens taken from the prefix cache, not computed
+
+
+class PrefillJob:
+    """Prefill's whole job, chunk by chunk: the first output token (with its logprobs, if
+    asked) and the prompt's KV for decode. The prompt's full blocks stay in the pool's
+    prefix cache. Abandoned before its end, it must be `abandon()`ed (its blocks go back)."""
+
+    def __init__(self, model: TextModel, prompt_token_ids: list[int], params: GenerationParams, chunk: int):
+        self._chooser = model.chooser(prompt_token_ids, params)
+        self._engine = model.engine
+        self._prompt = PromptPrefill(model.engine, prompt_token_ids, params.cache_salt, chunk)
+
+    @property
+    def remaining(self) -> int:
+        return self._prompt.remaining
+
+    def step(self) -> Prefilled | None:
+        """One chunk; the result once the prompt is complete (the sequence then released)."""
+        logits = self._prompt.step()
+        if logits is None:
+            return None
+        try:
+            return Prefilled(
+                self._chooser.choose(logits), self._engine.export_kv(self._prompt.sequence), self._prompt.cached_tokens
+            )
+        finally:
+            self._prompt.release()
+
+    def abandon(self) -> None:
+        self._prompt.release()
 
 
 class TextModel:
@@ -67,14 +97,11 @@ class TextModel:
         self.constraints.close()
 
     def prefill(self, prompt_token_ids: list[int], params: GenerationParams) -> Prefilled:
-        """Prefill's whole job: the first output token (with its logprobs, if asked) and the
-        prompt's KV for decode. The prompt's full blocks stay in the pool's prefix cache."""
-        chooser = self.chooser(prompt_token_ids, params)
-        logits, sequence = self.engine.prefill(prompt_token_ids, params.cache_salt)
-        try:
-            return Prefilled(chooser.choose(logits), self.engine.export_kv(sequence), sequence.cached_tokens)
-        finally:
-            sequence.release()
+        """Prefill's whole job at once (see PrefillJob)."""
+        job = PrefillJob(self, prompt_token_ids, params, chunk=len(prompt_token_ids))
+        while (prefilled := job.step()) is None:
+            pass
+        return prefilled
 
     def generation(
         self,
@@ -199,7 +226,7 @@ class Generation:
         self._tool_call_watch = model.output_parser(prompt_token_ids, params) if one_call else None
         self._on_kv_released = on_kv_released
         self._prefill_chunk = prefill_chunk or len(prompt_token_ids)
-        self._prefilled = 0
+        self._local: PromptPrefill | None = None  # decode's own prefill of the prompt
         self.cache = None
         self.cached_tokens = cached_tokens  # prompt tokens a prefix cache gave (prefill's, or this server's)
         self._pending: Choice | None = None
@@ -227,7 +254,6 @@ class Generation:
             logprobs = token_logprobs(logits, first.token_id, params.top_logprobs)
         else:
             self.cache = self.engine.import_kv(kv_cache, prompt, params.cache_salt)
-        self._prefilled = len(prompt)
         self._chooser.replay(first.token_id)  # prefill's choice, into grammar and penalties
         return Choice(first.token_id, None if logprobs is None else logprobs.trimmed(params.top_logprobs))
 
@@ -240,15 +266,13 @@ class Generation:
         """Compute the next chunk of the prompt's KV (the first chunk starts after the
         prompt's cached prefix); True once the first token is chosen."""
         if self.cache is None:
-            self.cache = self.engine.sequence(self.params.cache_salt)
-            self._prefilled = self.cached_tokens = self.cache.reuse_prefix(self.prompt_token_ids)
-        end = min(len(self.prompt_token_ids), self._prefilled + self._prefill_chunk)
-        logits = self.engine.prefill_chunk(self.cache, self.prompt_token_ids[self._prefilled : end])
-        self._prefilled = end
-        if end == len(self.prompt_token_ids):
-            self._pending = self._chooser.choose(logits)
-            return True
-        return False
+            self._local = PromptPrefill(self.engine, self.prompt_token_ids, self.params.cache_salt, self._prefill_chunk)
+            self.cache, self.cached_tokens = self._local.sequence, self._local.cached_tokens
+        logits = self._local.step()
+        if logits is None:
+            return False
+        self._pending = self._chooser.choose(logits)
+        return True
 
     def emit(self) -> Delta:
         """The pending token as the client sees it; sets `finished` when it is the last.

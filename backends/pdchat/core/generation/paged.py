@@ -265,6 +265,7 @@ class PagedForward:
     read: torch.Tensor
     query_positions: torch.Tensor
     full_rows: bool = False  # every row attends over all its columns: no mask needed without a window
+    causal: bool = False  # one row whose queries are all its columns: SDPA's is_causal is the mask
     _masks: dict | None = None
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -315,9 +316,15 @@ def paged_attention(
     if s_aux is not None:
         out = _attention_with_sinks(query, keys, values, paged.mask(sliding_window), scaling, s_aux)
     else:
-        mask = None if paged.full_rows and sliding_window is None else paged.mask(sliding_window)
+        plain = sliding_window is None and (paged.full_rows or paged.causal)
         out = torch.nn.functional.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True
+            query,
+            keys,
+            values,
+            attn_mask=None if plain else paged.mask(sliding_window),
+            is_causal=plain and paged.causal,
+            scale=scaling,
+            enable_gqa=True,
         )
     return out.transpose(1, 2).contiguous(), None
 

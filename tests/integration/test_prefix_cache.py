@@ -1,0 +1,179 @@
+"""The paged KV pool and its prefix cache on a real tritonserver: a conversation sent again
+gets the same greedy tokens from cached blocks and computes fewer prompt tokens; its next
+turn hits this turn's blocks; another cache_salt shares nothing; decode's KV held follows
+the tokens its requests hold, not the longest row; a request larger than the pool is
+refused by name."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+
+from pdchat.clients.chat import GrpcChat, HttpChat, chat_inputs, collect
+from pdchat.core.errors import ErrorCode
+from tests.integration.conftest import running_server, stop_checked
+from tests.integration.helpers import ask, metric, refusal, wait_for
+
+BLOCK_TOKENS = 16
+KV_BYTES_PER_TOKEN = 4096  # the tiny model: 4 layers x 2 x 2 kv heads x 64 x fp32
+
+
+def conversation(salt: str | None = None, **fields) -> dict:
+    """A greedy chat whose system prompt no other test sends (a cold cache for it)."""
+    system = f"Session {uuid.uuid4()}. " + "You answer briefly and precisely about lighthouses. " * 20
+    body = {
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Why are they tall?"}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "return_token_ids": True,
+        **fields,
+    }
+    return body if salt is None else {**body, "cache_salt": salt}
+
+
+def cached_tokens(result) -> int:
+    return result.outputs[-1].response["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def computed(server) -> float:
+    return metric(server, "pdchat_prompt_tokens_computed_total", model="prefill")
+
+
+def test_a_conversation_sent_again_gets_the_same_tokens_from_cached_blocks(server):
+    client = GrpcChat(server.grpc_url)
+    body = conversation()
+    before = computed(server)
+    cold = ask(client, body)
+    cold_computed = computed(server) - before
+    warm = ask(client, body)
+    warm_computed = computed(server) - before - cold_computed
+    client.close()
+    prompt = len(cold.prompt_token_ids)
+    assert prompt > 200 and cached_tokens(cold) == 0
+    assert cached_tokens(warm) == (prompt - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+    assert warm.output_token_ids == cold.output_token_ids
+    assert cold_computed == prompt and warm_computed == prompt - cached_tokens(warm)
+    assert metric(server, "pdchat_prefix_cache_hits_tokens_total", model="prefill") >= cached_tokens(warm)
+
+
+def test_the_next_turn_hits_the_blocks_of_this_turns_prompt_streamed_over_http(server):
+    client = HttpChat(server.http_url)
+    first = conversation(stream=True, stream_options={"include_usage": True})
+    turn = ask(client, first)
+    answer = "".join(
+        o.response["choices"][0]["delta"].get("content") or "" for o in turn.outputs if o.response["choices"]
+    )
+    follow_up = {
+        **first,
+        "messages": first["messages"]
+        + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And the light?"}],
+    }
+    next_turn = ask(client, follow_up)
+    client.close()
+    shared = 0
+    for mine, theirs in zip(turn.prompt_token_ids, next_turn.prompt_token_ids, strict=False):
+        if mine != theirs:
+            break
+        shared += 1
+    assert shared >= len(turn.prompt_token_ids) - 1, "the next turn's prompt starts with this turn's"
+    assert cached_tokens(next_turn) == min(shared, len(next_turn.prompt_token_ids) - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+
+
+def test_requests_with_another_cache_salt_share_no_blocks(server):
+    client = GrpcChat(server.grpc_url)
+    body = conversation(salt="tenant-a")
+    ask(client, body)
+    other = ask(client, {**body, "cache_salt": "tenant-b"})
+    unsalted = ask(client, {k: v for k, v in body.items() if k != "cache_salt"})
+    same = ask(client, body)
+    client.close()
+    assert cached_tokens(other) == 0 and cached_tokens(unsalted) == 0
+    assert cached_tokens(same) > 0 and same.output_token_ids == other.output_token_ids
+    assert "'cache_salt' must be a non-empty string" in refusal(GrpcChat(server.grpc_url), {**body, "cache_salt": ""})
+
+
+def test_decodes_kv_held_follows_the_tokens_held_not_the_longest_row(server):
+    """Fifteen short streams beside one ~14k-token prompt: decode's KV held stays within
+    1.2x of what those requests can hold (the padded batch it replaced held ~8x)."""
+    short = {"messages": [{"role": "user", "content": "Go on " * 120}], "max_tokens": 300, "ignore_eos": True}
+    long_body = {
+        "messages": [{"role": "user", "content": f"{uuid.uuid4()} " + "the quick brown fox " * 3600}],
+        "max_tokens": 40,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    samples: list[float] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            samples.append(metric(server, "pdchat_decode_kv_bytes"))
+            done.wait(0.2)
+
+    def run_short() -> None:
+        streams = GrpcChat(server.grpc_url)
+        try:
+            collect(streams.stream(chat_inputs({**short, "stream": True})))
+        finally:
+            streams.close()
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    threads = [threading.Thread(target=run_short) for _ in range(15)]
+    for thread in threads:
+        thread.start()
+    client = GrpcChat(server.grpc_url, timeout_s=300)
+    long_answer = ask(client, long_body)
+    for thread in threads:
+        thread.join(300)
+    done.set()
+    sampler.join()
+    short_prompt = len(ask(client, {**short, "max_tokens": 1, "return_token_ids": True}).prompt_token_ids)
+    client.close()
+    long_prompt = len(long_answer.prompt_token_ids)
+    can_hold = (15 * (short_prompt + 300) + long_prompt + 40) * KV_BYTES_PER_TOKEN
+    assert long_prompt > 14_000 and len(long_answer.output_token_ids) == 40
+    assert max(samples) > long_prompt * KV_BYTES_PER_TOKEN, "sampled while the long prompt was held"
+    assert max(samples) <= 1.2 * can_hold, f"{max(samples) / can_hold:.2f}x the tokens held"
+    assert wait_for(lambda: metric(server, "pdchat_decode_kv_bytes") == 0)
+
+
+@pytest.fixture(scope="module")
+def small_pool_server(tmp_path_factory, tiny_model_dir):
+    """A decode pool of 4 MiB: 1,024 tokens of the tiny model's KV."""
+    env = {"PDCHAT_DECODE_KV_MB": "4", "PDCHAT_QUEUE_TIMEOUT_S": "2"}
+    instance = running_server(tmp_path_factory, "small-pool", env=env)
+    yield instance
+    stop_checked(instance)
+
+
+def test_a_request_larger_than_the_pool_is_refused_and_the_rest_wait_their_turn(small_pool_server):
+    client = GrpcChat(small_pool_server.grpc_url)
+    body = {"messages": [{"role": "user", "content": "Go on"}], "temperature": 0, "ignore_eos": True}
+    message = refusal(client, {**body, "max_tokens": 2000})
+    assert "whole KV pool of 64 blocks (decode_kv_mb)" in message, message
+    results: list = []
+
+    def run() -> None:
+        own = GrpcChat(small_pool_server.grpc_url)
+        try:
+            results.append(collect(own.stream(chat_inputs({**body, "max_tokens": 400, "stream": True}))))
+        except Exception as exc:  # noqa: BLE001 - an UNAVAILABLE after the queue timeout is an answer too
+            results.append(exc)
+        finally:
+            own.close()
+
+    threads = [threading.Thread(target=run) for _ in range(4)]  # 4 x 26 blocks in a 64-block pool
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    answered = [r for r in results if not isinstance(r, Exception)]
+    refused = [r for r in results if isinstance(r, Exception)]
+    assert len(results) == 4 and len(answered) >= 2
+    assert all(getattr(r, "code", None) is ErrorCode.UNAVAILABLE and "decode_kv_mb" in str(r) for r in refused)
+    assert all(len(r.output_token_ids) == 400 for r in answered)
+    assert collect(client.stream(chat_inputs({**body, "max_tokens": 3}))).finish_reason == "length"
+    client.close()
