@@ -169,7 +169,7 @@ class LocalStages:
             ids,
             params,
             first=Choice(handle.first_token_id, handle.first_token_logprobs),
-            kv_cache=connectors.pull(handle),
+            kv_source=lambda start: connectors.pull(handle, start),
             on_kv_released=lambda: connectors.done(handle),
             cached_tokens=handle.cached_tokens,
         )

@@ -12,7 +12,7 @@ import torch
 
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.generation.engine import CausalLM, DecodeBatch, pick_dtype
-from pdchat.core.kv.base import KVHandle, KVUnavailable
+from pdchat.core.kv.base import KVHandle, KVUnavailable, tokens_from
 from pdchat.core.kv.shm import ShmConnector
 from pdchat.models import resolve_model
 
@@ -53,7 +53,7 @@ def test_kv_travels_in_the_models_dtype_through_shm_bit_for_bit(engines, tmp_pat
         assert pulled.dtype == kv.dtype and np.array_equal(pulled.view(np.uint8), kv.view(np.uint8))
         sequence.release()
         engine.pool.clear_cache()  # so the import writes every block, not the cached ones
-        imported = engine.import_kv(pulled, PROMPT)
+        imported = engine.import_kv(lambda start: tokens_from(pulled, start), PROMPT)
         assert imported.cached_tokens == 0 and engine.pool.keys.dtype == engine.dtype
         assert np.array_equal(engine.export_kv(imported).view(np.uint8), kv.view(np.uint8))
         imported.release()
@@ -82,7 +82,7 @@ def test_a_16_bit_batch_decodes_and_its_logits_are_float32_for_sampling(engines)
 def test_kv_in_another_dtype_is_refused_by_name(engines, prefill_dtype, decode_dtype):
     kv = _exported(engines[prefill_dtype])
     with pytest.raises(InvalidRequest, match=f"the KV is {prefill_dtype}; this server's model runs in {decode_dtype}"):
-        engines[decode_dtype].import_kv(kv, PROMPT)
+        engines[decode_dtype].import_kv(lambda start: kv, PROMPT)
     assert engines[decode_dtype].pool.usage().used_blocks == 0
 
 
@@ -107,7 +107,7 @@ def test_kv_travels_in_bfloat16_through_nixl_bit_for_bit(engines):
         assert handle.dtype == "bfloat16"
         pulled = decode.pull(handle)
         assert pulled.dtype == np.uint16 and np.array_equal(pulled, kv)
-        engine.import_kv(pulled, PROMPT).release()
+        engine.import_kv(lambda start: tokens_from(pulled, start), PROMPT).release()
     finally:
         prefill.close()
         decode.close()
@@ -126,7 +126,11 @@ def test_refused_kv_is_handed_back_at_once_not_held_until_its_ttl(tiny_model_dir
     released = []
     with pytest.raises(InvalidRequest, match="the KV is bfloat16"):
         model.generation(
-            PROMPT, params, first=Choice(5, None), kv_cache=kv, on_kv_released=lambda: released.append(True)
+            PROMPT,
+            params,
+            first=Choice(5, None),
+            kv_source=lambda start: tokens_from(kv, start),
+            on_kv_released=lambda: released.append(True),
         )
     assert released == [True]
 

@@ -284,3 +284,65 @@ def test_shm_kv_from_another_host_is_refused_not_mapped(tmp_path):
         decode.pull(elsewhere)
     assert np.array_equal(decode.pull(handle), kv())  # the genuine handle still pulls
     prefill.close()
+
+
+@pytest.mark.parametrize("connector", ["shm", "nixl"])
+def test_a_pull_from_a_token_on_is_exactly_that_tail_of_the_kv(tmp_path, connector):
+    if connector == "nixl":
+        pytest.importorskip("nixl_cu12")
+    options = {"ttl_s": 60} if connector == "nixl" else {"directory": str(tmp_path / "kv"), "ttl_s": 60}
+    publisher, puller = Connectors(**options), Connectors(**options)
+    whole = kv(tokens=40, seed=3)
+    try:
+        handle = KVHandle.from_json(publisher.publish(connector, whole, 7).to_json())
+        tail = puller.pull(handle, 32)
+        assert tail.shape == (4, 2, 2, 8, 64) and np.array_equal(tail, whole[:, :, :, 32:])
+        puller.done(handle)
+    finally:
+        publisher.close()
+        puller.close()
+
+
+def test_decode_pulling_only_the_blocks_it_lacks_decodes_what_a_full_pull_does(tiny_model_dir, tmp_path):
+    """Decode caches turn 1's prompt; turn 2's KV is pulled from its first uncached token and
+    the answer equals a decode server that pulled it all (greedy, fp32)."""
+    from pdchat.core.generation.engine import CausalLM, DecodeBatch
+    from pdchat.core.kv.base import tokens_from
+
+    prefill, warm, cold = (CausalLM(tiny_model_dir, "cpu") for _ in range(3))
+    turn1 = [(5 * i) % 3000 + 10 for i in range(100)]
+    turn2 = turn1 + [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    connectors = Connectors(directory=str(tmp_path / "kv"), ttl_s=60)
+    try:
+
+        def exported(prompt):
+            logits, sequence = prefill.prefill(prompt)
+            kv = prefill.export_kv(sequence)
+            sequence.release()
+            return int(logits.argmax()), KVHandle.from_json(connectors.publish("shm", kv, 0).to_json())
+
+        _, first_handle = exported(turn1)
+        warm.import_kv(lambda start: connectors.pull(first_handle, start), turn1).release()
+        first, handle = exported(turn2)
+        starts = []
+
+        def pull(start):
+            starts.append(start)
+            return connectors.pull(handle, start)
+
+        answers = []
+        for engine, source in ((warm, pull), (cold, lambda start: tokens_from(connectors.pull(handle), start))):
+            batch = DecodeBatch(engine)
+            batch.join(engine.import_kv(source, turn2))
+            tokens = [first]
+            for _ in range(8):
+                tokens.append(int(batch.step([tokens[-1]])[0].argmax()))
+            batch.leave([0])
+            answers.append(tokens)
+            connectors.done(handle)
+            if engine is warm:
+                handle = exported(turn2)[1]  # a fresh handle for the cold server's full pull
+        assert starts == [96], "the 6 full blocks of turn 1 came from decode's cache"
+        assert answers[0] == answers[1]
+    finally:
+        connectors.close()

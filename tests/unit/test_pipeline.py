@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pdchat.core.generation.sampling import Choice
+from pdchat.core.kv.base import tokens_from
 from pdchat.core.request.protocol import parse_chat_json
 from tests.logprobs import assert_logprobs_close, logprobs_of
 from tests.pipeline import LocalPipeline
@@ -69,7 +70,12 @@ def test_stop_string_ends_the_answer_early(pipeline):
 def generation_starting_with(pipeline, first_token, **fields):
     rendered = pipeline.renderer.render(chat(temperature=0, **fields))
     kv = pipeline.model.prefill(rendered.prompt_token_ids, rendered.params).kv
-    return pipeline.model.generation(rendered.prompt_token_ids, rendered.params, first=Choice(first_token), kv_cache=kv)
+    return pipeline.model.generation(
+        rendered.prompt_token_ids,
+        rendered.params,
+        first=Choice(first_token),
+        kv_source=lambda start: tokens_from(kv, start),
+    )
 
 
 def test_eos_ends_the_answer_unless_ignored(pipeline):
@@ -293,11 +299,20 @@ def test_logprobs_prefill_did_not_hand_over_come_from_its_last_prompt_token_agai
     prefilled = pipeline.model.prefill(ids, params)
     first, kv = prefilled.first, prefilled.kv
     given = Choice(first.token_id, None if handed == "none" else first.logprobs.trimmed(1))
-    [entry] = pipeline.model.generation(ids, params, first=given, kv_cache=kv).advance().logprobs
+    [entry] = (
+        pipeline.model.generation(ids, params, first=given, kv_source=lambda start: tokens_from(kv, start))
+        .advance()
+        .logprobs
+    )
     assert entry.token_id == first.token_id and [t for t, _ in entry.top] == [t for t, _ in first.logprobs.top]
     assert abs(entry.logprob - first.logprobs.logprob) < 1e-4
     unasked = replace(params, logprobs=False, top_logprobs=0)
-    assert pipeline.model.generation(ids, unasked, first=first, kv_cache=kv).advance().logprobs == []
+    assert (
+        pipeline.model.generation(ids, unasked, first=first, kv_source=lambda start: tokens_from(kv, start))
+        .advance()
+        .logprobs
+        == []
+    )
 
 
 def test_logprobs_are_raw_whatever_shapes_the_choice(pipeline):

@@ -129,13 +129,13 @@ class TritonPythonModel:
 
         def start():  # on the scheduler thread, on admission
             self.outbox.call(functools.partial(self._started, stream))
-            kv_cache = None if handle is None else self._pull(handle, params.request_id)
-            released = None if handle is None or kv_cache is None else functools.partial(self.connectors.done, handle)
+            kv_source = None if handle is None else functools.partial(self._pull, handle, params.request_id)
+            released = None if handle is None else functools.partial(self.connectors.done, handle)
             return self.model.generation(
                 ids,
                 params,
                 first=first,
-                kv_cache=kv_cache,
+                kv_source=kv_source,
                 on_kv_released=released,
                 prefill_chunk=self.options.prefill_chunk,
                 cached_tokens=0 if handle is None else handle.cached_tokens,
@@ -205,10 +205,11 @@ class TritonPythonModel:
             except Exception:  # noqa: BLE001 - a client already gone
                 log.exception("request %s: closing its stream failed", stream.key)
 
-    def _pull(self, handle, request_id):
-        """The KV a handle names, or None (decode then recomputes it from the ids)."""
+    def _pull(self, handle, request_id, start_token):
+        """The KV a handle names, of its tokens from `start_token` on (those before are in
+        decode's prefix cache), or None (decode then recomputes it from the ids)."""
         try:
-            kv = self.connectors.pull(handle)
+            kv = self.connectors.pull(handle, start_token)
         except KVUnavailable as exc:
             log.warning("request %s: KV pull failed, recomputing prefill from the forwarded ids: %s", request_id, exc)
             self.outbox.call(functools.partial(self.metrics.kv_pull, "recomputed"))

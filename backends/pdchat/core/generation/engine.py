@@ -12,6 +12,7 @@ attention, so every layer has one layout on the wire and in the pool.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -19,11 +20,11 @@ import torch
 
 from pdchat.core.errors import InvalidRequest, Unavailable
 from pdchat.core.generation.paged import NULL_BLOCK, PAGED_ATTENTION, BlockPool, PagedForward, Sequence, root_hash
-from pdchat.core.kv.base import KV_WIRE_TYPES, kv_dtype_name
+from pdchat.core.kv.base import KV_TOKEN_AXIS, KV_WIRE_TYPES, kv_dtype_name
 from pdchat.core.settings import DEFAULT_KV_POOL, DTYPE, KVPoolOptions
 
-# KV layout on the wire: [layers, 2 (key, value), kv_heads, tokens, head_dim].
-KV_TOKEN_AXIS = 3
+# The prompt's KV from a token on (export_kv's layout), or None when it cannot be had.
+KVSource = Callable[[int], np.ndarray | None]
 
 
 def pick_device(preference: str) -> str:
@@ -183,16 +184,22 @@ class CausalLM:
         return kv.view(torch.int16).numpy().view(np.uint16) if self.dtype == torch.bfloat16 else kv.numpy()
 
     @torch.inference_mode()
-    def import_kv(self, kv: np.ndarray, prompt_token_ids: list[int], cache_salt: str | None = None) -> Sequence:
-        """A sequence holding export_kv's array for this prompt, checked to fit this model and
-        prompt. Leading blocks this pool already caches are taken from the cache, not written."""
-        self._check_kv(kv, len(prompt_token_ids))
+    def import_kv(self, pull: KVSource, prompt_token_ids: list[int], cache_salt: str | None = None) -> Sequence | None:
+        """A sequence holding this prompt's KV: the leading blocks this pool caches are taken
+        from the cache, and only the rest is pulled (`pull(start)`: export_kv's array of
+        tokens [start:], checked to fit this model and prompt). None when the pull fails;
+        then nothing is held."""
         self.check_fits(len(prompt_token_ids))
         sequence = self.sequence(cache_salt)
         try:
             cached = sequence.reuse_prefix(prompt_token_ids) if len(prompt_token_ids) > 1 else 0
+            kv = pull(cached)
+            if kv is None:
+                sequence.release()
+                return None
+            self._check_kv(kv, len(prompt_token_ids) - cached, len(prompt_token_ids))
             sequence.extend(prompt_token_ids[cached:])
-            tensor = torch.from_numpy(np.ascontiguousarray(kv[(slice(None),) * KV_TOKEN_AXIS + (slice(cached, None),)]))
+            tensor = torch.from_numpy(np.ascontiguousarray(kv))
             if self.dtype == torch.bfloat16:
                 tensor = tensor.view(torch.int16).view(torch.bfloat16)
             tensor = tensor.to(self.device).transpose(2, 3)  # [layers, 2, T, heads, dim]
@@ -206,33 +213,42 @@ class CausalLM:
         return sequence
 
     def import_kv_recomputing_last(
-        self, kv: np.ndarray, prompt_token_ids: list[int], cache_salt: str | None = None
-    ) -> tuple[torch.Tensor, Sequence]:
-        """The prompt's sequence from export_kv's array, its last token computed again for the
-        logits after the prompt, which a handoff does not carry: one token, not the prompt."""
-        self._check_kv(kv, len(prompt_token_ids))
+        self, pull: KVSource, prompt_token_ids: list[int], cache_salt: str | None = None
+    ) -> tuple[torch.Tensor, Sequence] | None:
+        """As import_kv, with the prompt's last token computed again for the logits after the
+        prompt, which a handoff does not carry: one token, not the prompt."""
         if len(prompt_token_ids) == 1:
             return self.prefill(prompt_token_ids, cache_salt)
-        head = kv[(slice(None),) * KV_TOKEN_AXIS + (slice(None, -1),)]
-        sequence = self.import_kv(head, prompt_token_ids[:-1], cache_salt)
+
+        def all_but_last(start: int) -> np.ndarray | None:
+            kv = pull(start)
+            if kv is not None:
+                self._check_kv(kv, len(prompt_token_ids) - start, len(prompt_token_ids))
+                kv = kv[(slice(None),) * KV_TOKEN_AXIS + (slice(None, -1),)]
+            return kv
+
+        sequence = self.import_kv(all_but_last, prompt_token_ids[:-1], cache_salt)
+        if sequence is None:
+            return None
         try:
             return self.prefill_chunk(sequence, prompt_token_ids[-1:]), sequence
         except BaseException:
             sequence.release()
             raise
 
-    def _check_kv(self, kv: np.ndarray, prompt_tokens: int) -> None:
-        """A KV from another server must be this model's, in its dtype, for this prompt (a
-        prefill server running another model would otherwise fail the whole batch's step)."""
+    def _check_kv(self, kv: np.ndarray, tokens: int, prompt_tokens: int) -> None:
+        """A KV from another server must be this model's, in its dtype, for this prompt's
+        `tokens` tokens it was asked for (a prefill server running another model would
+        otherwise fail the whole batch's step)."""
         if kv.dtype != self.wire_type:
             raise InvalidRequest(
                 f"the KV is {kv_dtype_name(kv)}; this server's model runs in {self.dtype_name} "
                 f"(prefill and decode servers must run the model in one dtype: {DTYPE.names})"
             )
-        if tuple(kv.shape) != self.kv_shape(prompt_tokens):
+        if tuple(kv.shape) != self.kv_shape(tokens):
             raise InvalidRequest(
-                f"the KV has shape {list(kv.shape)}; this model and a prompt of {prompt_tokens} tokens "
-                f"need {list(self.kv_shape(prompt_tokens))} (are prefill and decode serving the same model?)"
+                f"the KV has shape {list(kv.shape)}; this model and {tokens} tokens of a {prompt_tokens}-token "
+                f"prompt need {list(self.kv_shape(tokens))} (are prefill and decode serving the same model?)"
             )
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.generation.constraints import ConstraintCompiler
-from pdchat.core.generation.engine import CausalLM, PromptPrefill
+from pdchat.core.generation.engine import CausalLM, KVSource, PromptPrefill
 from pdchat.core.generation.sampling import Choice, LogitsShaper, TokenChooser, token_logprobs
 from pdchat.core.output.detokenizer import IncrementalDetokenizer
 from pdchat.core.output.harmony import HarmonyOutputParser
@@ -109,7 +109,7 @@ class TextModel:
         params: GenerationParams,
         *,
         first: Choice | None = None,
-        kv_cache: np.ndarray | None = None,
+        kv_source: KVSource | None = None,
         on_kv_released: Callable[[], None] | None = None,
         prefill_chunk: int | None = None,
         cached_tokens: int = 0,
@@ -117,13 +117,13 @@ class TextModel:
         """Decode state continuing from prefill's KV and first token (`cached_tokens`: what
         prefill's prefix cache gave); without them, prefill here: at once, or with
         `prefill_chunk`, chunk by chunk through prefill_step(). `on_kv_released` runs once
-        the pool no longer reads `kv_cache`'s memory."""
+        the pool no longer reads what `kv_source` gave."""
         return Generation(
             self,
             prompt_token_ids,
             params,
             first=first,
-            kv_cache=kv_cache,
+            kv_source=kv_source,
             on_kv_released=on_kv_released,
             prefill_chunk=prefill_chunk,
             cached_tokens=cached_tokens,
@@ -206,7 +206,7 @@ class Generation:
         params: GenerationParams,
         *,
         first: Choice | None,
-        kv_cache: np.ndarray | None,
+        kv_source: KVSource | None,
         on_kv_released: Callable[[], None] | None = None,
         prefill_chunk: int | None = None,
         cached_tokens: int = 0,
@@ -231,29 +231,36 @@ class Generation:
         self.cached_tokens = cached_tokens  # prompt tokens a prefix cache gave (prefill's, or this server's)
         self._pending: Choice | None = None
         engine.check_prompt(prompt_token_ids)
-        if kv_cache is not None and first is not None:
+        if kv_source is not None and first is not None:
             try:
-                self._pending = self._continue_from(first, kv_cache)
+                self._pending = self._continue_from(first, kv_source)
             finally:
                 self.kv_moved()  # copied into the pool, or refused: hand it back now, not at its TTL
-        elif prefill_chunk is None:
+        if self._pending is None and prefill_chunk is None:  # no KV, or its pull failed
             try:
                 self.prefill_step()  # the whole prompt at once
             except BaseException:
                 self.drop()
                 raise
 
-    def _continue_from(self, first: Choice, kv_cache: np.ndarray) -> Choice:
-        """Take over prefill's KV and first token. Logprobs the request asks for that prefill
-        did not hand over (its leg did not ask for them, or for fewer alternatives) come from
-        the prompt's last token computed again here; logprobs it does not ask for are dropped."""
+    def _continue_from(self, first: Choice, kv_source: KVSource) -> Choice | None:
+        """Take over prefill's KV (only the tokens this pool does not cache are pulled) and
+        first token; None when the pull failed (decode then computes the prompt itself).
+        Logprobs the request asks for that prefill did not hand over (its leg did not ask for
+        them, or for fewer alternatives) come from the prompt's last token computed again
+        here; logprobs it does not ask for are dropped."""
         params, prompt = self.params, self.prompt_token_ids
         logprobs = first.logprobs if params.logprobs else None
         if params.logprobs and (logprobs is None or not logprobs.covers(first.token_id, params.top_logprobs)):
-            logits, self.cache = self.engine.import_kv_recomputing_last(kv_cache, prompt, params.cache_salt)
+            imported = self.engine.import_kv_recomputing_last(kv_source, prompt, params.cache_salt)
+            if imported is None:
+                return None
+            logits, self.cache = imported
             logprobs = token_logprobs(logits, first.token_id, params.top_logprobs)
         else:
-            self.cache = self.engine.import_kv(kv_cache, prompt, params.cache_salt)
+            self.cache = self.engine.import_kv(kv_source, prompt, params.cache_salt)
+            if self.cache is None:
+                return None
         self._chooser.replay(first.token_id)  # prefill's choice, into grammar and penalties
         return Choice(first.token_id, None if logprobs is None else logprobs.trimmed(params.top_logprobs))
 

@@ -17,6 +17,13 @@ DEFAULT_BUDGET_BYTES = 2 << 30
 # (numpy has no bfloat16: its 16 bits travel as uint16 and become bfloat16 again in torch).
 KV_WIRE_TYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
 _WIRE_NAMES = {carrier: name for name, carrier in KV_WIRE_TYPES.items()}
+# KV layout on the wire: [layers, 2 (key, value), kv_heads, tokens, head_dim].
+KV_TOKEN_AXIS = 3
+
+
+def tokens_from(kv: np.ndarray, start: int) -> np.ndarray:
+    """The KV of tokens [start:] (a view)."""
+    return kv[(slice(None),) * KV_TOKEN_AXIS + (slice(start, None),)]
 
 
 def kv_dtype_name(kv: np.ndarray) -> str:
@@ -133,8 +140,9 @@ class KVConnector(Protocol):
     def publish(self, kv: np.ndarray, first_token_id: int) -> KVHandle:
         """Hold `kv` for a decode server; return its handle."""
 
-    def pull(self, handle: KVHandle) -> np.ndarray:
-        """Fetch the KV a handle names."""
+    def pull(self, handle: KVHandle, start_token: int = 0) -> np.ndarray:
+        """Fetch the KV a handle names, of its tokens from `start_token` on (decode already
+        holds the ones before)."""
 
     def done(self, handle: KVHandle) -> None:
         """The pulled KV is no longer read: the prefill side may free or reuse it."""

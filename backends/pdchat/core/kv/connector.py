@@ -67,10 +67,11 @@ class Connectors:
         published = self.get(destination).publish(kv, first_token_id)
         return replace(published, first_token_logprobs=first_token_logprobs, cached_tokens=cached_tokens)
 
-    def pull(self, handle: KVHandle) -> np.ndarray:
+    def pull(self, handle: KVHandle, start_token: int = 0) -> np.ndarray:
+        """The handle's KV of tokens from `start_token` on."""
         if handle.connector not in CONNECTORS:
             raise KVUnavailable(f"the KV handle names no known connector: {handle.connector!r}")
-        return self.get(handle.connector).pull(handle)
+        return self.get(handle.connector).pull(handle, start_token)
 
     def done(self, handle: KVHandle) -> None:
         self.get(handle.connector).done(handle)

@@ -50,6 +50,7 @@ from pdchat.core.kv.base import (
     KVUnavailable,
     OncePerKey,
     kv_dtype_name,
+    tokens_from,
 )
 from pdchat.core.settings import KV_BUDGET_MB
 from pdchat.registry import SHM
@@ -410,8 +411,9 @@ class ShmConnector:
             dtype=dtype,
         )
 
-    def pull(self, handle: KVHandle) -> np.ndarray:
-        """Claim the KV, then map it (no copy). A handle pulls once: a second pull, or the
+    def pull(self, handle: KVHandle, start_token: int = 0) -> np.ndarray:
+        """Claim the KV, then map it (no copy: only the pages of tokens from `start_token` on
+        are read, by whoever copies the view). A handle pulls once: a second pull, or the
         loser of a race, gets KVUnavailable. Call done() once nothing reads it any more."""
         published = self._published(handle)
         claimed = str(replace(published, prefix=PULLED_PREFIX, puller=self.engine_id))
@@ -428,7 +430,7 @@ class ShmConnector:
                 ) from None
             except OSError as exc:
                 raise KVUnavailable(f"KV {published} cannot be claimed: {exc.strerror}") from None
-            return _map(dir_fd, claimed, handle)
+            return tokens_from(_map(dir_fd, claimed, handle), start_token)
         finally:
             os.close(dir_fd)
 
