@@ -10,6 +10,8 @@
                                                 # (clients/scaleout.py)
     python -m pdchat.clients.bench chaos    # mixed load through a supervised P/D stack, kill -9 and SIGSTOP
                                             # along the way (clients/chaos.py)
+    python -m pdchat.clients.bench prefix   # TTFT per turn of an 8-turn chat, prefix cache on and off
+                                            # (clients/prefix.py)
 
 Ratios are measured side by side in one run; these machines are noisy.
 """
@@ -25,7 +27,7 @@ import time
 
 import numpy as np
 
-from pdchat.clients import chaos, e2e, scaleout
+from pdchat.clients import chaos, e2e, prefix, scaleout
 from pdchat.clients.report import plot, table, timed, write_results
 from pdchat.core.settings import DEVICE, DTYPE, FORWARDED_IDS, MODEL
 
@@ -459,6 +461,7 @@ def main(argv: list[str] | None = None) -> None:
     e2e.add_arguments(commands.add_parser("e2e"))
     scaleout.add_arguments(commands.add_parser("vllm-router"))
     chaos.add_arguments(commands.add_parser("chaos"))
+    prefix.add_arguments(commands.add_parser("prefix"))
     args = parser.parse_args(argv)
     benches = {
         "reuse": bench_reuse,
@@ -469,6 +472,7 @@ def main(argv: list[str] | None = None) -> None:
         "e2e": e2e.bench_e2e,
         "vllm-router": scaleout.bench_vllm_router,
         "chaos": chaos.run,
+        "prefix": prefix.run,
     }
     benches[args.bench](args)
 
