@@ -36,7 +36,7 @@ class ChatError(PdchatError):
 
     @property
     def is_client_error(self) -> bool:
-        return self.code is ErrorCode.INVALID_ARG
+        return self.code.is_client_error
 
 
 class ServerSilent(ChatError):
@@ -276,6 +276,8 @@ def _grpc_error(error: Any) -> ChatError:
     message = error.message() if hasattr(error, "message") else str(error)
     status = str((error.status() if hasattr(error, "status") else "") or "").removeprefix("StatusCode.")
     code, message = parse_tag(message or str(error))
+    if code is ErrorCode.NOT_FOUND:  # pdchat's NOT_FOUND is known by its tag (ErrorCode.from_grpc_status)
+        return ChatError(message, code)
     return ChatError(message, ErrorCode.from_grpc_status(status) if status else code or ErrorCode.INTERNAL)
 
 

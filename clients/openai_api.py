@@ -100,8 +100,8 @@ class ApiError(Exception):
 
     @classmethod
     def of(cls, code: ErrorCode, message: str) -> ApiError:
-        """An error of `code`: its HTTP status, its gRPC status name as OpenAI's `code`."""
-        return cls(code.http_status, message, code.grpc_status)
+        """An error of `code`: its HTTP status and OpenAI `code` (ErrorCode.openai_code)."""
+        return cls(code.http_status, message, code.openai_code)
 
     @property
     def type(self) -> str:
@@ -365,10 +365,11 @@ class _Front:
 
     async def models(self, request: Request) -> Response:
         try:
-            model = await self._in_thread(self.router.served_model)
+            names = await self._in_thread(self.router.served_models)
         except ChatError as exc:
             raise chat_api_error(exc) from exc
-        return _json(200, {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "pdchat"}]})
+        models = [{"id": name, "object": "model", "owned_by": "pdchat"} for name in names]
+        return _json(200, {"object": "list", "data": models})
 
     async def health(self, request: Request) -> Response:
         if self.draining:

@@ -24,14 +24,14 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdchat.clients.chat import ChatError, ChatOutput, GrpcChat, ServerSilent, chat_inputs
 from pdchat.core.errors import ErrorCode, InvalidRequest
-from pdchat.core.request.protocol import ChatRequest, chat_request_from_body, utf8_json
+from pdchat.core.request.protocol import ChatRequest, chat_request_from_body, check_served_model, utf8_json
 from pdchat.core.settings import STALL_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -244,11 +244,17 @@ class RouterStats:
 
 class ChatFront:
     """What the OpenAI HTTP front (clients/openai_api.py) serves: chat requests streamed from
-    the `chat` model of a pool of servers, the served model's name, health and stats."""
+    the `chat` model of a pool of servers, the served model names, health and stats.
 
-    def __init__(self, serving: BackendPool):
+    `served_model_names` (--served-model-name): the names a request's `model` may give,
+    checked here (ModelNotFound: 404 model_not_found) and listed by /v1/models; they must be
+    among the servers' own (setting SERVED_MODEL_NAME), which check them again. None given:
+    the name a server reports, and the servers alone check."""
+
+    def __init__(self, serving: BackendPool, served_model_names: Sequence[str] = ()):
         self.serving = serving
         self.stats = RouterStats()
+        self.served_model_names = tuple(served_model_names)
         self._served_model: str | None = None
 
     @property
@@ -265,8 +271,14 @@ class ChatFront:
         for pool in self.pools:
             pool.abort(reason)
 
+    def served_models(self) -> tuple[str, ...]:
+        """The model names clients may send, the one reported first."""
+        return self.served_model_names or (self.served_model(),)
+
     def served_model(self) -> str:
-        """The model name clients should send (asked of a server once)."""
+        """The model name answers report: the first served name, else asked of a server once."""
+        if self.served_model_names:
+            return self.served_model_names[0]
         if self._served_model is None:
             probe = chat_inputs({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
             with self.serving.pick() as backend:
@@ -283,7 +295,10 @@ class ChatFront:
         """The body as the bytes every server gets, once it is known valid here (a bad
         request is the client's error, never a server failure)."""
         try:
-            return utf8_json(body), chat_request_from_body(body, check_grammar=False)
+            chat = chat_request_from_body(body, check_grammar=False)
+            if self.served_model_names:
+                check_served_model(chat.model, self.served_model_names)
+            return utf8_json(body), chat
         except InvalidRequest as exc:
             raise ChatError(str(exc), exc.code) from exc
 
@@ -305,8 +320,14 @@ class ServerFront(ChatFront):
     router of its own (vllm-router, production-stack) that drives P/D itself. The body goes
     as is, `kv_transfer_params` included; a prefill answer carries them back in its JSON."""
 
-    def __init__(self, url: str, role: str = "server", stall_timeout_s: float | None = None):
-        super().__init__(BackendPool([url], role, stall_timeout_s=stall_timeout_s))
+    def __init__(
+        self,
+        url: str,
+        role: str = "server",
+        stall_timeout_s: float | None = None,
+        served_model_names: Sequence[str] = (),
+    ):
+        super().__init__(BackendPool([url], role, stall_timeout_s=stall_timeout_s), served_model_names)
 
     def chat(self, body: dict[str, Any], request_id: str = "") -> Iterator[ChatOutput]:
         self.stats.requests += 1
@@ -325,8 +346,9 @@ class PDRouter(ChatFront):
         decode_urls: list[str],
         forward_ids: bool = True,
         stall_timeout_s: float | None = None,
+        served_model_names: Sequence[str] = (),
     ):
-        super().__init__(BackendPool(decode_urls, "decode", stall_timeout_s=stall_timeout_s))
+        super().__init__(BackendPool(decode_urls, "decode", stall_timeout_s=stall_timeout_s), served_model_names)
         self.prefill = BackendPool(prefill_urls, "prefill", stall_timeout_s=stall_timeout_s)
         self.decode = self.serving
         self.forward_ids = forward_ids
@@ -409,7 +431,7 @@ def stream_completion(router_url: str, body: dict[str, Any], timeout: float = 60
         for line in reply:
             if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
                 chunk = json.loads(line[6:])
-                if "error" in chunk:  # its code: an ErrorCode's gRPC status name (openai_api.chat_api_error)
+                if "error" in chunk:  # its code: an ErrorCode's openai_code (openai_api.chat_api_error)
                     error = chunk["error"]
-                    raise ChatError(error["message"], ErrorCode.from_grpc_status(error.get("code", "")))
+                    raise ChatError(error["message"], ErrorCode.from_openai_code(error.get("code", "")))
                 yield chunk

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -165,7 +165,7 @@ class ChatFlow:
     def for_model(
         cls,
         model_dir: Path,
-        served_name: str,
+        served_name: str | Sequence[str],
         parameters: dict[str, str],
         observer: HandoffObserver,
         environ: Mapping[str, str] | None = None,

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.kv.base import KVHandle
-from pdchat.core.request.protocol import ChatRequest, GenerationParams
+from pdchat.core.request.protocol import ChatRequest, GenerationParams, served_names
 from pdchat.core.settings import HANDOFF_KEY
 from pdchat.ensemble.gate import Admission, ForwardedIdsRejected, Gate, Rejection, forwarded_ids
 from pdchat.ensemble.handoff import DEFAULT_TTL_S, Handoff, render_fingerprint, sign
@@ -52,12 +52,13 @@ class RoutePlanner:
     def __init__(
         self,
         gate: Gate,
-        served_name: str,
+        served_name: str | Sequence[str],
         ttl_s: float = DEFAULT_TTL_S,
         render_defaults: Callable[[], dict[str, Any]] = dict,
     ):
         self.gate = gate
-        self.served_name = served_name
+        self.served_names = served_names(served_name)  # a request may name any
+        self.served_name = self.served_names[0]  # what answers report, and the fingerprint names
         self.ttl_s = ttl_s
         self.render_defaults = render_defaults  # the renderer's server-side inputs, as of now
 
@@ -79,7 +80,7 @@ class RoutePlanner:
             admission = self.gate.admit(ids, params, self.fingerprint(chat))
             try:
                 generation = chat.generation_params(
-                    len(ids), self.gate.context_length, self.gate.vocab_size, self.served_name
+                    len(ids), self.gate.context_length, self.gate.vocab_size, self.served_names
                 )
             except BaseException:
                 admission.release()  # refused here: the handoff stays good for a corrected request

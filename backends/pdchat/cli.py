@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run tritonserver on the model repository until interrupted")
     _server_options(serve)
+    _served_names_option(serve)
     serve.add_argument("--role", default=registry.MONOLITHIC, choices=registry.ROLES)
     _supervision_options(serve)
 
@@ -63,18 +64,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="comparison mode for benchmarks: decode renders the request itself (checked against the signed ids)",
     )
+    _served_names_option(router)
     _http_options(router)
 
     openai = commands.add_parser(
         "openai", help="one server's chat behind a vLLM-compatible OpenAI API (for vllm-router and the like)"
     )
     openai.add_argument("--server", required=True, help="the server's gRPC address")
+    _served_names_option(openai)
     _http_options(openai)
 
     pd = commands.add_parser("pd", help="start a prefill server, a decode server and the router on loopback")
     pd.add_argument("--model", default=registry.DEFAULT_MODEL)
     pd.add_argument("--connector", choices=registry.KV_CONNECTORS, default=registry.SHM)
     pd.add_argument("--port", type=int, default=8080, help="router port")
+    _served_names_option(pd)
     _supervision_options(pd)
 
     commands.add_parser(
@@ -104,6 +108,23 @@ def _http_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--keep-alive-timeout", type=float, help="idle kept-alive connections close after this (default 5 s)"
     )
+
+
+def _served_names_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="the names a request's `model` may give, the first reported (as vLLM's); "
+        f"default ${settings.SERVED_MODEL_NAME.env} (comma-separated), else the model's own name",
+    )
+
+
+def _served_names(args: argparse.Namespace) -> tuple[str, ...]:
+    """--served-model-name, else the setting (empty: the server's own name)."""
+    if args.served_model_name:
+        return settings.SERVED_MODEL_NAME.parse(",".join(args.served_model_name), "--served-model-name")
+    return settings.SERVED_MODEL_NAME.get()
 
 
 def _server_options(parser: argparse.ArgumentParser) -> None:
@@ -147,6 +168,8 @@ def _serve(args: argparse.Namespace) -> int:
     from pdchat.launcher import TritonServer
 
     env = {settings.MODEL.env: args.model} if args.model else {}
+    if args.served_model_name:
+        env[settings.SERVED_MODEL_NAME.env] = ",".join(_served_names(args))
     server = TritonServer(
         args.model_repository,
         role=args.role,
@@ -233,14 +256,18 @@ def _demo(args: argparse.Namespace) -> int:
 def _router(args: argparse.Namespace) -> int:
     from pdchat.clients.router import PDRouter
 
-    front = PDRouter(args.prefill, args.decode, forward_ids=not args.no_forward_ids)
+    front = PDRouter(
+        args.prefill, args.decode, forward_ids=not args.no_forward_ids, served_model_names=_served_names(args)
+    )
     return _serve_http(args, front, f"router (prefill {args.prefill}, decode {args.decode})")
 
 
 def _openai(args: argparse.Namespace) -> int:
     from pdchat.clients.router import ServerFront
 
-    return _serve_http(args, ServerFront(args.server), f"OpenAI front of {args.server}")
+    return _serve_http(
+        args, ServerFront(args.server, served_model_names=_served_names(args)), f"OpenAI front of {args.server}"
+    )
 
 
 def _serve_http(args: argparse.Namespace, front, what: str) -> int:
@@ -273,7 +300,9 @@ def _pd(args: argparse.Namespace) -> int:
         embedded.ensure_model(args.model)
     stop = _stop_on_signals()
     _say("starting a prefill server, a decode server and the router")
-    with PDStack(model=args.model, connector=args.connector, router_port=args.port) as stack:
+    with PDStack(
+        model=args.model, connector=args.connector, router_port=args.port, served_model_names=_served_names(args)
+    ) as stack:
         _say(
             f"ready: OpenAI API at {stack.router_url}/v1 "
             f"(prefill gRPC {stack.prefill.grpc_url} pid {stack.prefill.process.pid}, "

@@ -470,6 +470,7 @@ class PDStack:
     model: str = "smollm2"
     connector: str = SHM
     router_port: int = 0
+    served_model_names: tuple[str, ...] = ()  # both servers' and the router's (empty: the model's name)
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None
     prefill: TritonServer | None = None
@@ -499,6 +500,7 @@ class PDStack:
             settings.MODEL.env: self.model,
             settings.HANDOFF_KEY.env: self.handoff_key,
             settings.KV_CONNECTOR.env: self.connector,
+            **({settings.SERVED_MODEL_NAME.env: ",".join(self.served_model_names)} if self.served_model_names else {}),
             **self.env,
         }
         self.prefill = TritonServer(role="prefill", env=env, log_path=log_dir / "prefill.log")
@@ -524,6 +526,7 @@ class PDStack:
             self.prefill.grpc_url,
             "--decode",
             self.decode.grpc_url,
+            *(["--served-model-name", *self.served_model_names] if self.served_model_names else []),
         ]
         self.front = Service("router", command, f"{self.router_url}/health", log_path).start(timeout)
 

@@ -19,11 +19,18 @@ class ModelSettings:
     device: str
     dtype: str = "auto"
     threads: int | None = None  # torch's CPU threads (None: torch's default)
+    names: tuple[str, ...] = ()  # setting SERVED_MODEL_NAME; empty: the directory's name
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Names clients may use in the request's `model` field (the first is reported):
+        the setting's, else the directory's name."""
+        return self.names or (self.path.name,)
 
     @property
     def served_name(self) -> str:
-        """Name clients use in the request's `model` field: the directory's name."""
-        return self.path.name
+        """The name responses report as their `model`."""
+        return self.served_names[0]
 
     def on_instance(self, kind: str, device_id: int) -> ModelSettings:
         """Where a Triton model instance runs its model.
@@ -47,15 +54,16 @@ class ModelSettings:
 def resolve_model(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> ModelSettings:
     """Resolve the model spec (embedded name or directory) into a usable directory.
 
-    Settings MODEL, DEVICE, DTYPE and TORCH_THREADS; embedded names are built into the
+    Settings MODEL, DEVICE, DTYPE, TORCH_THREADS and SERVED_MODEL_NAME; embedded names are built into the
     cache on first use.
     """
     spec = settings.MODEL.get(parameters, environ)
     device = settings.DEVICE.get(parameters, environ)
     dtype = settings.DTYPE.get(parameters, environ)
     threads = settings.torch_threads(parameters, environ)
+    names = settings.SERVED_MODEL_NAME.get(parameters, environ)
     if spec in registry.EMBEDDED_MODELS:
-        return ModelSettings(embedded.ensure_model(spec), device, dtype, threads)
+        return ModelSettings(embedded.ensure_model(spec), device, dtype, threads, names)
     path = Path(spec).expanduser()
     if not (path / "config.json").is_file():
         known = ", ".join(sorted(registry.EMBEDDED_MODELS))
@@ -63,4 +71,4 @@ def resolve_model(parameters: dict[str, str], environ: os._Environ | dict | None
             f"model path '{spec}' is not a Hugging Face model directory (no config.json there); "
             f"give a directory or one of the embedded models: {known}"
         )
-    return ModelSettings(path, device, dtype, threads)
+    return ModelSettings(path, device, dtype, threads, names)

@@ -64,22 +64,34 @@ def test_the_mapping_table():
     table = {code: (code.grpc_status, code.http_status, code.openai_type) for code in ErrorCode}
     assert table == {
         ErrorCode.INVALID_ARG: ("INVALID_ARGUMENT", 400, "invalid_request_error"),
+        ErrorCode.NOT_FOUND: ("NOT_FOUND", 404, "invalid_request_error"),
         ErrorCode.UNAVAILABLE: ("UNAVAILABLE", 503, "service_unavailable"),
         ErrorCode.INTERNAL: ("INTERNAL", 500, "server_error"),
     }
     assert all(HTTPStatus(code.http_status) for code in ErrorCode)
 
 
-@pytest.mark.parametrize("code", list(ErrorCode))
+@pytest.mark.parametrize("code", [code for code in ErrorCode if code is not ErrorCode.NOT_FOUND])
 def test_statuses_map_back_to_their_code(code):
     assert ErrorCode.from_grpc_status(code.grpc_status) is code
     assert ErrorCode.from_http_status(code.http_status) is code
+    assert ErrorCode.from_openai_code(code.openai_code) is code
+
+
+def test_not_found_is_a_model_not_served_known_by_its_tag_only():
+    """An untagged gRPC NOT_FOUND is Triton's own (no such Triton model): a server fault."""
+    code = ErrorCode.NOT_FOUND
+    assert code.openai_code == "model_not_found" and code.is_client_error
+    assert ErrorCode.from_openai_code("model_not_found") is code
+    assert ErrorCode.from_http_status(404) is code
+    assert ErrorCode.from_grpc_status("NOT_FOUND") is ErrorCode.INTERNAL
+    assert _grpc_error(_TritonClientError("[NOT_FOUND] no model 'x'", "StatusCode.NOT_FOUND")).code is code
 
 
 @pytest.mark.parametrize(
     ("status", "code"),
     [
-        (404, ErrorCode.INVALID_ARG),
+        (405, ErrorCode.INVALID_ARG),
         (413, ErrorCode.INVALID_ARG),
         (401, ErrorCode.INVALID_ARG),
         (502, ErrorCode.INTERNAL),
@@ -90,7 +102,7 @@ def test_other_http_statuses(status, code):
     assert ErrorCode.from_http_status(status) is code
 
 
-@pytest.mark.parametrize("status", ["NOT_FOUND", "DEADLINE_EXCEEDED", "UNKNOWN", ""])
+@pytest.mark.parametrize("status", ["NOT_FOUND", "ALREADY_EXISTS", "DEADLINE_EXCEEDED", "UNKNOWN", ""])
 def test_grpc_statuses_pdchat_sends_none_of_are_internal(status):
     assert ErrorCode.from_grpc_status(status) is ErrorCode.INTERNAL
 
@@ -108,7 +120,7 @@ def test_tag_round_trips(code):
     "message",
     [
         "no tag",
-        "[NOT_FOUND] not a pdchat code",
+        "[ALREADY_EXISTS] not a pdchat code",
         "an [INVALID_ARG] inside",
         "[INVALID_ARG]no space",
     ],

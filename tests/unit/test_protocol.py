@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from pdchat.core.errors import InvalidRequest
+from pdchat.core.errors import ErrorCode, InvalidRequest, ModelNotFound
 from pdchat.core.request.protocol import (
     FIXED_FIELDS,
     ChatRequest,
@@ -505,3 +505,17 @@ def test_json_schema_options_openai_sends_are_taken():
         "type": "json_schema",
         "schema": {"type": "object"},
     }
+
+
+def test_every_served_name_is_taken_the_first_reported_and_another_is_model_not_found():
+    names = ("tiny", "tiny-llama")
+    for model in (None, "", "tiny", "tiny-llama"):
+        params = parse_chat_json(body(**({} if model is None else {"model": model}))).generation_params(
+            10, 100, 1000, names
+        )
+        assert params.model == "tiny"
+    with pytest.raises(
+        ModelNotFound, match="model 'gpt-9' is not served here; this server serves 'tiny', 'tiny-llama'"
+    ):
+        parse_chat_json(body(model="gpt-9")).generation_params(10, 100, 1000, names)
+    assert ModelNotFound.code is ErrorCode.NOT_FOUND and issubclass(ModelNotFound, InvalidRequest)

@@ -1,10 +1,11 @@
 """pdchat's one error vocabulary: `ErrorCode`, the errors that carry one, and the wire tag.
 
 Every error pdchat raises is a `PdchatError`, whose `code` says what the client may do
-about it: fix the request (INVALID_ARG), retry later or elsewhere (UNAVAILABLE), or
-nothing (INTERNAL). Each code names what stands for it on every wire pdchat speaks:
-Triton's error code (`pb_utils.TritonError.<name>`), gRPC's status, HTTP's status and
-OpenAI's error `type`. Anything else raised (a bug) is INTERNAL.
+about it: fix the request (INVALID_ARG; NOT_FOUND when it names a model not served
+here), retry later or elsewhere (UNAVAILABLE), or nothing (INTERNAL). Each code names
+what stands for it on every wire pdchat speaks: Triton's error code
+(`pb_utils.TritonError.<name>`), gRPC's status, HTTP's status and OpenAI's error `type`.
+Anything else raised (a bug) is INTERNAL.
 
 The wire tag: gRPC streams (how clients and the router reach the decoupled `chat`) carry
 a response's error as a bare message, without its status code. So every error message
@@ -27,6 +28,7 @@ class ErrorCode(Enum):
 
     #             Triton code    gRPC status         HTTP  OpenAI error type
     INVALID_ARG = ("INVALID_ARG", "INVALID_ARGUMENT", 400, "invalid_request_error")
+    NOT_FOUND = ("NOT_FOUND", "NOT_FOUND", 404, "invalid_request_error")  # a model not served (ModelNotFound)
     UNAVAILABLE = ("UNAVAILABLE", "UNAVAILABLE", 503, "service_unavailable")
     INTERNAL = ("INTERNAL", "INTERNAL", 500, "server_error")
 
@@ -36,21 +38,40 @@ class ErrorCode(Enum):
         self.http_status = http_status
         self.openai_type = openai_type
 
+    @property
+    def openai_code(self) -> str:
+        """OpenAI's error `code`: the gRPC status name, but OpenAI's `model_not_found` for NOT_FOUND."""
+        return "model_not_found" if self is ErrorCode.NOT_FOUND else self.grpc_status
+
+    @property
+    def is_client_error(self) -> bool:
+        """Whether the request itself is at fault (another server would refuse it too)."""
+        return self in (ErrorCode.INVALID_ARG, ErrorCode.NOT_FOUND)
+
     @classmethod
     def from_grpc_status(cls, name: str) -> ErrorCode:
-        """The code of a gRPC status name; INTERNAL for statuses pdchat sends none of."""
+        """The code of a gRPC status name; INTERNAL for statuses pdchat sends none of.
+
+        NOTE: NOT_FOUND is pdchat's only through its tag: an untagged NOT_FOUND status is
+        Triton's own (no such Triton model), a server fault, INTERNAL."""
         return _BY_GRPC_STATUS.get(name, cls.INTERNAL)
 
     @classmethod
+    def from_openai_code(cls, name: str) -> ErrorCode:
+        """The code of an OpenAI error `code` as pdchat's fronts write it (`openai_code`)."""
+        return _BY_OPENAI_CODE.get(name, cls.INTERNAL)
+
+    @classmethod
     def from_http_status(cls, status: int) -> ErrorCode:
-        """The code of an HTTP status: 503 is UNAVAILABLE, any other 4xx the client's
-        (INVALID_ARG), the rest INTERNAL."""
-        if status == cls.UNAVAILABLE.http_status:
-            return cls.UNAVAILABLE
+        """The code of an HTTP status: 503 is UNAVAILABLE, 404 NOT_FOUND, any other 4xx the
+        client's (INVALID_ARG), the rest INTERNAL."""
+        if status in (cls.UNAVAILABLE.http_status, cls.NOT_FOUND.http_status):
+            return cls.UNAVAILABLE if status == cls.UNAVAILABLE.http_status else cls.NOT_FOUND
         return cls.INVALID_ARG if 400 <= status < 500 else cls.INTERNAL
 
 
-_BY_GRPC_STATUS = {code.grpc_status: code for code in ErrorCode}
+_BY_GRPC_STATUS = {code.grpc_status: code for code in ErrorCode if code is not ErrorCode.NOT_FOUND}
+_BY_OPENAI_CODE = {code.openai_code: code for code in ErrorCode}
 _BY_TRITON_CODE = {code.triton_code: code for code in ErrorCode}
 _CODES = "|".join(_BY_TRITON_CODE)
 _TAG = re.compile(rf"^\[({_CODES})\] ")
@@ -71,6 +92,12 @@ class InvalidRequest(PdchatError):
     """
 
     code = ErrorCode.INVALID_ARG
+
+
+class ModelNotFound(InvalidRequest):
+    """The request names a model this server does not serve (OpenAI: 404 `model_not_found`)."""
+
+    code = ErrorCode.NOT_FOUND
 
 
 class Unavailable(PdchatError):

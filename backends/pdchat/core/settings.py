@@ -95,6 +95,18 @@ def or_auto(kind: Kind[T]) -> Kind[T | None]:
 
 
 TEXT: Kind[str] = Kind("text", str)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    if not text:
+        return ()  # unset
+    names = tuple(name.strip() for name in text.split(","))
+    if not all(names) or len(set(names)) != len(names):
+        raise ValueError("must be distinct non-empty names, separated by commas")
+    return names
+
+
+NAMES: Kind[tuple[str, ...]] = Kind("names separated by commas", _names)
 PATH: Kind[str] = Kind("a path (~ expands)", os.path.expanduser)
 NUMBER: Kind[float] = Kind("a positive number", _number)
 INTEGER: Kind[int] = Kind("a positive integer", _integer)
@@ -158,6 +170,19 @@ MODEL = Setting(
     ("chat", "renderer", "prefill", "decode"),
     f"The model served: an embedded model ({', '.join(registry.EMBEDDED_MODELS)}, built into the cache on "
     "first use) or a Hugging Face causal-LM directory.",
+)
+SERVED_MODEL_NAME = Setting(
+    "served_model_name",
+    "served_model_name",
+    "PDCHAT_SERVED_MODEL_NAME",
+    "",
+    NAMES,
+    ("chat", "renderer", "router", "openai"),
+    "The names clients may give as the request's `model` (vLLM's `--served-model-name`; `--served-model-name` "
+    "on `pdchat serve`, `pd`, `router` and `openai` sets it): `GET /v1/models` lists them, responses report the "
+    "first, any other name gets 404 model_not_found. Unset: the model directory's name (embedded: "
+    "`SmolLM2-135M-Instruct`, `tiny-llama`, ...); on the router and `pdchat openai`, the name a server reports, "
+    "the servers checking the names.",
 )
 DEVICE = Setting(
     "device",

@@ -39,7 +39,7 @@ class TritonPythonModel:
         model = resolve_model(parameters)
         self.metrics = HandoffMetrics(args["model_name"])
         self.parses = ParseMetrics(args["model_name"])
-        self.flow = ChatFlow.for_model(model.path, model.served_name, parameters, self.metrics)
+        self.flow = ChatFlow.for_model(model.path, model.served_names, parameters, self.metrics)
         self.max_request_bytes = max_request_bytes(parameters)
         self.stage_lanes = stage_lanes(parameters)
         self.loop = ModelEventLoop("pdchat-chat", MAX_CONCURRENT_REQUESTS)

@@ -25,7 +25,7 @@ class TritonPythonModel:
         exit_with_server()  # a stub outliving its server frees its memory and exits
         parameters = io.model_parameters(args)
         settings = resolve_model(parameters)
-        self.renderer = load_renderer(settings.path, settings.served_name, parameters)
+        self.renderer = load_renderer(settings.path, settings.served_names, parameters)
         load_xgrammar()  # before the first request that carries a grammar
         self.max_request_bytes = max_request_bytes(parameters)
         self.seal = StageSeal.for_this_server()

@@ -26,6 +26,7 @@ import datetime
 import json
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 class HarmonyRenderer(PromptRenderer):
     """Harmony conversations rendered by openai-harmony, tokens from its o200k_harmony encoding."""
 
-    def __init__(self, model_dir: Path, served_name: str, *, current_date: str | None = None):
+    def __init__(self, model_dir: Path, served_name: str | Sequence[str], *, current_date: str | None = None):
         super().__init__(model_dir, served_name)
         self.encoding = harmony_encoding()
         self.current_date = _checked_date("the current_date setting", current_date) if current_date else None

@@ -13,12 +13,13 @@ import re
 import secrets
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import orjson
 
-from pdchat.core.errors import InvalidRequest
+from pdchat.core.errors import InvalidRequest, ModelNotFound
 from pdchat.core.request.grammar import (
     check_limits,
     check_spec,
@@ -228,12 +229,14 @@ class ChatRequest(SamplingOptions, _WireForm):
         return bool(self.tools) and self.tool_choice != "none"
 
     def generation_params(
-        self, prompt_tokens: int, context_length: int, vocab_size: int, served_model: str
+        self, prompt_tokens: int, context_length: int, vocab_size: int, served_model: str | Sequence[str]
     ) -> GenerationParams:
         """Freeze the sampling side once the prompt's length is known (it bounds max_tokens)
-        and the vocabulary (it bounds logit_bias and stop_token_ids)."""
-        if self.model not in (None, "", served_model):
-            raise InvalidRequest(f"model '{self.model}' is not served here; this server serves '{served_model}'")
+        and the vocabulary (it bounds logit_bias and stop_token_ids). `served_model`: the
+        served name or names (ModelNotFound for a request naming another); the first is
+        what the answer reports."""
+        names = served_names(served_model)
+        check_served_model(self.model, names)
         max_tokens = resolve_max_tokens(self.max_tokens, prompt_tokens, context_length, at_least=self.min_tokens)
         self.check_controls(vocab_size, max_tokens)
         return GenerationParams(
@@ -243,9 +246,26 @@ class ChatRequest(SamplingOptions, _WireForm):
             seed=self.seed if self.seed is not None else secrets.randbits(63),
             parse_tool_calls=self.parse_tool_calls,
             request_id=f"chatcmpl-{uuid.uuid4().hex}",
-            model=served_model,
+            model=names[0],
             created=int(time.time()),
         )
+
+
+def served_names(served: str | Sequence[str]) -> tuple[str, ...]:
+    """One served name, or several (setting SERVED_MODEL_NAME), as a non-empty tuple."""
+    names = (served,) if isinstance(served, str) else tuple(served)
+    if not names:
+        raise ValueError("a server serves at least one model name")
+    return names
+
+
+def check_served_model(model: str | None, served: str | Sequence[str]) -> None:
+    """Refuse a request whose `model` names none of the served names (ModelNotFound: HTTP
+    404 `model_not_found`, as OpenAI and vLLM answer); no name or an empty one is taken."""
+    names = served_names(served)
+    if model not in (None, "", *names):
+        listed = ", ".join(f"'{name}'" for name in names)
+        raise ModelNotFound(f"model '{model}' is not served here; this server serves {listed}")
 
 
 def parse_chat_json(body: str | bytes) -> ChatRequest:

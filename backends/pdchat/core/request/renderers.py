@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from pdchat.core import settings
@@ -9,8 +10,11 @@ from pdchat.core.request.harmony_vocab import uses_harmony
 from pdchat.core.request.rendering import ChatRenderer, PromptRenderer
 
 
-def load_renderer(model_dir: Path, served_name: str, parameters: dict[str, str] | None = None) -> PromptRenderer:
-    """The model's renderer, with the model config's render settings (else the environment's)."""
+def load_renderer(
+    model_dir: Path, served_name: str | Sequence[str], parameters: dict[str, str] | None = None
+) -> PromptRenderer:
+    """The model's renderer, with the model config's render settings (else the environment's);
+    `served_name`: the name or names a request may give as its `model`, the first reported."""
     parameters = parameters or {}
     if uses_harmony(model_dir):
         from pdchat.core.request.harmony import HarmonyRenderer

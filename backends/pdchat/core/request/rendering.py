@@ -19,7 +19,7 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +28,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from pdchat.core.errors import InvalidRequest, ModelUnavailable
-from pdchat.core.request.protocol import ChatRequest, GenerationParams, reasoning_of
+from pdchat.core.request.protocol import ChatRequest, GenerationParams, reasoning_of, served_names
 from pdchat.core.settings import RENDER_TIMEOUT_S
 
 REQUEST_TEMPLATE = "chat_template"
@@ -55,14 +55,15 @@ class PromptRenderer:
     """What every render format shares: the model's tokenizer, context and vocabulary, the
     early size bound, and `render()` = prompt ids + the generation params they bound."""
 
-    def __init__(self, model_dir: Path, served_name: str):
+    def __init__(self, model_dir: Path, served_name: str | Sequence[str]):
         from transformers import AutoConfig, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         config = AutoConfig.from_pretrained(model_dir)
         self.context_length = int(config.max_position_embeddings)
         self.vocab_size = int(config.vocab_size)  # the logits' width: bounds logit_bias and stop_token_ids
-        self.served_name = served_name
+        self.served_names = served_names(served_name)  # a request may name any; the first is reported
+        self.served_name = self.served_names[0]
         # Refused untokenized: text longer than the context times MAX_CHARS_PER_TOKEN. Real
         # prompts average 3-5 characters a token; the bound keeps a hostile body from costing
         # seconds of tokenizer time (which no alarm can interrupt) on the renderer's one lane.
@@ -82,7 +83,7 @@ class PromptRenderer:
         self.check_size(request)
         ids = self.token_ids(request)
         return RenderedPrompt(
-            ids, request.generation_params(len(ids), self.context_length, self.vocab_size, self.served_name)
+            ids, request.generation_params(len(ids), self.context_length, self.vocab_size, self.served_names)
         )
 
     def token_ids(self, request: ChatRequest) -> list[int]:
@@ -100,7 +101,7 @@ class ChatRenderer(PromptRenderer):
     def __init__(
         self,
         model_dir: Path,
-        served_name: str,
+        served_name: str | Sequence[str],
         *,
         allow_request_templates: bool = False,
         render_timeout_s: float = RENDER_TIMEOUT_S.default_value,
