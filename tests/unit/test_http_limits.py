@@ -95,6 +95,7 @@ def test_absent_request_id_is_generated():
     ("code", "http", "name"),
     [
         (ErrorCode.INVALID_ARG, 400, "INVALID_ARGUMENT"),
+        (ErrorCode.NOT_FOUND, 404, "model_not_found"),
         (ErrorCode.UNAVAILABLE, 503, "UNAVAILABLE"),
         (ErrorCode.INTERNAL, 500, "INTERNAL"),
     ],
@@ -116,7 +117,7 @@ def test_error_types_follow_openai():
     assert ApiError(413, "m", "body_too_large").type == "invalid_request_error"
     assert ApiError(503, "m", "UNAVAILABLE").type == "service_unavailable"
     assert ApiError(500, "m", "INTERNAL").type == "server_error"
-    types = ["invalid_request_error", "service_unavailable", "server_error"]
+    types = ["invalid_request_error", "invalid_request_error", "service_unavailable", "server_error"]
     assert [ApiError.of(code, "m").type for code in ErrorCode] == types
 
 
