@@ -206,6 +206,23 @@ class GrpcChat:
         stream's reader ends with the cancellation as its error."""
         self._stop_stream(cancel=True)
 
+    def answer(self, model: str, name: str, body: bytes, request_id: str = "") -> dict[str, Any]:
+        """The JSON `response` a non-decoupled `model` answers to one JSON input `name` (the
+        renderer's tokenize_request, detokenize_request); its error as a ChatError."""
+        tensor = self._grpc.InferInput(name, [1], "BYTES")
+        tensor.set_data_from_numpy(np.array([body], dtype=np.object_))
+        try:
+            result = self.client.infer(
+                model,
+                [tensor],
+                outputs=[self._grpc.InferRequestedOutput(tensors.RESPONSE)],
+                request_id=request_id,
+                client_timeout=self.timeout_s,
+            )
+        except Exception as exc:  # noqa: BLE001 - tritonclient raises several kinds
+            raise _grpc_error(exc) from exc
+        return json.loads(result.as_numpy(tensors.RESPONSE)[0])
+
     def close(self) -> None:
         self.client.close()
 

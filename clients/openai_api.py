@@ -1,7 +1,8 @@
 """The router's OpenAI-compatible HTTP front: FastAPI on uvicorn's pure-Python h11 protocol.
 
-Routes: `POST /v1/chat/completions` (SSE when `stream`), `GET /v1/models`, `GET /health`,
-`GET /metrics` (Prometheus), `POST /drain`. The front is where untrusted bytes arrive, so it bounds
+Routes: `POST /v1/chat/completions` (SSE when `stream`), `GET /v1/models`, vLLM's
+`POST /tokenize`, `POST /detokenize` and `GET /version`, `GET /health`, `GET /metrics`
+(Prometheus), `POST /drain`. The front is where untrusted bytes arrive, so it bounds
 everything a client controls before the router sees it: the request head's size and the
 time to send it, the body's size, time and JSON nesting, the X-Request-Id forwarded to
 both servers' logs, idle keep-alive connections and the number of connections. Errors
@@ -47,6 +48,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+import pdchat
 from pdchat.clients.chat import ChatError, ChatOutput
 from pdchat.clients.router import Draining, UpstreamTimeout
 from pdchat.core.errors import ErrorCode
@@ -371,6 +373,25 @@ class _Front:
         models = [{"id": name, "object": "model", "owned_by": "pdchat"} for name in names]
         return _json(200, {"object": "list", "data": models})
 
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's `POST /tokenize` (ChatFront.tokenize)."""
+        return await self._tokenizer_route(request, self.router.tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's `POST /detokenize` (ChatFront.detokenize)."""
+        return await self._tokenizer_route(request, self.router.detokenize)
+
+    async def _tokenizer_route(self, request: Request, answer: Callable[..., dict[str, Any]]) -> Response:
+        body = await self._json_body(request)
+        try:
+            return _json(200, await self._in_thread(answer, body, request.state.request_id))
+        except ChatError as exc:
+            raise chat_api_error(exc) from exc
+
+    async def version(self, request: Request) -> Response:
+        """vLLM's `GET /version`: pdchat's version."""
+        return _json(200, {"version": pdchat.__version__})
+
     async def health(self, request: Request) -> Response:
         if self.draining:
             return _json(503, {"ok": False, "draining": True, "running": self.running})
@@ -510,6 +531,9 @@ def create_app(router: ChatFront, settings: HttpSettings | None = None) -> _Guar
     app = FastAPI(title="pdchat router", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_api_route(CHAT_PATH, front.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", front.models, methods=["GET"])
+    app.add_api_route("/tokenize", front.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", front.detokenize, methods=["POST"])
+    app.add_api_route("/version", front.version, methods=["GET"])
     app.add_api_route("/health", front.health, methods=["GET"])
     app.add_api_route("/metrics", front.metrics_page, methods=["GET"])
     app.add_api_route("/drain", front.drain_route, methods=["POST"])

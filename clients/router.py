@@ -11,8 +11,8 @@ stream with UpstreamTimeout, its request cancelled, and gets no new request unti
 answers a readiness probe again (`BackendPool`).
 
 `pdchat.clients.openai_api` puts it behind `POST /v1/chat/completions` (SSE when
-streaming), `GET /v1/models`, `GET /health`, `GET /metrics` and `POST /drain`, for the
-`openai` client or curl.
+streaming), `GET /v1/models`, `POST /tokenize`, `POST /detokenize`, `GET /version`,
+`GET /health`, `GET /metrics` and `POST /drain`, for the `openai` client or curl.
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pdchat import tensors
 from pdchat.clients.chat import ChatError, ChatOutput, GrpcChat, ServerSilent, chat_inputs
 from pdchat.core.errors import ErrorCode, InvalidRequest
 from pdchat.core.request.protocol import ChatRequest, chat_request_from_body, check_served_model, utf8_json
+from pdchat.core.request.tokenize import parse_detokenize, parse_tokenize
 from pdchat.core.settings import STALL_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdchat.router")
 PROBE_TIMEOUT_S = 2.0
+RENDERER = "renderer"  # the Triton model that answers /tokenize and /detokenize
 
 
 class UpstreamTimeout(ChatError):
@@ -286,6 +289,22 @@ class ChatFront:
             self._served_model = answer.response["model"]
         return self._served_model
 
+    @property
+    def renderer_pools(self) -> tuple[BackendPool, ...]:
+        """The pools whose renderer answers /tokenize and /detokenize, in order of preference."""
+        return (self.serving,)
+
+    def tokenize(self, body: dict[str, Any], request_id: str = "") -> dict[str, Any]:
+        """vLLM's /tokenize answer (pdchat.core.request.tokenize): a server's renderer model
+        renders a chat as it renders that chat completion, so the ids are those chat computes."""
+        self._checked(parse_tokenize, body)
+        return self._renderer_answer(tensors.TOKENIZE_REQUEST, body, request_id)
+
+    def detokenize(self, body: dict[str, Any], request_id: str = "") -> dict[str, Any]:
+        """vLLM's /detokenize answer: the ids' text, by a server's tokenizer."""
+        self._checked(parse_detokenize, body)
+        return self._renderer_answer(tensors.DETOKENIZE_REQUEST, body, request_id)
+
     def health(self) -> dict[str, Any]:
         status = {self.serving.role: self.serving.probe_all(), "stats": self.stats.__dict__}
         status["ok"] = any(status[self.serving.role].values())
@@ -301,6 +320,34 @@ class ChatFront:
             return utf8_json(body), chat
         except InvalidRequest as exc:
             raise ChatError(str(exc), exc.code) from exc
+
+    def _checked(self, parse: Any, body: dict[str, Any]) -> Any:
+        """`parse(body)`, and its model among the served names where this front has them;
+        a bad body is the client's error."""
+        try:
+            request = parse(body)
+            if self.served_model_names:
+                check_served_model(request.model, self.served_model_names)
+            return request
+        except InvalidRequest as exc:
+            raise ChatError(str(exc), exc.code) from exc
+
+    def _renderer_answer(self, name: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        """The renderer's JSON answer to `body` as input `name`, from the first pool with a
+        ready server (errors as `BackendPool.stream` says, but for stalls: its client's timeout)."""
+        try:
+            text = utf8_json(body)
+        except InvalidRequest as exc:
+            raise ChatError(str(exc), exc.code) from exc
+        pool = next((p for p in self.renderer_pools if p.any_healthy()), self.renderer_pools[0])
+        with pool.pick() as backend, backend.client() as client:
+            try:
+                return client.answer(RENDERER, name, text, request_id or f"pdchat-{uuid.uuid4().hex}")
+            except ChatError as exc:
+                error = pool._failure(backend, exc)
+                if error is exc:
+                    raise
+                raise error from exc
 
     def _stream(self, text: bytes, request_id: str, **forwarded: Any) -> Iterator[ChatOutput]:
         """Responses of one serving server (errors as `BackendPool.stream` says)."""
@@ -355,6 +402,11 @@ class PDRouter(ChatFront):
 
     @property
     def pools(self) -> tuple[BackendPool, ...]:
+        return (self.prefill, self.decode)
+
+    @property
+    def renderer_pools(self) -> tuple[BackendPool, ...]:
+        """Prefill's renderers (they render the chat requests), decode's while none is ready."""
         return (self.prefill, self.decode)
 
     def chat(self, body: dict[str, Any], request_id: str = "") -> Iterator[ChatOutput]:

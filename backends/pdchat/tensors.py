@@ -42,6 +42,10 @@ CANCEL_REQUEST_ID = "cancel_request_id"
 CHAT_REQUEST = "chat_request"
 # Seal on stage inputs (ensemble.seal): made by the renderer, prefill or chat, checked by each stage.
 STAGE_SEAL = "stage_seal"
+# renderer inputs of the router's /tokenize and /detokenize: vLLM's body JSON; the answer is
+# RESPONSE, vLLM's answer JSON (core.request.tokenize).
+TOKENIZE_REQUEST = "tokenize_request"
+DETOKENIZE_REQUEST = "detokenize_request"
 
 # Optional scalar inputs of the text_input convention: name -> numpy dtype name.
 SCALAR_INPUTS = {

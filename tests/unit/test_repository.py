@@ -67,7 +67,8 @@ def test_chat_is_the_ensemble_contract_plus_forwarded_ids():
 
 def test_client_contract_is_the_same_on_renderer_and_ensemble():
     from_chat = [tensors.CHAT_REQUEST, tensors.STAGE_SEAL]
-    assert names(load("renderer").input) == CLIENT_INPUTS + from_chat
+    from_router = [tensors.TOKENIZE_REQUEST, tensors.DETOKENIZE_REQUEST]
+    assert names(load("renderer").input) == CLIENT_INPUTS + from_chat + from_router
     assert names(load("chat_ensemble").input) == CLIENT_INPUTS
     assert names(load("decode").output) == CLIENT_OUTPUTS == names(load("chat_ensemble").output)
     for entry in load("chat_ensemble").input:
@@ -75,7 +76,12 @@ def test_client_contract_is_the_same_on_renderer_and_ensemble():
 
 
 def test_stage_tensors_and_seals():
-    assert names(load("renderer").output) == [tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.STAGE_SEAL]
+    assert names(load("renderer").output) == [
+        tensors.PROMPT_TOKEN_IDS,
+        tensors.GENERATION_PARAMS,
+        tensors.STAGE_SEAL,
+        tensors.RESPONSE,
+    ]
     assert names(load("prefill").input) == [
         tensors.PROMPT_TOKEN_IDS,
         tensors.GENERATION_PARAMS,

@@ -3,8 +3,12 @@
 Takes the client contract (chat_ensemble's first step, or a client calling it directly)
 or, from `chat`, the ChatRequest chat parsed already (`chat_request`, sealed by chat),
 so a request is parsed once per process. Its ids and generation params leave sealed:
-prefill and decode take no others.
+prefill and decode take no others. It also answers the router's /tokenize and /detokenize
+(`tokenize_request`, `detokenize_request`: vLLM's JSON in and out, `pdchat.core.request.tokenize`),
+a chat tokenized by the same `render()` as a chat request.
 """
+
+import json
 
 import triton_python_backend_utils as pb_utils
 
@@ -12,6 +16,7 @@ from pdchat import tensors
 from pdchat.core.request.grammar import load_xgrammar
 from pdchat.core.request.protocol import ChatRequest
 from pdchat.core.request.renderers import load_renderer
+from pdchat.core.request.tokenize import detokenize, json_object, parse_detokenize, parse_tokenize, tokenize
 from pdchat.core.settings import max_request_bytes
 from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
@@ -39,6 +44,9 @@ class TritonPythonModel:
 
     def _render(self, request):
         try:
+            answer = self._tokenizer_answer(request)
+            if answer is not None:
+                return pb_utils.InferenceResponse(output_tensors=[io.string_tensor(tensors.RESPONSE, answer)])
             rendered = self.renderer.render(self._chat_request(request))
             params = rendered.params.to_json()
         except Exception as exc:  # noqa: BLE001 - every failure goes back to its client
@@ -50,6 +58,20 @@ class TritonPythonModel:
                 io.string_tensor(tensors.STAGE_SEAL, self.seal.seal_prompt(rendered.prompt_token_ids, params)),
             ]
         )
+
+    def _tokenizer_answer(self, request) -> str | None:
+        """The answer to a tokenize_request or detokenize_request (vLLM's JSON), else None."""
+        tokenize_body = io.input_text(request, tensors.TOKENIZE_REQUEST, self.max_request_bytes)
+        if tokenize_body is not None:
+            answer = tokenize(self.renderer, parse_tokenize(json_object(tensors.TOKENIZE_REQUEST, tokenize_body)))
+            return json.dumps(answer, ensure_ascii=False)
+        detokenize_body = io.input_text(request, tensors.DETOKENIZE_REQUEST, self.max_request_bytes)
+        if detokenize_body is not None:
+            answer = detokenize(
+                self.renderer, parse_detokenize(json_object(tensors.DETOKENIZE_REQUEST, detokenize_body))
+            )
+            return json.dumps(answer, ensure_ascii=False)
+        return None
 
     def _chat_request(self, request) -> ChatRequest:
         canonical = io.input_text(request, tensors.CHAT_REQUEST)
