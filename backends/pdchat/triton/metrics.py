@@ -1,5 +1,6 @@
 """pdchat's metrics on Triton's metrics endpoint: forwarded-id outcomes and render
-savings, decode requests and batch, KV held for pulls.
+savings, decode requests and batch, KV held for pulls; and vLLM's engine metrics in vLLM's
+names beside them (`VllmMetrics`, pdchat.core.engine_stats).
 
 Every update goes through one lock per process: in Triton 2.51 two threads calling
 `increment()` on one `pb_utils.Metric` corrupt the python backend's shared memory and
@@ -11,8 +12,12 @@ models update metrics from one thread each anyway; the lock keeps it safe by con
 from __future__ import annotations
 
 import threading
+import time
 
 import triton_python_backend_utils as pb_utils
+
+from pdchat.core import engine_stats
+from pdchat.core.engine_stats import RequestTimeline, VllmMetric
 
 _UPDATES = threading.Lock()
 
@@ -20,8 +25,8 @@ _UPDATES = threading.Lock()
 class _Metric:
     """A pb_utils Metric whose updates never overlap."""
 
-    def __init__(self, family, labels: dict[str, str]):
-        self._metric = family.Metric(labels=labels)
+    def __init__(self, family, labels: dict[str, str], buckets: tuple[float, ...] = ()):
+        self._metric = family.Metric(labels=labels, buckets=list(buckets)) if buckets else family.Metric(labels=labels)
 
     def increment(self, value: float) -> None:
         with _UPDATES:
@@ -30,6 +35,10 @@ class _Metric:
     def set(self, value: float) -> None:
         with _UPDATES:
             self._metric.set(value)
+
+    def observe(self, value: float) -> None:
+        with _UPDATES:
+            self._metric.observe(value)
 
 
 class HandoffMetrics:
@@ -214,6 +223,89 @@ class KVPoolMetrics:
     def close(self) -> None:
         self._metrics.clear()
         self._families.clear()
+
+
+class VllmMetrics:
+    """vLLM's engine metrics for one prefill or decode instance (an "engine"), labels
+    `model_name` (the first served name) and `engine` (the instance): what dashboards,
+    scorers and autoscalers written for vLLM read. Histograms are Triton's (the python
+    backend's MetricFamily.HISTOGRAM, Triton 2.51). Call from one thread (the outbox);
+    `now` is time.monotonic()'s.
+
+    The feeds: `pool` (a PoolUsage, where KVPoolMetrics gets it), `requests` (running,
+    waiting), and per request `arrived`, `emitted` (an output of `sampled` tokens computed
+    here), `ended`."""
+
+    _KINDS = {"gauge": "GAUGE", "counter": "COUNTER", "histogram": "HISTOGRAM"}
+
+    def __init__(self, served_name: str, instance_name: str):
+        labels = {"model_name": served_name, "engine": instance_name}
+        self._families = {
+            spec.name: pb_utils.MetricFamily(
+                name=spec.name, description=spec.doc, kind=getattr(pb_utils.MetricFamily, self._KINDS[spec.kind])
+            )
+            for spec in engine_stats.VLLM_METRICS
+        }
+        self._metrics = {
+            spec.name: _Metric(self._families[spec.name], labels, spec.buckets) for spec in engine_stats.VLLM_METRICS
+        }
+        self._timeline = RequestTimeline()
+        self._counted = {"prompt": 0, "queries": 0, "hits": 0}
+
+    def pool(self, usage) -> None:
+        """KV usage, and the prefix cache's and prompts' counters advanced to `usage`'s totals."""
+        self._metric(engine_stats.KV_USAGE).set(usage.used_blocks / usage.total_blocks)
+        totals = {
+            "prompt": usage.computed_prompt_tokens + usage.hit_tokens,
+            "queries": usage.queried_tokens,
+            "hits": usage.hit_tokens,
+        }
+        specs = {
+            "prompt": engine_stats.PROMPT_TOKENS,
+            "queries": engine_stats.PREFIX_QUERIES,
+            "hits": engine_stats.PREFIX_HITS,
+        }
+        for key, total in totals.items():
+            if total > self._counted[key]:
+                self._metric(specs[key]).increment(total - self._counted[key])
+                self._counted[key] = total
+
+    def requests(self, running: int, waiting: int) -> None:
+        self._metric(engine_stats.RUNNING).set(running)
+        self._metric(engine_stats.WAITING).set(waiting)
+
+    def arrived(self, key: str, now: float) -> None:
+        self._timeline.arrived(key, now)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests arrived and not ended."""
+        return len(self._timeline)
+
+    def emitted(self, key: str, sampled: int, now: float | None = None) -> None:
+        """An output of `key`, of which `sampled` tokens were sampled by this engine."""
+        observed = self._timeline.emitted(key, time.monotonic() if now is None else now)
+        if observed is not None:
+            self._metric(observed[0]).observe(observed[1])
+        if sampled > 0:
+            self._metric(engine_stats.GENERATION_TOKENS).increment(sampled)
+
+    def ended(self, key: str, finished: bool, now: float | None = None) -> None:
+        """`key` ended: its end-to-end latency if it `finished` (not failed or cancelled)."""
+        if not finished:
+            self._timeline.dropped(key)
+            return
+        seconds = self._timeline.finished(key, time.monotonic() if now is None else now)
+        if seconds is not None:
+            self._metric(engine_stats.E2E).observe(seconds)
+
+    def close(self) -> None:
+        """Drop metrics before their families, as the python backend requires."""
+        self._metrics.clear()
+        self._families.clear()
+
+    def _metric(self, spec: VllmMetric) -> _Metric:
+        return self._metrics[spec.name]
 
 
 def _gauge(name: str, description: str):

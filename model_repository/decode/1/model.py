@@ -11,6 +11,7 @@ A request carrying only `cancel_request_id` (sealed by chat) stops the named req
 
 import functools
 import logging
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ from pdchat.core.settings import batching_options, compile_options, kv_options, 
 from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
 from pdchat.triton import io
-from pdchat.triton.metrics import DecodeMetrics, KVPoolMetrics
+from pdchat.triton.metrics import DecodeMetrics, KVPoolMetrics, VllmMetrics
 from pdchat.triton.outbox import Outbox
 from pdchat.triton.server_watch import exit_with_server
 
@@ -45,6 +46,8 @@ class _Stream:
     assembler: Any
     started: bool = False  # admitted: counted in pdchat_decode_active until it ends
     open: bool = True
+    given_first: bool = False  # its first output token was prefill's (vLLM's metrics count it there)
+    outputs: int = 0  # outputs sent
 
 
 class TritonPythonModel:
@@ -71,6 +74,7 @@ class TritonPythonModel:
         self.connectors = Connectors(**kv_options(parameters))
         self.metrics = DecodeMetrics(args["model_name"])
         self.pool_metrics = KVPoolMetrics(args["model_name"], args["model_instance_name"])
+        self.vllm_metrics = VllmMetrics(settings.served_name, args["model_instance_name"])  # vLLM's names
         self.options = batching_options(parameters)
         limits = Limits(
             max_running=self.options.max_running,
@@ -107,6 +111,7 @@ class TritonPythonModel:
         self.connectors.close()
         self.metrics.close()
         self.pool_metrics.close()
+        self.vllm_metrics.close()
 
     def _queue(self, job: DecodeJob, compiled: Future) -> None:
         """Queue `job` for the scheduler, or fail it with its grammar's error."""
@@ -125,7 +130,8 @@ class TritonPythonModel:
         first = None if handle is None else Choice(handle.first_token_id, handle.first_token_logprobs)
         if first is not None and not 0 <= first.token_id < engine.vocab_size:
             raise InvalidRequest(f"the KV handle's first token {first.token_id} is not in this model's vocabulary")
-        stream = _Stream(params.request_id, sender, self.model.assembler(ids, params))
+        stream = _Stream(params.request_id, sender, self.model.assembler(ids, params), given_first=first is not None)
+        self.outbox.call(functools.partial(self.vllm_metrics.arrived, stream.key, time.monotonic()))
 
         def start():  # on the scheduler thread, on admission
             self.outbox.call(functools.partial(self._started, stream))
@@ -164,7 +170,10 @@ class TritonPythonModel:
 
     def _on_state(self, state) -> None:
         self.outbox.call(functools.partial(self.metrics.scheduler, state.waiting, state.kv_bytes))
-        self.outbox.call(functools.partial(self.pool_metrics.update, self.model.engine.pool.usage()))
+        usage = self.model.engine.pool.usage()
+        self.outbox.call(functools.partial(self.pool_metrics.update, usage))
+        self.outbox.call(functools.partial(self.vllm_metrics.pool, usage))
+        self.outbox.call(functools.partial(self.vllm_metrics.requests, state.running, state.waiting))
 
     # On the outbox thread:
 
@@ -183,6 +192,9 @@ class TritonPythonModel:
             self.scheduler.cancel(stream.key)
             self._close(stream, "failed", io.failed_tensors(exc))
             return
+        given = 1 if stream.given_first and stream.outputs == 0 else 0  # prefill sampled it
+        stream.outputs += 1
+        self.vllm_metrics.emitted(stream.key, max(len(delta.token_ids) - given, 0))
         if delta.finish_reason:
             self._close(stream, "finished", send=False)  # its last output was sent FINAL
 
@@ -196,6 +208,7 @@ class TritonPythonModel:
         stream.open = False
         self.outbox.unwatch(stream)
         self.metrics.ended(outcome, stream.started)
+        self.vllm_metrics.ended(stream.key, outcome == "finished")
         if send:
             try:
                 if output_tensors is None:

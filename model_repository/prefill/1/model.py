@@ -11,6 +11,7 @@ and execute() only validates and queues. Each answer goes out through the respon
 """
 
 import functools
+import time
 
 import triton_python_backend_utils as pb_utils
 
@@ -23,7 +24,7 @@ from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
 from pdchat.registry import SHM
 from pdchat.triton import io
-from pdchat.triton.metrics import KVHeldMetrics, KVPoolMetrics
+from pdchat.triton.metrics import KVHeldMetrics, KVPoolMetrics, VllmMetrics
 from pdchat.triton.outbox import Outbox
 from pdchat.triton.server_watch import exit_with_server
 
@@ -48,6 +49,7 @@ class TritonPythonModel:
         self.seal = StageSeal.for_this_server()
         self.metrics = KVHeldMetrics(args["model_name"], args["model_instance_name"])
         self.pool_metrics = KVPoolMetrics(args["model_name"], args["model_instance_name"])
+        self.vllm_metrics = VllmMetrics(settings.served_name, args["model_instance_name"])  # vLLM's names
         self.connectors = Connectors(on_sweep=self._on_sweep, **kv_options(parameters))
         self.outbox = Outbox("pdchat-prefill-outbox")
         self.scheduler = PrefillScheduler()
@@ -62,11 +64,12 @@ class TritonPythonModel:
             except Exception as exc:  # noqa: BLE001
                 self.outbox.call(functools.partial(sender.send, io.error_response(exc), flags=FINAL))
                 continue
+            self.outbox.call(functools.partial(self._arrived, stage.params.request_id, time.monotonic()))
             self.scheduler.submit(
                 PrefillTask(
                     start=functools.partial(PrefillJob, self.model, stage.prompt_token_ids, stage.params, self.chunk),
                     done=functools.partial(self._done, sender, stage, destination),
-                    fail=functools.partial(self._fail, sender),
+                    fail=functools.partial(self._fail, sender, stage.params.request_id),
                 )
             )
         return None
@@ -78,15 +81,19 @@ class TritonPythonModel:
         self.connectors.close()
         self.metrics.close()
         self.pool_metrics.close()
+        self.vllm_metrics.close()
 
     # On the scheduler thread: each hands its work to the outbox.
 
     def _done(self, sender, stage, destination: str, prefilled) -> None:
         self.outbox.call(functools.partial(self._answer, sender, stage, destination, prefilled))
-        self.outbox.call(functools.partial(self.pool_metrics.update, self.model.engine.pool.usage()))
+        usage = self.model.engine.pool.usage()
+        self.outbox.call(functools.partial(self.pool_metrics.update, usage))
+        self.outbox.call(functools.partial(self._prefilled, stage.params.request_id, usage, time.monotonic()))
 
-    def _fail(self, sender, exc: Exception) -> None:
+    def _fail(self, sender, key: str, exc: Exception) -> None:
         self.outbox.call(functools.partial(sender.send, io.error_response(exc), flags=FINAL))
+        self.outbox.call(functools.partial(self._ended, key))
 
     # On the outbox thread:
 
@@ -108,6 +115,21 @@ class TritonPythonModel:
             ]
         )
         sender.send(response, flags=FINAL)
+
+    # vLLM's metrics (VllmMetrics): a prompt is a request running until its first token.
+
+    def _arrived(self, key: str, now: float) -> None:
+        self.vllm_metrics.arrived(key, now)
+        self.vllm_metrics.requests(self.vllm_metrics.in_flight, 0)
+
+    def _prefilled(self, key: str, usage, now: float) -> None:
+        self.vllm_metrics.pool(usage)
+        self.vllm_metrics.emitted(key, 1, now)  # the first token, sampled here
+        self._ended(key, finished=True, now=now)
+
+    def _ended(self, key: str, finished: bool = False, now: float | None = None) -> None:
+        self.vllm_metrics.ended(key, finished, now)
+        self.vllm_metrics.requests(self.vllm_metrics.in_flight, 0)
 
     def _on_sweep(self, held: dict[str, int]) -> None:
         self.outbox.call(functools.partial(self.metrics.update, held))
