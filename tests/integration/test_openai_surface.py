@@ -1,0 +1,174 @@
+"""The OpenAI/vLLM surface around chat (issue 26): served model names, /tokenize,
+/detokenize, /version, and vLLM-named engine metrics, on a real server.
+
+One decode-role server (it signs do_remote_decode itself, so a router can drive both legs
+on it) with two served names, behind in-process fronts: the P/D router and `pdchat openai`'s
+ServerFront, each with the names, and a ServerFront without them (the server checks).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+
+import pytest
+
+import pdchat
+from pdchat.clients.openai_api import HttpSettings
+from pdchat.clients.router import PDRouter, ServerFront
+from tests.integration.conftest import HANDOFF_KEY, running_server, stop_checked
+from tests.integration.helpers import metric
+from tests.raw_http import running_fronts
+
+NAMES = ("tiny", "tiny-chat")
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]
+
+
+@pytest.fixture(scope="module")
+def named_server(tmp_path_factory, tiny_model_dir):
+    env = {"PDCHAT_HANDOFF_KEY": HANDOFF_KEY, "PDCHAT_SERVED_MODEL_NAME": ",".join(NAMES)}
+    instance = running_server(tmp_path_factory, "named", role="decode", env=env)
+    yield instance
+    stop_checked(instance)
+
+
+@pytest.fixture(scope="module")
+def fronts(named_server):
+    """{"router": port, "openai": port, "unnamed": port}: the router and ServerFront with
+    the names, and a ServerFront without them."""
+    url = named_server.grpc_url
+    ports = {}
+    routers = {
+        "router": PDRouter([url], [url], served_model_names=NAMES),
+        "openai": ServerFront(url, served_model_names=NAMES),
+        "unnamed": ServerFront(url),
+    }
+    with running_fronts(routers["router"]) as start_router, running_fronts(routers["openai"]) as start_openai:
+        with running_fronts(routers["unnamed"]) as start_unnamed:
+            for name, start in (("router", start_router), ("openai", start_openai), ("unnamed", start_unnamed)):
+                ports[name] = start(HttpSettings())
+            yield ports
+
+
+def call(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method=method,
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def chat(port: int, **fields) -> tuple[int, dict]:
+    return call(port, "POST", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, **fields})
+
+
+@pytest.mark.parametrize("front", ["router", "openai"])
+def test_every_served_name_is_answered_and_listed_and_another_is_404_model_not_found(fronts, front):
+    status, models = call(fronts[front], "GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == list(NAMES)
+    for name in (*NAMES, None):
+        status, answer = chat(fronts[front], **({} if name is None else {"model": name}))
+        assert status == 200, answer
+        assert answer["model"] == NAMES[0]
+    status, answer = chat(fronts[front], model="gpt-9")
+    assert status == 404 and answer["error"]["code"] == "model_not_found", answer
+    assert answer["error"]["type"] == "invalid_request_error"
+
+
+def test_a_front_without_names_lists_the_servers_first_and_the_server_answers_404(fronts):
+    status, models = call(fronts["unnamed"], "GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == [NAMES[0]]
+    assert chat(fronts["unnamed"], model=NAMES[1])[0] == 200
+    status, answer = chat(fronts["unnamed"], model="gpt-9")
+    assert status == 404 and answer["error"]["code"] == "model_not_found", answer
+    assert "'tiny', 'tiny-chat'" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("front", ["router", "openai"])
+def test_tokenize_of_a_chat_equals_the_prompt_ids_chat_computes(fronts, front):
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    for fields in ({}, {"tools": tools}, {"add_generation_prompt": False}):
+        status, answer = chat(fronts[front], return_token_ids=True, model=NAMES[1], **fields)
+        assert status == 200, answer
+        status, tokens = call(fronts[front], "POST", "/tokenize", {"messages": MESSAGES, "model": NAMES[1], **fields})
+        assert status == 200, tokens
+        assert tokens["tokens"] == answer["prompt_token_ids"]
+        assert tokens["count"] == len(tokens["tokens"]) == answer["usage"]["prompt_tokens"]
+        assert tokens["max_model_len"] > tokens["count"]
+
+
+@pytest.mark.parametrize("front", ["router", "openai"])
+def test_detokenize_round_trips_a_tokenized_prompt_and_version_answers(fronts, front):
+    text = "Hello there, world: 42 tokens?"
+    status, tokens = call(
+        fronts[front], "POST", "/tokenize", {"prompt": text, "add_special_tokens": False, "return_token_strs": True}
+    )
+    assert status == 200 and len(tokens["token_strs"]) == tokens["count"] > 0, tokens
+    assert call(fronts[front], "POST", "/detokenize", {"tokens": tokens["tokens"]}) == (200, {"prompt": text})
+    assert call(fronts[front], "GET", "/version") == (200, {"version": pdchat.__version__})
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "needle"),
+    [
+        (
+            "/tokenize",
+            {"messages": MESSAGES, "max_tokens": 3},
+            400,
+            "Unrecognized request argument supplied: max_tokens",
+        ),
+        ("/tokenize", {"prompt": "x", "model": "gpt-9"}, 404, "model_not_found"),
+        ("/detokenize", {"tokens": [1], "colour": 1}, 400, "Unrecognized request argument supplied: colour"),
+    ],
+)
+def test_bad_tokenizer_requests_are_refused_by_name(fronts, path, body, status, needle):
+    for front in ("router", "unnamed"):
+        got, answer = call(fronts[front], "POST", path, body)
+        assert got == status and needle in json.dumps(answer), (front, answer)
+
+
+def vllm_series(server) -> dict[str, float]:
+    """Each vllm:* series of the server's metrics page, by its name and labels."""
+    text = urllib.request.urlopen(server.metrics_url).read().decode()
+    return {m[1]: float(m[2]) for m in re.finditer(r"^(vllm:\S+) (\S+)$", text, re.M)}
+
+
+def test_vllm_metric_names_appear_with_sane_values_after_a_request(fronts, named_server):
+    before = metric(named_server, "vllm:generation_tokens_total", model_name=NAMES[0])
+    status, answer = chat(fronts["openai"], max_tokens=6, ignore_eos=True, temperature=0)
+    assert status == 200, answer
+    series = vllm_series(named_server)
+    names = {key.split("{")[0] for key in series}
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_sum",
+    ):
+        assert name in names, sorted(names)
+    assert all('model_name="tiny"' in key and 'engine="' in key for key in series)
+    # Each token counted once over the two engines: the first on prefill, the rest on decode.
+    assert metric(named_server, "vllm:generation_tokens_total", model_name=NAMES[0]) - before == 6
+    assert metric(named_server, "vllm:prompt_tokens_total") >= answer["usage"]["prompt_tokens"]
+    assert metric(named_server, "vllm:prefix_cache_queries_total") >= metric(
+        named_server, "vllm:prefix_cache_hits_total"
+    )
+    assert all(0 <= v <= 1 for k, v in series.items() if k.startswith("vllm:kv_cache_usage_perc"))
+    assert metric(named_server, "vllm:num_requests_running") == 0
+    assert metric(named_server, "vllm:time_to_first_token_seconds_count") >= 2  # prefill's and decode's
+    assert metric(named_server, "vllm:e2e_request_latency_seconds_count") >= 2
+    assert metric(named_server, "vllm:inter_token_latency_seconds_count") >= 5
