@@ -247,22 +247,29 @@ def test_bad_request_through_the_router_is_a_400_with_the_reason(stack):
 
 
 @pytest.mark.parametrize(
-    ("fields", "needle"),
+    ("fields", "status", "needle"),
     [
-        ({"max_tokens": 10**12}, "does not fit"),
-        ({"model": "no-such-model"}, "is not served here"),
-        ({"continue_final_message": True}, "continue_final_message needs the last message to be from the assistant"),
-        ({"chat_template_kwargs": {"chat_template": "{{ messages }}"}}, "may not set 'chat_template'"),
+        ({"max_tokens": 10**12}, 400, "does not fit"),
+        ({"model": "no-such-model"}, 404, "is not served here"),  # model_not_found, as OpenAI
+        (
+            {"continue_final_message": True},
+            400,
+            "continue_final_message needs the last message to be from the assistant",
+        ),
+        ({"chat_template_kwargs": {"chat_template": "{{ messages }}"}}, 400, "may not set 'chat_template'"),
     ],
 )
-def test_errors_raised_at_render_on_prefill_stay_client_errors(stack, fields, needle):
-    """Caught only by the prefill server's renderer: a 400 with its message, not a fallback."""
+def test_errors_raised_at_render_on_prefill_stay_client_errors(stack, fields, status, needle):
+    """Caught only by the prefill server's renderer: a 400 (404 for the model) with its
+    message, not a fallback."""
     fallbacks = router_health(stack)["stats"]["prefill_fallbacks"]
     with pytest.raises(urllib.error.HTTPError) as info:
         post(stack, {"messages": [{"role": "user", "content": "hi"}], **fields})
-    assert info.value.code == 400
-    message = json.loads(info.value.read())["error"]["message"]
+    assert info.value.code == status
+    error = json.loads(info.value.read())["error"]
+    message = error["message"]
     assert needle in message and not message.startswith("[")
+    assert (error["code"] == "model_not_found") == (status == 404)
     assert router_health(stack)["stats"]["prefill_fallbacks"] == fallbacks
 
 
