@@ -330,19 +330,21 @@ def test_decode_pulling_only_the_blocks_it_lacks_decodes_what_a_full_pull_does(t
             starts.append(start)
             return connectors.pull(handle, start)
 
-        answers = []
-        for engine, source in ((warm, pull), (cold, lambda start: tokens_from(connectors.pull(handle), start))):
+        def answer(engine, source):
             batch = DecodeBatch(engine)
             batch.join(engine.import_kv(source, turn2))
             tokens = [first]
             for _ in range(8):
                 tokens.append(int(batch.step([tokens[-1]])[0].argmax()))
             batch.leave([0])
-            answers.append(tokens)
-            connectors.done(handle)
-            if engine is warm:
-                handle = exported(turn2)[1]  # a fresh handle for the cold server's full pull
+            return tokens
+
+        partial = answer(warm, pull)
+        connectors.done(handle)
+        _, full_handle = exported(turn2)  # a fresh handle for the cold server's full pull
+        full = answer(cold, lambda start: tokens_from(connectors.pull(full_handle), start))
+        connectors.done(full_handle)
         assert starts == [96], "the 6 full blocks of turn 1 came from decode's cache"
-        assert answers[0] == answers[1]
+        assert partial == full
     finally:
         connectors.close()
