@@ -5,8 +5,8 @@ it to the route-and-stages flow (`pdchat.ensemble.flow.ChatFlow`), whose stages 
 (`pdchat.triton.chat_stages.BLSStages`). Whatever refuses a request goes back as its error.
 
 NOTE: each request is a coroutine on the model's one event loop (`pdchat.triton.event_loop`),
-the only thread that calls into the server process; blocking BLS calls run on its lanes, one
-per prefill instance (`stage_lanes`). See docs/notes/python-backend-concurrency.md.
+the only thread that calls into the server process; blocking BLS calls run on its lanes
+(`stage_lanes`). See docs/notes/python-backend-concurrency.md.
 """
 
 import triton_python_backend_utils as pb_utils
