@@ -17,6 +17,7 @@ streaming), `GET /v1/models`, `POST /tokenize`, `POST /detokenize`, `GET /versio
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -24,12 +25,13 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdchat import tensors
+from pdchat.clients.affinity import PrefixAffinity, prefix_keys
 from pdchat.clients.chat import ChatError, ChatOutput, GrpcChat, ServerSilent, chat_inputs
 from pdchat.core.errors import ErrorCode, InvalidRequest
 from pdchat.core.request.protocol import ChatRequest, chat_request_from_body, check_served_model, utf8_json
@@ -112,6 +114,7 @@ class BackendPool:
         self._lock = threading.Lock()
         self._watcher: threading.Thread | None = None
         self._streams: set[GrpcChat] = set()  # clients whose stream runs
+        self.on_unready: Callable[[str], None] | None = None
 
     def any_healthy(self) -> bool:
         """Whether some server is ready now (as last found: this never probes)."""
@@ -139,13 +142,20 @@ class BackendPool:
         )
 
     @contextmanager
-    def pick(self) -> Iterator[Backend]:
+    def pick(self, choose: Callable[[dict[str, int]], str] | None = None) -> Iterator[Backend]:
+        """A ready server for one request, counted in flight while the context lasts: the
+        least loaded, or the one `choose` names given the ready servers' requests in flight."""
         if not self.any_healthy():
             raise self.none_ready()
         with self._lock:
             start = next(self._turn)
             order = self.backends[start % len(self.backends) :] + self.backends[: start % len(self.backends)]
-            backend = min([b for b in order if b.healthy] or order, key=lambda b: b.in_flight)
+            ready = [b for b in order if b.healthy] or order
+            if choose is None:
+                backend = min(ready, key=lambda b: b.in_flight)
+            else:
+                url = choose({b.url: b.in_flight for b in ready})
+                backend = next(b for b in ready if b.url == url)
             backend.in_flight += 1
         try:
             yield backend
@@ -214,7 +224,10 @@ class BackendPool:
         return exc
 
     def _found(self, backend: Backend, ready: bool) -> None:
-        """Record what a probe or a request found; an unready server starts the watcher."""
+        """Record what a probe or a request found; an unready server starts the watcher (and
+        `on_unready` hears of it: a server that comes back may have restarted, its cache empty)."""
+        if not ready and backend.healthy and self.on_unready is not None:
+            self.on_unready(backend.url)
         with self._lock:
             backend.healthy, backend.checked_at = ready, time.monotonic()
             if not ready and self._watcher is None:
@@ -385,7 +398,11 @@ class ServerFront(ChatFront):
 class PDRouter(ChatFront):
     """Prefill on one pool, decode on another. `forward_ids=False` is the comparison mode of
     the benchmarks (vLLM before it forwarded ids): decode gets the signed handoff without
-    the ids and renders itself. `stall_timeout_s`: None reads the setting."""
+    the ids and renders itself. `stall_timeout_s`: None reads the setting. `policy` picks
+    the prefill server: `prefix` (a conversation's next turn goes where its prefix is
+    cached, clients/affinity.py) or `least-loaded`."""
+
+    POLICIES = ("prefix", "least-loaded")
 
     def __init__(
         self,
@@ -394,11 +411,17 @@ class PDRouter(ChatFront):
         forward_ids: bool = True,
         stall_timeout_s: float | None = None,
         served_model_names: Sequence[str] = (),
+        policy: str = "prefix",
     ):
+        if policy not in self.POLICIES:
+            raise ValueError(f"routing policy must be one of {', '.join(self.POLICIES)}, got {policy!r}")
         super().__init__(BackendPool(decode_urls, "decode", stall_timeout_s=stall_timeout_s), served_model_names)
         self.prefill = BackendPool(prefill_urls, "prefill", stall_timeout_s=stall_timeout_s)
         self.decode = self.serving
         self.forward_ids = forward_ids
+        self.affinity = PrefixAffinity() if policy == "prefix" else None
+        if self.affinity is not None:
+            self.prefill.on_unready = self.affinity.forget
 
     @property
     def pools(self) -> tuple[BackendPool, ...]:
@@ -422,7 +445,7 @@ class PDRouter(ChatFront):
             # Prefill work for a request no decode server can finish would only pile up KV.
             self.stats.failed += 1
             raise self.decode.none_ready()
-        prefilled = self._prefill_leg(text, request_id)
+        prefilled = self._prefill_leg(text, request_id, prefix_keys(body))
         forwarded = {}
         if prefilled is not None:
             # The signed handoff goes on as the prefill server serialized it.
@@ -432,13 +455,15 @@ class PDRouter(ChatFront):
             self.stats.disaggregated += 1
         yield from self._stream(text, request_id, **forwarded)
 
-    def _prefill_leg(self, body: bytes, request_id: str) -> ChatOutput | None:
+    def _prefill_leg(self, body: bytes, request_id: str, keys: list[bytes]) -> ChatOutput | None:
         """Prefill's answer (first token, prompt ids, signed handoff), or None to let decode
         do it all: no prefill server ready, or the one picked failed or stalled. A
-        do_remote_decode request gets one answer, streamed or not."""
+        do_remote_decode request gets one answer, streamed or not. `keys`: the request's
+        prefix keys, for the prefix policy."""
         started = time.perf_counter()
+        choose = None if self.affinity is None else functools.partial(self.affinity.choose, keys)
         try:
-            with self.prefill.pick() as used:
+            with self.prefill.pick(choose) as used:
                 inputs = chat_inputs(body, kv_transfer_params={"do_remote_decode": True})
                 [output] = list(self.prefill.stream(used, inputs, request_id))
             log.info(
@@ -453,7 +478,14 @@ class PDRouter(ChatFront):
             return None
 
     def health(self) -> dict[str, Any]:
-        return {**super().health(), "prefill": self.prefill.probe_all()}
+        health = {**super().health(), "prefill": self.prefill.probe_all()}
+        if self.affinity is not None:  # leading messages routed to a server that had them before
+            health["stats"] = {
+                **health["stats"],
+                "prefix_matched_messages": self.affinity.matched_messages,
+                "prefix_routed_messages": self.affinity.routed_messages,
+            }
+        return health
 
 
 def _ready(url: str) -> bool:

@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="comparison mode for benchmarks: decode renders the request itself (checked against the signed ids)",
     )
+    router.add_argument(
+        "--policy",
+        choices=("prefix", "least-loaded"),
+        default="prefix",
+        help="how a prefill server is picked: prefix (a conversation's next turn goes where its prefix is cached, "
+        "unless that server is busier than the least loaded by more than 2 requests) or least-loaded",
+    )
     _served_names_option(router)
     _http_options(router)
 
@@ -257,7 +264,11 @@ def _router(args: argparse.Namespace) -> int:
     from pdchat.clients.router import PDRouter
 
     front = PDRouter(
-        args.prefill, args.decode, forward_ids=not args.no_forward_ids, served_model_names=_served_names(args)
+        args.prefill,
+        args.decode,
+        forward_ids=not args.no_forward_ids,
+        served_model_names=_served_names(args),
+        policy=args.policy,
     )
     return _serve_http(args, front, f"router (prefill {args.prefill}, decode {args.decode})")
 
