@@ -113,6 +113,15 @@ INTEGER: Kind[int] = Kind("a positive integer", _integer)
 FLAG: Kind[bool] = Kind(f"a boolean: {', '.join(_TRUE)} or {', '.join(_FALSE)}", _flag)
 
 
+def _endpoint(text: str) -> str:
+    if text and not text.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError("must be a ZMQ endpoint: tcp://HOST:PORT, ipc://PATH or inproc://NAME")
+    return text
+
+
+ENDPOINT: Kind[str] = Kind("a ZMQ endpoint (tcp://*:PORT binds, tcp://HOST:PORT connects; ipc://PATH)", _endpoint)
+
+
 @dataclass(frozen=True)
 class Setting(Generic[T]):
     """One setting. `name` is how messages and the docs call it; `param` its key in a
@@ -417,6 +426,80 @@ PREFILL_CHUNK = Setting(
     "chunks between the batch's decode steps.",
 )
 
+# KV events (pdchat.core.kv_events): vLLM's wire format, for cache-aware routers.
+_EVENTS_ENDPOINT_DOC = (
+    "Publish {role}'s KV block events (vLLM's KV events: msgpack EventBatch on a ZMQ PUB socket) here; unset: "
+    "off. Model instance i publishes on the port + i (ipc: the path + _i)."
+)
+_REPLAY_ENDPOINT_DOC = (
+    "{role}'s KV events replay socket (ZMQ ROUTER, bound): answers a starting sequence number with the buffered "
+    "messages from it on; unset: no replay. Instance i: the port + i, as the endpoint."
+)
+PREFILL_KV_EVENTS_ENDPOINT = Setting(
+    "prefill_kv_events_endpoint",
+    "prefill_kv_events_endpoint",
+    "PDCHAT_PREFILL_KV_EVENTS_ENDPOINT",
+    "",
+    ENDPOINT,
+    ("prefill",),
+    _EVENTS_ENDPOINT_DOC.format(role="prefill"),
+)
+PREFILL_KV_EVENTS_REPLAY_ENDPOINT = Setting(
+    "prefill_kv_events_replay_endpoint",
+    "prefill_kv_events_replay_endpoint",
+    "PDCHAT_PREFILL_KV_EVENTS_REPLAY_ENDPOINT",
+    "",
+    ENDPOINT,
+    ("prefill",),
+    _REPLAY_ENDPOINT_DOC.format(role="prefill"),
+)
+DECODE_KV_EVENTS_ENDPOINT = Setting(
+    "decode_kv_events_endpoint",
+    "decode_kv_events_endpoint",
+    "PDCHAT_DECODE_KV_EVENTS_ENDPOINT",
+    "",
+    ENDPOINT,
+    ("decode",),
+    _EVENTS_ENDPOINT_DOC.format(role="decode"),
+)
+DECODE_KV_EVENTS_REPLAY_ENDPOINT = Setting(
+    "decode_kv_events_replay_endpoint",
+    "decode_kv_events_replay_endpoint",
+    "PDCHAT_DECODE_KV_EVENTS_REPLAY_ENDPOINT",
+    "",
+    ENDPOINT,
+    ("decode",),
+    _REPLAY_ENDPOINT_DOC.format(role="decode"),
+)
+KV_EVENTS_TOPIC = Setting(
+    "kv_events_topic",
+    "kv_events_topic",
+    "PDCHAT_KV_EVENTS_TOPIC",
+    "kv-events",
+    TEXT,
+    ("prefill", "decode"),
+    "The topic frame of every KV events message (a subscriber to it, or to the empty topic, gets them).",
+)
+KV_EVENTS_BUFFER_STEPS = Setting(
+    "kv_events_buffer_steps",
+    "kv_events_buffer_steps",
+    "PDCHAT_KV_EVENTS_BUFFER_STEPS",
+    "10000",
+    INTEGER,
+    ("prefill", "decode"),
+    "KV events messages kept for the replay socket (vLLM's buffer_steps); older ones are gone.",
+)
+KV_EVENTS_LAYOUT = Setting(
+    "kv_events_layout",
+    "kv_events_layout",
+    "PDCHAT_KV_EVENTS_LAYOUT",
+    "array",
+    choice("array", "map"),
+    ("prefill", "decode"),
+    "How KV events are encoded: array (each event a positional msgpack array, tag first: vLLM before its PR "
+    "#42892) or map (a map with the tag under type: vLLM since). The batch is positional in both.",
+)
+
 # Output grammars (response_format, forced tool calls).
 GRAMMAR_MAX_BYTES = Setting(
     "grammar_max_bytes",
@@ -608,6 +691,36 @@ def kv_pool_options(role: str, parameters: dict[str, str], environ: os._Environ 
         bytes=int(size.get(parameters, environ) * MIB),
         block_tokens=KV_BLOCK_TOKENS.get(parameters, environ),
         prefix_caching=PREFIX_CACHING.get(parameters, environ),
+    )
+
+
+@dataclass(frozen=True)
+class KVEventsOptions:
+    endpoint: str  # PUB: bound if it has *, :: or is ipc/inproc, else connected
+    replay_endpoint: str | None  # ROUTER, bound; None: no replay
+    topic: str
+    buffer_steps: int  # messages kept for replay
+    layout: str  # array or map
+
+
+def kv_events_options(
+    role: str, parameters: dict[str, str], environ: os._Environ | dict | None = None
+) -> KVEventsOptions | None:
+    """A stage's KV events (`role` prefill or decode), before any per-instance offset; None: off.
+    {ROLE}_KV_EVENTS_ENDPOINT, {ROLE}_KV_EVENTS_REPLAY_ENDPOINT, KV_EVENTS_TOPIC, _BUFFER_STEPS, _LAYOUT."""
+    endpoint, replay = {
+        "prefill": (PREFILL_KV_EVENTS_ENDPOINT, PREFILL_KV_EVENTS_REPLAY_ENDPOINT),
+        "decode": (DECODE_KV_EVENTS_ENDPOINT, DECODE_KV_EVENTS_REPLAY_ENDPOINT),
+    }[role]
+    address = endpoint.get(parameters, environ)
+    if not address:
+        return None
+    return KVEventsOptions(
+        endpoint=address,
+        replay_endpoint=replay.get(parameters, environ) or None,
+        topic=KV_EVENTS_TOPIC.get(parameters, environ),
+        buffer_steps=KV_EVENTS_BUFFER_STEPS.get(parameters, environ),
+        layout=KV_EVENTS_LAYOUT.get(parameters, environ),
     )
 
 

@@ -30,12 +30,16 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from transformers import AttentionInterface
 
 from pdchat.core.errors import Unavailable
+
+if TYPE_CHECKING:
+    from pdchat.core.kv_events import BlockEvents
 
 PAGED_ATTENTION = "pdchat_paged"
 NULL_BLOCK = 0  # zeros, never handed out: what pads a short row's gather
@@ -101,6 +105,9 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # keyed unreferenced blocks, oldest first
         self.evictions = 0
         self.queried_tokens = self.hit_tokens = self.computed_prompt_tokens = 0
+        # KV events (pdchat.core.kv_events): told of each block keyed, keyed block evicted,
+        # cache cleared; None: off. It only queues, so it costs a step nothing to speak of.
+        self.events: BlockEvents | None = None
 
     @property
     def total_blocks(self) -> int:
@@ -135,8 +142,11 @@ class BlockPool:
                 block = self._free.pop()
             else:
                 block, _ = self._evictable.popitem(last=False)
-                del self._block_of[self._hash_of.pop(block)]
+                key = self._hash_of.pop(block)
+                del self._block_of[key]
                 self.evictions += 1
+                if self.events is not None:
+                    self.events.removed(key)
             self._refs[block] = 1
             blocks.append(block)
         return blocks
@@ -167,11 +177,15 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
-    def key(self, block: int, key: int) -> None:
-        """Key a full block for reuse; a key another block already holds stays with that one."""
+    def key(self, block: int, key: int, parent: int | None = None, token_ids: list[int] | None = None) -> None:
+        """Key a full block for reuse; a key another block already holds stays with that one.
+        `parent` (the previous block's key, None for a sequence's first) and `token_ids` are
+        for the KV events only."""
         if self.prefix_caching and key not in self._block_of and block not in self._hash_of:
             self._block_of[key] = block
             self._hash_of[block] = key
+            if self.events is not None:
+                self.events.stored(key, parent, token_ids or [])
 
     def clear_cache(self) -> int:
         """Forget every cached block (referenced ones stay with their sequences); how many were dropped."""
@@ -181,6 +195,8 @@ class BlockPool:
         self._evictable.clear()
         self._block_of.clear()
         self._hash_of.clear()
+        if self.events is not None:
+            self.events.cleared()
         return dropped
 
 
@@ -246,9 +262,11 @@ class Sequence:
         parent = self._keys[-1] if self._keys else self._root
         while (len(self._keys) + 1) * size <= len(self.token_ids):
             index = len(self._keys)
-            parent = block_hash(parent, self.token_ids[index * size : (index + 1) * size])
+            tokens = self.token_ids[index * size : (index + 1) * size]
+            previous = parent if index else None  # the root is no block
+            parent = block_hash(parent, tokens)
             self._keys.append(parent)
-            self.pool.key(self.blocks[index], parent)
+            self.pool.key(self.blocks[index], parent, previous, tokens)
 
 
 @dataclass
