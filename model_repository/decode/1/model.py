@@ -29,6 +29,7 @@ from pdchat.core.settings import batching_options, compile_options, kv_options, 
 from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
 from pdchat.triton import io
+from pdchat.triton.kv_events import KVEvents
 from pdchat.triton.metrics import DecodeMetrics, KVPoolMetrics, VllmMetrics
 from pdchat.triton.outbox import Outbox
 from pdchat.triton.server_watch import exit_with_server
@@ -72,6 +73,7 @@ class TritonPythonModel:
         self.model.constraints.start()  # its grammar worker, before a request with a grammar waits for it
         self.seal = StageSeal.for_this_server()
         self.connectors = Connectors(**kv_options(parameters))
+        self.kv_events = KVEvents("decode", parameters, args, self.model.engine.pool)  # off unless its endpoint is set
         self.metrics = DecodeMetrics(args["model_name"])
         self.pool_metrics = KVPoolMetrics(args["model_name"], args["model_instance_name"])
         self.vllm_metrics = VllmMetrics(settings.served_name, args["model_instance_name"])  # vLLM's names
@@ -106,6 +108,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.scheduler.close()
+        self.kv_events.close()
         self.model.close()
         self.outbox.close()
         self.connectors.close()

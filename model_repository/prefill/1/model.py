@@ -24,6 +24,7 @@ from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
 from pdchat.registry import SHM
 from pdchat.triton import io
+from pdchat.triton.kv_events import KVEvents
 from pdchat.triton.metrics import KVHeldMetrics, KVPoolMetrics, VllmMetrics
 from pdchat.triton.outbox import Outbox
 from pdchat.triton.server_watch import exit_with_server
@@ -45,6 +46,7 @@ class TritonPythonModel:
             kv_pool_options("prefill", parameters),
         )
         self.model.constraints.start()  # its grammar worker, before a request with a grammar waits for it
+        self.kv_events = KVEvents("prefill", parameters, args, self.model.engine.pool)  # off unless its endpoint is set
         self.chunk = batching_options(parameters).prefill_chunk
         self.seal = StageSeal.for_this_server()
         self.metrics = KVHeldMetrics(args["model_name"], args["model_instance_name"])
@@ -76,6 +78,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.scheduler.close()
+        self.kv_events.close()
         self.outbox.close()
         self.model.close()
         self.connectors.close()

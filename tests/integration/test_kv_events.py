@@ -1,0 +1,190 @@
+"""KV events on a real tritonserver, read as a consumer would: a plain ZMQ SUB socket and
+msgspec types in vLLM's field layout (written here, not imported from pdchat). A prefill
+of a known prompt yields BlockStored events whose token ids are the prompt's full blocks
+in order and whose hashes chain; a small pool and other prompts yield BlockRemoved; a
+subscriber that joins late gets what it missed from the replay socket."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from pdchat.clients.chat import GrpcChat
+from pdchat.launcher import free_port
+from tests.integration.conftest import running_server, stop_checked
+from tests.integration.helpers import ask, metric, wait_for
+
+BLOCK_TOKENS = 16
+TOPIC = b"kv-events"
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+@pytest.fixture(scope="module")
+def events_server(tmp_path_factory, tiny_model_dir):
+    """One server whose prefill publishes its events; a 2 MiB pool (32 blocks of 16 tokens
+    on tiny) so three ~220-token prompts evict."""
+    pub, replay = free_port(), free_port()
+    env = {
+        "PDCHAT_PREFILL_KV_EVENTS_ENDPOINT": f"tcp://*:{pub}",
+        "PDCHAT_PREFILL_KV_EVENTS_REPLAY_ENDPOINT": f"tcp://*:{replay}",
+        "PDCHAT_PREFILL_KV_MB": "2",
+    }
+    instance = running_server(tmp_path_factory, "kv-events", env=env)
+    instance.kv_events = (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    yield instance
+    stop_checked(instance)
+
+
+@pytest.fixture
+def context():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def subscribe(context, endpoint: str):
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+    sub.connect(endpoint)
+    time.sleep(0.3)  # the subscription reaches the server
+    return sub
+
+
+def received(sub, quiet_s: float = 0.5) -> list[tuple[int, KVEventBatch]]:
+    """Every message until none came for `quiet_s`: (seq, batch)."""
+    messages = []
+    while sub.poll(int(quiet_s * 1000)):
+        topic, seq, payload = sub.recv_multipart()
+        assert topic == TOPIC and len(seq) == 8
+        messages.append((int.from_bytes(seq, "big"), DECODER.decode(payload)))
+    return messages
+
+
+def prompt(**fields) -> dict:
+    system = f"Session {uuid.uuid4()}. " + "You answer briefly and precisely about lighthouses. " * 20
+    return {
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Why are they tall?"}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "return_token_ids": True,
+        **fields,
+    }
+
+
+def stored_blocks(messages) -> list[BlockStored]:
+    return [event for _, batch in messages for event in batch.events if isinstance(event, BlockStored)]
+
+
+def test_a_prefill_stores_the_prompts_full_blocks_in_order_with_chained_hashes(events_server, context):
+    sub = subscribe(context, events_server.kv_events[0])
+    client = GrpcChat(events_server.grpc_url)
+    result = ask(client, prompt())
+    client.close()
+    messages = received(sub)
+    sub.close()
+    seqs = [seq for seq, _ in messages]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "one seq per message, no gap"
+    events = stored_blocks(messages)
+    ids = result.prompt_token_ids
+    full = len(ids) // BLOCK_TOKENS * BLOCK_TOKENS
+    assert full >= 10 * BLOCK_TOKENS
+    assert [token for event in events for token in event.token_ids] == ids[:full]
+    hashes = [block for event in events for block in event.block_hashes]
+    assert len(hashes) == full // BLOCK_TOKENS == len(set(hashes))
+    assert events[0].parent_block_hash is None, "the first block has no parent (the root is no block)"
+    parent = None
+    for event in events:  # within an event each block's parent is the one before it
+        assert event.parent_block_hash == parent, "block i's parent is block i-1's hash"
+        assert len(event.token_ids) == len(event.block_hashes) * BLOCK_TOKENS
+        assert (event.block_size, event.medium, event.lora_id, event.group_idx) == (BLOCK_TOKENS, "GPU", None, 0)
+        parent = event.block_hashes[-1]
+    assert all(batch.data_parallel_rank == 0 for _, batch in messages)
+
+
+def test_eviction_from_a_small_pool_removes_blocks_it_stored(events_server, context):
+    sub = subscribe(context, events_server.kv_events[0])
+    client = GrpcChat(events_server.grpc_url)
+    for _ in range(3):
+        ask(client, prompt())
+    client.close()
+    messages = received(sub)
+    sub.close()
+    removed = [
+        block for _, batch in messages for e in batch.events if isinstance(e, BlockRemoved) for block in e.block_hashes
+    ]
+    stored = {block for event in stored_blocks(messages) for block in event.block_hashes}
+    assert removed, "three ~220-token prompts do not fit a 32-block pool"
+    assert any(block in stored for block in removed), "what was stored here is evicted"
+    sent = messages[-1][0] + 1  # seqs count from 0 on this server
+    assert wait_for(lambda: metric(events_server, "pdchat_kv_events_published_total", model="prefill") == sent, 5)
+    assert metric(events_server, "pdchat_kv_events_dropped_total", model="prefill", reason="queue") == 0
+
+
+def test_a_late_subscriber_gets_the_missed_messages_from_the_replay_socket(events_server, context):
+    client = GrpcChat(events_server.grpc_url)
+    result = ask(client, prompt())  # nobody listens
+    client.close()
+    time.sleep(0.3)  # published
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(events_server.kv_events[1])
+    dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+    replayed = []
+    while True:
+        assert dealer.poll(5000), "the replay socket answers"
+        empty, seq, payload = dealer.recv_multipart()
+        assert empty == b""
+        if seq == (-1).to_bytes(8, "big", signed=True):
+            assert payload == b""
+            break
+        replayed.append((int.from_bytes(seq, "big"), DECODER.decode(payload)))
+    dealer.close()
+    assert [seq for seq, _ in replayed] == list(range(len(replayed))), "from seq 0, every message in order"
+    ids = result.prompt_token_ids
+    full = len(ids) // BLOCK_TOKENS * BLOCK_TOKENS
+    tokens = [token for event in stored_blocks(replayed) for token in event.token_ids]
+    assert tokens[-full:] == ids[:full], "the last prompt's blocks are the last stored"
