@@ -6,7 +6,6 @@ sockets: the multipart frames, the replay protocol, a slow subscriber's loss cou
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import msgspec
 import pytest
@@ -29,46 +28,7 @@ from pdchat.core.kv_events import (
 )
 from pdchat.core.settings import kv_events_options
 from pdchat.launcher import free_port
-
-# Consumer side, as vLLM's own subscriber declares the types (legacy positional layout).
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+from tests.kv_event_types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
 
 
 class OldBlockStored(KVCacheEvent, tag="BlockStored"):
