@@ -25,7 +25,7 @@ from pdchat.core.generation.generation import TextModel
 from pdchat.core.generation.sampling import Choice
 from pdchat.core.generation.scheduler import DecodeJob, DecodeScheduler, Limits
 from pdchat.core.kv.connector import Connectors, KVUnavailable
-from pdchat.core.settings import batching_options, compile_options, kv_options, kv_pool_options
+from pdchat.core.settings import batching_options, kv_options
 from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
 from pdchat.triton import io
@@ -62,15 +62,7 @@ class TritonPythonModel:
                 "not always the request's: run a server per GPU (CUDA_VISIBLE_DEVICES)"
             )
         settings = resolve_model(parameters).on_instance(kind, device_id)
-        self.model = TextModel(
-            settings.path,
-            settings.device,
-            settings.dtype,
-            settings.threads,
-            compile_options(parameters),
-            kv_pool_options("decode", parameters),
-        )
-        self.model.constraints.start()  # its grammar worker, before a request with a grammar waits for it
+        self.model = TextModel.for_stage("decode", settings, parameters)
         self.seal = StageSeal.for_this_server()
         self.connectors = Connectors(**kv_options(parameters))
         self.kv_events = KVEvents("decode", parameters, args, self.model.engine.pool)  # off unless its endpoint is set

@@ -19,7 +19,7 @@ from pdchat import tensors
 from pdchat.core.generation.generation import PrefillJob, TextModel
 from pdchat.core.generation.prefill_scheduler import PrefillScheduler, PrefillTask
 from pdchat.core.kv.connector import Connectors
-from pdchat.core.settings import batching_options, compile_options, kv_options, kv_pool_options
+from pdchat.core.settings import batching_options, kv_options
 from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
 from pdchat.registry import SHM
@@ -37,15 +37,7 @@ class TritonPythonModel:
         exit_with_server()  # a stub outliving its server frees its memory and exits
         parameters = io.model_parameters(args)
         settings = resolve_model(parameters).on_instance(*io.instance_placement(args))
-        self.model = TextModel(
-            settings.path,
-            settings.device,
-            settings.dtype,
-            settings.threads,
-            compile_options(parameters),
-            kv_pool_options("prefill", parameters),
-        )
-        self.model.constraints.start()  # its grammar worker, before a request with a grammar waits for it
+        self.model = TextModel.for_stage("prefill", settings, parameters)
         self.kv_events = KVEvents("prefill", parameters, args, self.model.engine.pool)  # off unless its endpoint is set
         self.chunk = batching_options(parameters).prefill_chunk
         self.seal = StageSeal.for_this_server()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,7 +26,11 @@ from pdchat.core.output.responses import Delta, ResponseAssembler
 from pdchat.core.output.stopping import StopStringMatcher
 from pdchat.core.request.harmony_vocab import harmony_encoding, uses_harmony
 from pdchat.core.request.protocol import GenerationParams
-from pdchat.core.settings import DEFAULT_KV_POOL, CompileOptions, KVPoolOptions, compile_options
+from pdchat.core.settings import DEFAULT_KV_POOL, CompileOptions, KVPoolOptions, compile_options, kv_pool_options
+from pdchat.models import ModelSettings
+
+if TYPE_CHECKING:
+    from pdchat.models import ModelSettings
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -91,6 +96,22 @@ class TextModel:
         self.reasoning = THINK_OPEN in (self.tokenizer.chat_template or "")
         self.speller = TokenSpeller(self.tokenizer)
         self.harmony = harmony_encoding() if uses_harmony(model_dir) else None
+
+    @classmethod
+    def for_stage(cls, role: str, settings: ModelSettings, parameters: dict[str, str]) -> TextModel:
+        """The model of a `prefill` or `decode` instance (`role`), where `settings` place it,
+        its grammar compiles and KV pool as the stage's `parameters` say; its grammar worker
+        started, before a request with a grammar waits for it."""
+        model = cls(
+            settings.path,
+            settings.device,
+            settings.dtype,
+            settings.threads,
+            compile_options(parameters),
+            kv_pool_options(role, parameters),
+        )
+        model.constraints.start()
+        return model
 
     def close(self) -> None:
         """Stop what runs beside the model (the grammar worker process)."""
