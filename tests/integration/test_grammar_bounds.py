@@ -146,3 +146,27 @@ def test_distinct_large_schemas_leave_decode_s_memory_where_it_was(trusted_serve
         ask(trusted, enum_request(4_000, prefix=f"p{index}-", forwarded=prompt_ids))
     after = stub_rss(trusted_server, "decode")
     assert after < before * 1.10, (before, after)
+
+
+def test_prefill_compiles_beside_the_prompts_it_computes(trusted_server, trusted):
+    """A large grammar's compile on the render path (prefill is the first to need it) does
+    not hold a plain prompt sent after it: prefill queues a prompt once its grammar is
+    compiled, off its scheduler thread."""
+    finished: list[str] = []
+
+    def run(name: str, body: dict) -> None:
+        client = GrpcChat(trusted_server.grpc_url, "chat")
+        try:
+            ask(client, body)
+            finished.append(name)
+        except ChatError as exc:
+            finished.append(f"{name}: {exc}")
+        finally:
+            client.close()
+
+    slow = threading.Thread(target=run, args=("grammar", enum_request(10_000, prefix="pre")))
+    slow.start()
+    time.sleep(0.3)  # the grammar request reached prefill and is compiling
+    run("plain", {"messages": PROMPT, "max_tokens": 2, "temperature": 0})
+    slow.join(120)
+    assert finished == ["plain", "grammar"]

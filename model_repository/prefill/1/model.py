@@ -59,12 +59,14 @@ class TritonPythonModel:
                 self.outbox.call(functools.partial(sender.send, io.error_response(exc), flags=FINAL))
                 continue
             self.outbox.call(functools.partial(self._arrived, stage.params.request_id, time.monotonic()))
-            self.scheduler.submit(
-                PrefillTask(
-                    start=functools.partial(PrefillJob, self.model, stage.prompt_token_ids, stage.params, self.chunk),
-                    done=functools.partial(self._done, sender, stage, destination),
-                    fail=functools.partial(self._fail, sender, stage.params.request_id),
-                )
+            task = PrefillTask(
+                start=functools.partial(PrefillJob, self.model, stage.prompt_token_ids, stage.params, self.chunk),
+                done=functools.partial(self._done, sender, stage, destination),
+                fail=functools.partial(self._fail, sender, stage.params.request_id),
+            )
+            # NOTE: a prompt is queued once its grammar is compiled: no compile on the scheduler thread.
+            self.model.constraints.prepare(stage.params.constraint).add_done_callback(
+                functools.partial(self._queue, task)
             )
         return None
 
@@ -77,6 +79,14 @@ class TritonPythonModel:
         self.metrics.close()
         self.pool_metrics.close()
         self.vllm_metrics.close()
+
+    def _queue(self, task: PrefillTask, compiled) -> None:
+        """Queue `task` for the scheduler, or fail it with its grammar's error."""
+        error = compiled.exception()
+        if error is None:
+            self.scheduler.submit(task)
+        else:
+            task.fail(error)
 
     # On the scheduler thread: each hands its work to the outbox.
 
