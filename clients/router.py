@@ -437,10 +437,10 @@ class PDRouter(ChatFront):
         request_id = request_id or f"pdchat-{uuid.uuid4().hex}"
         self.stats.requests += 1
         text, chat = self._validated(body)
-        if chat.kv_transfer_params is not None:
-            raise ChatError(
-                "kv_transfer_params is the router's to set: send the conversation only", ErrorCode.INVALID_ARG
-            )
+        for routers_own in ("kv_transfer_params", "prompt_token_ids"):
+            if getattr(chat, routers_own) is not None:
+                message = f"{routers_own} is the router's to set: send the conversation only"
+                raise ChatError(message, ErrorCode.INVALID_ARG)
         if not self.decode.any_healthy():
             # Prefill work for a request no decode server can finish would only pile up KV.
             self.stats.failed += 1

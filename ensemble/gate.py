@@ -223,15 +223,14 @@ def forwarded_ids(
             Rejection.MALFORMED, "give the ids once: as the prompt_token_ids tensor or inside kv_transfer_params"
         )
     if listed is not None:
-        return _id_array(listed), params
+        return id_array(listed, "kv_transfer_params.prompt_token_ids"), params
     return binary, params
 
 
-def _id_array(listed: Any) -> np.ndarray:
-    """vLLM's JSON list of ids as one int64 array (checked in bulk, not id by id)."""
+def id_array(listed: Any, name: str) -> np.ndarray:
+    """vLLM's JSON list of ids (`name` says where it came from) as one int64 array, checked
+    in bulk, not id by id."""
     array = np.array(listed) if isinstance(listed, list) else None
     if array is None or array.ndim != 1 or (array.size and array.dtype.kind != "i"):
-        raise ForwardedIdsRejected(
-            Rejection.MALFORMED, "kv_transfer_params.prompt_token_ids must be a list of integers"
-        )
+        raise ForwardedIdsRejected(Rejection.MALFORMED, f"{name} must be a list of integers")
     return array.astype(np.int64, copy=False)

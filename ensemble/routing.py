@@ -24,7 +24,7 @@ from pdchat.core.errors import InvalidRequest
 from pdchat.core.kv.base import KVHandle
 from pdchat.core.request.protocol import ChatRequest, GenerationParams, served_names
 from pdchat.core.settings import HANDOFF_KEY
-from pdchat.ensemble.gate import Admission, ForwardedIdsRejected, Gate, Rejection, forwarded_ids
+from pdchat.ensemble.gate import Admission, ForwardedIdsRejected, Gate, Rejection, forwarded_ids, id_array
 from pdchat.ensemble.handoff import DEFAULT_TTL_S, Handoff, render_fingerprint, sign
 
 
@@ -73,6 +73,12 @@ class RoutePlanner:
             raise ForwardedIdsRejected(
                 Rejection.MALFORMED, "give kv_transfer_params once: as the tensor or in the request JSON"
             )
+        if chat.prompt_token_ids is not None:  # the top-level JSON form: as the tensor
+            if binary_ids is not None:
+                raise ForwardedIdsRejected(
+                    Rejection.MALFORMED, "give the ids once: as the prompt_token_ids tensor or in the request JSON"
+                )
+            binary_ids = id_array(chat.prompt_token_ids, "prompt_token_ids")
         ids, params = forwarded_ids(
             binary_ids, kv_transfer_params if kv_transfer_params is not None else chat.kv_transfer_params
         )

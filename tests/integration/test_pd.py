@@ -233,6 +233,7 @@ def test_unknown_fields_and_client_kv_transfer_params_are_400s_from_the_router(s
     for fields, needle in [
         ({"functions": []}, "Unrecognized request argument supplied: functions"),
         ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params is the router's to set"),
+        ({"prompt_token_ids": [1, 2, 3]}, "prompt_token_ids is the router's to set"),
     ]:
         with pytest.raises(urllib.error.HTTPError) as info:
             post(stack, {"messages": [{"role": "user", "content": "x"}], **fields})

@@ -278,3 +278,23 @@ def test_expired_handoff_is_refused(trusted_server):
 def test_binary_ids_keep_their_dtype_over_grpc(decode_server):
     inputs = chat_inputs(chat_body("single_turn", max_tokens=2), prompt_token_ids=np.array([1, 2, 3], dtype=np.int64))
     assert inputs["prompt_token_ids"].dtype == np.int32
+
+
+def test_top_level_prompt_token_ids_are_forwarded_ids_admitted_only_signed(clients):
+    """vLLM's newer wire form (#55771): the ids at the top level of the JSON body, beside the
+    kv_transfer_params prefill returned. Signed, decode admits them and skips the render;
+    alone, the gate refuses them as it refuses unsigned ids in any form."""
+    body = {"messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 8, "temperature": 0}
+    rendered = ask(clients["http"], body)
+    handed = prefill(clients["grpc"], body)
+    signed = {**body, "prompt_token_ids": handed.prompt_token_ids, "kv_transfer_params": handed.kv_transfer_params}
+    reused = ask(clients["http"], signed)
+    assert reused.output_token_ids == rendered.output_token_ids
+    assert "refused (unsigned)" in refusal(clients["http"], {**body, "prompt_token_ids": handed.prompt_token_ids})
+    twice = refusal(
+        clients["grpc"], {**body, "prompt_token_ids": handed.prompt_token_ids}, prompt_token_ids=handed.prompt_token_ids
+    )
+    assert "give the ids once" in twice
+    assert "prompt_token_ids must be a list of integers" in refusal(
+        clients["http"], {**body, "prompt_token_ids": ["x"]}
+    )

@@ -86,6 +86,7 @@ HONOURED_FIELDS = frozenset(
         "ignore_eos",
         "return_token_ids",
         "kv_transfer_params",
+        "prompt_token_ids",
         "presence_penalty",
         "frequency_penalty",
         "repetition_penalty",
@@ -223,6 +224,9 @@ class ChatRequest(SamplingOptions, _WireForm):
     seed: int | None = None
     # vLLM's wire form: kv_transfer_params inside the body, taken like the tensor of that name.
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's newer wire form (#55771): forwarded ids at the top level, taken like the tensor
+    # (the gate admits them only signed, as any forwarded ids).
+    prompt_token_ids: list[int] | None = None
 
     @property
     def parse_tool_calls(self) -> bool:
@@ -340,6 +344,7 @@ def chat_request_from_body(data: dict[str, Any], *, check_grammar: bool = True) 
         return_token_ids=_typed(data, "return_token_ids", bool, False),
         include_usage=_include_usage(data.get("stream_options"), data.get("stream")),
         kv_transfer_params=_typed(data, "kv_transfer_params", dict, None),
+        prompt_token_ids=_typed(data, "prompt_token_ids", list, None),
         **controls,
     )
 
