@@ -1,4 +1,5 @@
-"""`bench prefix`: what the prefix cache saves a multi-turn chat, turn by turn.
+"""`bench prefix`: what the prefix cache saves a multi-turn chat, turn by turn; with
+`--servers 2`, how often routing finds it (clients/affinity.py, vllm-router).
 
 One P/D pair (prefill server, decode server, router) per model and setting, started one
 after the other in this run: prefix caching on, then off. The same 8-turn conversation
@@ -17,6 +18,7 @@ import statistics
 import sys
 import time
 import uuid
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from pdchat.clients.report import plot, table, write_results
@@ -38,8 +40,9 @@ QUESTIONS = [
 ]
 
 
-def one_turn(base_url: str, body: dict) -> tuple[float, str, int]:
-    """(TTFT in seconds, the answer's content, the usage's cached_tokens) of one streamed chat."""
+def one_turn(base_url: str, body: dict, *, with_prompt_tokens: bool = False) -> tuple:
+    """(TTFT in seconds, the answer's content, the usage's cached_tokens[, its prompt_tokens])
+    of one streamed chat."""
     parts = urlsplit(base_url)
     connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=300)
     payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
@@ -48,7 +51,7 @@ def one_turn(base_url: str, body: dict) -> tuple[float, str, int]:
     reply = connection.getresponse()
     if reply.status != 200:
         raise RuntimeError(f"HTTP {reply.status}: {reply.read()[:300]!r}")
-    ttft, text, cached = None, [], 0
+    ttft, text, cached, prompt = None, [], 0, 0
     for line in reply:
         if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
             continue
@@ -60,9 +63,10 @@ def one_turn(base_url: str, body: dict) -> tuple[float, str, int]:
         for choice in chunk.get("choices") or []:
             text.append(choice.get("delta", {}).get("content") or "")
         if chunk.get("usage"):
-            cached = chunk["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+            cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            prompt = chunk["usage"].get("prompt_tokens", 0)
     connection.close()
-    return ttft, "".join(text), cached
+    return (ttft, "".join(text), cached, prompt) if with_prompt_tokens else (ttft, "".join(text), cached)
 
 
 def conversation(base_url: str, system: str, max_tokens: int) -> list[dict]:
@@ -85,6 +89,8 @@ def system_prompt(tokenizer, tokens: int) -> str:
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.servers > 1:
+        return run_routing(args)
     from transformers import AutoTokenizer
 
     from pdchat import embedded
@@ -143,7 +149,136 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
     )
 
 
+def routed_conversations(base_url: str, systems: list[str], turns: int, concurrency: int, model: str) -> list[dict]:
+    """`len(systems)` conversations of `turns` turns, `concurrency` at once (each a worker's,
+    its turns in order): per request its TTFT (ms), prompt and cached tokens."""
+    import threading
+
+    todo, lock, done = list(systems), threading.Lock(), []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                system = todo.pop()
+            messages = [{"role": "system", "content": system}]
+            for question in QUESTIONS[:turns]:
+                messages.append({"role": "user", "content": question})
+                body = {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0}
+                ttft, answer, cached, prompt = one_turn(base_url, body, with_prompt_tokens=True)
+                messages.append({"role": "assistant", "content": answer})
+                with lock:
+                    done.append({"ttft_ms": 1000 * ttft, "cached_tokens": cached, "prompt_tokens": prompt})
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return done
+
+
+def run_routing(args: argparse.Namespace) -> None:
+    """2 prefill servers and 1 decode; the same workload (fresh system prompts each time)
+    through pdchat's router with --policy least-loaded, with --policy prefix, through
+    vllm-router's cache_aware prefill policy over the servers' fronts, and through pdchat's
+    router over one prefill server alone (the hit rate a single cache would get)."""
+    import secrets
+
+    from transformers import AutoTokenizer
+
+    from pdchat import embedded
+    from pdchat.clients.scaleout import start_front, vllm_router_command
+    from pdchat.core.settings import HANDOFF_KEY, MODEL
+    from pdchat.launcher import TritonServer, free_port, start_service
+
+    model = args.models[0]
+    model_dir = embedded.ensure_model(model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    logs = Path(args.log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {MODEL.env: model, HANDOFF_KEY.env: secrets.token_hex(32)}
+    roles = ["prefill"] * args.servers + ["decode"]
+    servers = [TritonServer(role=r, env=env, log_path=logs / f"{r}-{i}.log") for i, r in enumerate(roles)]
+    processes = []
+    results = {}
+    try:
+        print(f"starting {args.servers} prefill servers and 1 decode server", file=sys.stderr, flush=True)
+        for server in servers:
+            server.start()
+        prefill, decode = [s.grpc_url for s in servers[:-1]], servers[-1].grpc_url
+
+        def pdchat_router(policy: str, prefills: list[str]) -> str:
+            port = free_port()
+            command = [sys.executable, "-m", "pdchat.cli", "router", "--policy", policy, "--port", str(port)]
+            command += [arg for url in prefills for arg in ("--prefill", url)] + ["--decode", decode]
+            name = f"router-{policy}-{len(prefills)}"
+            processes.append(start_service(command, f"http://127.0.0.1:{port}/health", logs / f"{name}.log"))
+            return f"http://127.0.0.1:{port}"
+
+        fronts = [start_front(s.grpc_url, logs / f"front-{i}.log") for i, s in enumerate(servers)]
+        processes.extend(p for p, _ in fronts)
+        urls = [u for _, u in fronts]
+        port = free_port()
+        command = vllm_router_command(urls[:-1], urls[-1:], port) + ["--prefill-policy", "cache_aware"]
+        processes.append(start_service(command, f"http://127.0.0.1:{port}/health", logs / "vllm-router.log"))
+        targets = {
+            "least-loaded (pdchat router)": pdchat_router("least-loaded", prefill),
+            "prefix (pdchat router)": pdchat_router("prefix", prefill),
+            "cache_aware (vllm-router)": f"http://127.0.0.1:{port}",
+            "one prefill server (reference)": pdchat_router("prefix", prefill[:1]),
+        }
+        for name, url in targets.items():
+            print(f"  {name}", file=sys.stderr, flush=True)
+            systems = [system_prompt(tokenizer, args.system_tokens) for _ in range(args.conversations)]
+            done = routed_conversations(url, systems, args.turns, args.concurrency, model_dir.name)
+            ttfts = sorted(d["ttft_ms"] for d in done)
+            results[name] = {
+                "requests": len(done),
+                "hit_rate": sum(d["cached_tokens"] for d in done) / sum(d["prompt_tokens"] for d in done),
+                "ttft_p50_ms": statistics.median(ttfts),
+                "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+            }
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+                process.wait(10)
+        for server in servers:
+            server.stop()
+    single = results["one prefill server (reference)"]["hit_rate"]
+    least = results["least-loaded (pdchat router)"]["ttft_p50_ms"]
+    print(
+        f"\n{args.conversations} conversations of {args.turns} turns at concurrency {args.concurrency}, "
+        f"~{args.system_tokens}-token system prompts, {args.servers} prefill servers + 1 decode ({model}):"
+    )
+    columns = ["requests", "hit_rate", "ttft_p50_ms", "ttft_p99_ms"]
+    rows = [
+        [name, *(r[c] for c in columns), r["hit_rate"] / single, least / r["ttft_p50_ms"]]
+        for name, r in results.items()
+    ]
+    print(table(["policy", *columns, "hit rate / one server", "TTFT p50 gain vs least-loaded"], rows))
+    write_results(
+        "prefix_routing",
+        {
+            "model": model,
+            "servers": args.servers,
+            "conversations": args.conversations,
+            "turns": args.turns,
+            "concurrency": args.concurrency,
+            "system_tokens": args.system_tokens,
+            "results": results,
+        },
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"])
+    parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"], help="with --servers 2: the first")
     parser.add_argument("--system-tokens", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--servers", type=int, default=1, help="prefill servers; 2: compare the routing policies")
+    parser.add_argument("--conversations", type=int, default=16, help="with --servers 2")
+    parser.add_argument("--turns", type=int, default=6, help="with --servers 2")
+    parser.add_argument("--concurrency", type=int, default=4, help="with --servers 2")
+    parser.add_argument("--log-dir", default="/tmp/pdchat-prefix-bench")
