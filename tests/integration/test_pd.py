@@ -29,7 +29,7 @@ from tests.integration.helpers import (
 )
 from tests.logprobs import assert_logprobs_close, logprobs_of
 
-KV_TTL_S = 3.0
+KV_TTL_S = 6.0  # short for the expiry tests, long enough for a pull on a loaded machine
 STALL_S = 3.0  # the router's deadlines in the fault tests (restarted_router)
 DRAIN_S = 8.0
 SHORT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}

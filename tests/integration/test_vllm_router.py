@@ -18,7 +18,7 @@ import pytest
 from pdchat.clients.scaleout import start_front, vllm_router_command
 from pdchat.launcher import free_port, start_service
 from tests.conversations import PARITY_CASES
-from tests.integration.helpers import ask, executions, metric
+from tests.integration.helpers import ask, metric
 
 pytestmark = pytest.mark.skipif(
     shutil.which("vllm-router", path=f"{sys.prefix}/bin") is None, reason="vllm-router not installed"
@@ -48,6 +48,12 @@ def deployment(decode_server, tmp_path_factory):
                 process.wait(10)
 
 
+def chat_renders(server) -> float:
+    """Chat requests the server's renderer rendered: not its executions, which also answer the
+    /tokenize calls vllm-router makes to every worker's front."""
+    return metric(server, "pdchat_requests_parsed_total", model="renderer")
+
+
 def test_vllm_router_drives_a_pdchat_pair_with_the_gate_in_force(deployment, decode_server):
     from openai import OpenAI
 
@@ -56,13 +62,13 @@ def test_vllm_router_drives_a_pdchat_pair_with_the_gate_in_force(deployment, dec
     client = OpenAI(base_url=deployment["url"], api_key="unused")
     body = {"max_tokens": 12, "temperature": 0, **PARITY_CASES["multi_turn"]}
     [monolithic] = ask(GrpcChat(decode_server.grpc_url), body).outputs  # render path, same server
-    renders = executions(decode_server, "renderer")
+    renders = chat_renders(decode_server)
     accepted = metric(decode_server, "pdchat_forwarded_ids_total", outcome="accepted")
     stream = client.chat.completions.create(model=monolithic.response["model"], stream=True, **body)
     content = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert content == monolithic.response["choices"][0]["message"]["content"]
     # One render (the prefill leg); the decode leg's ids passed the signed gate.
-    assert executions(decode_server, "renderer") == renders + 1
+    assert chat_renders(decode_server) == renders + 1
     assert metric(decode_server, "pdchat_forwarded_ids_total", outcome="accepted") == accepted + 1
 
 

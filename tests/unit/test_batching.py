@@ -40,7 +40,7 @@ def prompts_of(lengths, vocab_size, seed=0):
     return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize(("block_tokens", "prefix_caching"), [(16, True), (3, True), (1, False)])
+@pytest.mark.parametrize(("block_tokens", "prefix_caching"), [(16, True), (3, False)])
 def test_joining_and_leaving_rows_decode_what_each_would_alone(tiny_model_dir, reference, block_tokens, prefix_caching):
     engine = CausalLM(tiny_model_dir, "cpu", pool=KVPoolOptions(8 * MIB, block_tokens, prefix_caching))
     prompts = prompts_of((5, 40, 17, 300, 2, 90, 64, 11), engine.vocab_size)
@@ -130,3 +130,24 @@ def test_the_cpu_vocab_projection_gives_nn_linears_logits(tiny_model_dir, engine
         assert ours.shape == theirs.shape
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-4)
         assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_gpt_oss_sliding_window_layers_and_sinks_decode_what_transformers_does():
+    """GPT-OSS: a sliding-window layer (the window applied in attention over all blocks) and
+    attention sinks, rows longer than the window beside a short one."""
+    from pdchat import embedded, registry
+
+    model_dir = embedded.ensure_model(registry.TINY_GPTOSS)
+    engine = CausalLM(model_dir, "cpu", pool=KVPoolOptions(8 * MIB, 16, True))
+    window = engine.model.config.sliding_window
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = prompts_of((window + 30, 7, 2 * window + 3), engine.vocab_size, seed=4)
+    batch, tokens = DecodeBatch(engine), []
+    for prompt in prompts:
+        logits, sequence = engine.prefill(prompt)
+        batch.join(sequence)
+        tokens.append([int(logits.argmax())])
+    for _ in range(7):
+        for row, logits in zip(tokens, batch.step([t[-1] for t in tokens]), strict=True):
+            row.append(int(logits.argmax()))
+    assert tokens == [alone(reference, prompt, 8) for prompt in prompts]

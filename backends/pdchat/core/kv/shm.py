@@ -430,7 +430,8 @@ class ShmConnector:
                 ) from None
             except OSError as exc:
                 raise KVUnavailable(f"KV {published} cannot be claimed: {exc.strerror}") from None
-            return tokens_from(_map(dir_fd, claimed, handle), start_token)
+            kv = _map(dir_fd, claimed, handle)
+            return tokens_from(kv, start_token) if start_token else kv
         finally:
             os.close(dir_fd)
 
