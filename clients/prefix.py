@@ -189,7 +189,8 @@ def run_routing(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     from pdchat import embedded
-    from pdchat.clients.scaleout import start_front, vllm_router_command
+    from pdchat.clients.load import percentile
+    from pdchat.clients.scaleout import start_front, stop_all, vllm_router_command
     from pdchat.core.settings import HANDOFF_KEY, MODEL
     from pdchat.launcher import TritonServer, free_port, start_service
 
@@ -238,15 +239,10 @@ def run_routing(args: argparse.Namespace) -> None:
                 "requests": len(done),
                 "hit_rate": sum(d["cached_tokens"] for d in done) / sum(d["prompt_tokens"] for d in done),
                 "ttft_p50_ms": statistics.median(ttfts),
-                "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+                "ttft_p99_ms": percentile(ttfts, 99),
             }
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.terminate()
-                process.wait(10)
-        for server in servers:
-            server.stop()
+        stop_all(processes, servers)
     single = results["one prefill server (reference)"]["hit_rate"]
     least = results["least-loaded (pdchat router)"]["ttft_p50_ms"]
     print(

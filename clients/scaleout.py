@@ -36,6 +36,16 @@ def vllm_router_command(prefill_urls: list[str], decode_urls: list[str], port: i
     ]
 
 
+def stop_all(processes: list[subprocess.Popen], servers: list) -> None:
+    """Stop a benchmark's helper processes (fronts, routers), then its tritonservers."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+            process.wait(10)
+    for server in servers:
+        server.stop()
+
+
 def start_front(server_grpc_url: str, log_path: Path) -> tuple[subprocess.Popen, str]:
     """`pdchat openai` for one server: the process and its base URL."""
     port = free_port()
@@ -97,12 +107,7 @@ def bench_vllm_router(args: argparse.Namespace) -> None:
             first_errors[phase] = load.first_errors(outcomes)
             print(f"  {phase}: {phases[phase]['errors']} errors {first_errors[phase][:1]}", file=sys.stderr, flush=True)
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.terminate()
-                process.wait(10)
-        for server in servers:
-            server.stop()
+        stop_all(processes, servers)
     columns = ["requests", "errors", "req_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms"]
     print(
         f"\nvllm-router over 2 prefill x 2 decode pdchat servers ({args.model}, {args.requests} streamed requests "
