@@ -57,6 +57,7 @@ def render_fingerprint(request: ChatRequest, served_model: str, render_defaults:
         "defaults": render_defaults or {},
         "reasoning_effort": request.reasoning_effort,
         "messages": request.messages,
+        "prompt": request.prompt,  # a completions request's: text, or ids taken as the rendered prompt
         "tools": request.tools,
         "tool_choice": request.tool_choice,
         "chat_template_kwargs": request.chat_template_kwargs,

@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 # Client contract, inputs (chat_ensemble, and chat later).
 REQUEST = "request"
+# chat only: an OpenAI completions body (a raw prompt, text or token ids; no chat template).
+COMPLETION_REQUEST = "completion_request"
 TEXT_INPUT = "text_input"
 MAX_TOKENS = "max_tokens"
 STREAM = "stream"
@@ -70,11 +72,12 @@ class TensorSpec(NamedTuple):
 
 _SCALAR_TYPES = {"int32": "TYPE_INT32", "bool": "TYPE_BOOL", "float32": "TYPE_FP32", "uint64": "TYPE_UINT64"}
 
-# chat: chat_ensemble's client contract plus forwarded ids and the handoff.
+# chat: chat_ensemble's client contract plus completions bodies, forwarded ids and the handoff.
 CHAT_INPUTS = (
     TensorSpec(REQUEST, "TYPE_STRING", optional=True),
     TensorSpec(TEXT_INPUT, "TYPE_STRING", optional=True),
     *(TensorSpec(name, _SCALAR_TYPES[dtype], optional=True) for name, dtype in SCALAR_INPUTS.items()),
+    TensorSpec(COMPLETION_REQUEST, "TYPE_STRING", optional=True),
     TensorSpec(PROMPT_TOKEN_IDS, "TYPE_INT32", (-1,), optional=True),
     TensorSpec(KV_TRANSFER_PARAMS, "TYPE_STRING", optional=True),
 )

@@ -56,10 +56,10 @@ def test_chat_configs_leave_the_contract_to_tensors_py(role):
     assert config.parameters[settings.FORWARDED_IDS.param].string_value == policy
 
 
-def test_chat_is_the_ensemble_contract_plus_forwarded_ids():
+def test_chat_is_the_ensemble_contract_plus_completions_and_forwarded_ids():
     ensemble = load("chat_ensemble")
-    forwarded = [tensors.PROMPT_TOKEN_IDS, tensors.KV_TRANSFER_PARAMS]
-    assert list(tensors.CHAT_INPUTS) == specs(ensemble.input) + [s for s in tensors.CHAT_INPUTS if s.name in forwarded]
+    chat_only = [tensors.COMPLETION_REQUEST, tensors.PROMPT_TOKEN_IDS, tensors.KV_TRANSFER_PARAMS]
+    assert list(tensors.CHAT_INPUTS) == specs(ensemble.input) + [s for s in tensors.CHAT_INPUTS if s.name in chat_only]
     assert list(tensors.CHAT_OUTPUTS) == specs(ensemble.output) + [
         s for s in tensors.CHAT_OUTPUTS if s.name == tensors.KV_TRANSFER_PARAMS
     ]

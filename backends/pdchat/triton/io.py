@@ -18,7 +18,13 @@ from pdchat.core import settings
 from pdchat.core.errors import ErrorCode, InvalidRequest, error_code, parse_tag, tagged_message
 from pdchat.core.kv.base import KVHandle
 from pdchat.core.output.responses import FAILED, ClientOutput
-from pdchat.core.request.protocol import ChatRequest, GenerationParams, parse_chat_json, text_input_request
+from pdchat.core.request.protocol import (
+    ChatRequest,
+    GenerationParams,
+    parse_chat_json,
+    parse_completion_json,
+    text_input_request,
+)
 from pdchat.ensemble.seal import StageSeal
 
 
@@ -84,23 +90,33 @@ def input_token_ids(request, name: str) -> np.ndarray | None:
     return None if array is None else array.reshape(-1).copy()
 
 
+# The client contract's JSON inputs and their parsers.
+BODY_PARSERS = {tensors.REQUEST: parse_chat_json, tensors.COMPLETION_REQUEST: parse_completion_json}
+
+
 def chat_request(request, max_bytes: int) -> tuple[ChatRequest, str]:
     """The client contract's inputs -> one ChatRequest, and the form it came in
-    (tensors.REQUEST: OpenAI JSON, or tensors.TEXT_INPUT)."""
-    body = input_text(request, tensors.REQUEST, max_bytes)
+    (tensors.REQUEST: OpenAI chat JSON, tensors.COMPLETION_REQUEST: OpenAI completions JSON,
+    or tensors.TEXT_INPUT)."""
+    bodies = {name: body for name in BODY_PARSERS if (body := input_text(request, name, max_bytes)) is not None}
     text = input_text(request, tensors.TEXT_INPUT, max_bytes)
     scalars = {name: input_scalar(request, name) for name in tensors.SCALAR_INPUTS}
     given = sorted(name for name, value in scalars.items() if value is not None)
-    if body is not None and text is not None:
-        raise InvalidRequest("give either 'request' (JSON) or 'text_input', not both")
-    if body is not None:
+    if len(bodies) + (text is not None) > 1:
+        raise InvalidRequest(
+            f"give one of 'request' (JSON), '{tensors.COMPLETION_REQUEST}' (JSON) or 'text_input', not both"
+        )
+    if bodies:
+        [(form, body)] = bodies.items()
         if given:
             raise InvalidRequest(
-                f"with 'request', put {', '.join(given)} inside the JSON body instead of separate inputs"
+                f"with '{form}', put {', '.join(given)} inside the JSON body instead of separate inputs"
             )
-        return parse_chat_json(body), tensors.REQUEST
+        return BODY_PARSERS[form](body), form
     if text is None:
-        raise InvalidRequest("one of 'request' (OpenAI chat JSON) or 'text_input' is required")
+        raise InvalidRequest(
+            f"one of 'request' (OpenAI chat JSON) or 'text_input' is required (or '{tensors.COMPLETION_REQUEST}')"
+        )
     return text_input_request(text, **{k: v for k, v in scalars.items() if v is not None}), tensors.TEXT_INPUT
 
 

@@ -22,7 +22,7 @@ from pdchat.core.output.detokenizer import IncrementalDetokenizer
 from pdchat.core.output.harmony import HarmonyOutputParser
 from pdchat.core.output.logprobs import TokenSpeller
 from pdchat.core.output.parsing import THINK_OPEN, OutputParser, starts_in_reasoning
-from pdchat.core.output.responses import Delta, ResponseAssembler
+from pdchat.core.output.responses import Delta, ResponseAssembler, response_assembler
 from pdchat.core.output.stopping import StopStringMatcher
 from pdchat.core.request.harmony_vocab import harmony_encoding, uses_harmony
 from pdchat.core.request.protocol import GenerationParams
@@ -198,7 +198,7 @@ class TextModel:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def assembler(self, prompt_token_ids: list[int], params: GenerationParams) -> ResponseAssembler:
-        return ResponseAssembler(params, prompt_token_ids, self.output_parser(prompt_token_ids, params), self.speller)
+        return response_assembler(params, prompt_token_ids, self.output_parser(prompt_token_ids, params), self.speller)
 
     def _eos_ids(self) -> frozenset[int]:
         """EOS ids from both the generation config and the tokenizer (chat models differ)."""

@@ -11,6 +11,7 @@ mask, penalties, biases and temperature), vLLM's default `raw_logprobs` (docs/cl
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -116,6 +117,23 @@ class TokenSpeller:
             {**self._entry(e.token_id, e.logprob), "top_logprobs": [self._entry(t, lp) for t, lp in e.top]}
             for e in entries
         ]
+
+    def completion_logprobs(self, entries: list[TokenLogprobs], offset: int) -> dict[str, Any]:
+        """The completions API's `choices[0].logprobs` for these tokens: their spellings,
+        logprobs, alternatives ({spelling: logprob}) and `text_offset`s, the first at `offset`
+        characters into the choice's text (as vLLM counts them: the spellings' lengths)."""
+        tokens = [self.spell(e.token_id)[0] for e in entries]
+        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else []
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self.spell(t)[0]: lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def text(self, token_ids: list[int]) -> str:
+        """The ids' text, special tokens kept (what `echo` shows of a prompt)."""
+        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         token, raw = self.spell(token_id)

@@ -6,6 +6,11 @@ sends it. Not streaming: one output at the end (`chat.completion`). The text is 
 content, reasoning_content and tool_calls; text_output keeps the raw text. Token ids also travel as binary tensors. With
 `logprobs`, each choice carries OpenAI's `logprobs.content` for its tokens (every token,
 stop tokens included, whether or not its text was shown).
+
+A completions request (`GenerationParams.completion`) is answered in that API's shape
+(`CompletionAssembler`): `text_completion` objects, streamed or whole, whose choice holds
+the raw text, unparsed, the prompt first with `echo`, and logprobs as
+tokens/token_logprobs/top_logprobs/text_offset.
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ class ClientOutput:
 
 
 class ResponseAssembler:
+    """A chat completion's outputs, delta by delta (`response_assembler` picks the class)."""
+
+    OBJECT = "chat.completion"
+    CHUNK_OBJECT = "chat.completion.chunk"
+
     def __init__(
         self,
         params: GenerationParams,
@@ -77,9 +87,7 @@ class ResponseAssembler:
         self._text.append(delta.text)
         self._token_ids.extend(delta.token_ids)
         self._logprobs.extend(delta.logprobs)
-        parsed = self._parser.feed(delta.text, delta.token_ids)
-        if delta.finish_reason:
-            parsed.extend(self._parser.finish())
+        parsed = self._parse(delta)
         self._parsed.extend(parsed)
         finish = self._finish_reason(delta.finish_reason)
         if self._params.stream:
@@ -88,6 +96,12 @@ class ResponseAssembler:
                 return [replace(chunk, finish_reason=""), self._usage_chunk(finish)]
             return [chunk]
         return [self._completion(finish)] if finish else []
+
+    def _parse(self, delta: Delta) -> ParsedDelta:
+        parsed = self._parser.feed(delta.text, delta.token_ids)
+        if delta.finish_reason:
+            parsed.extend(self._parser.finish())
+        return parsed
 
     def _finish_reason(self, finish: str | None) -> str:
         if finish == "stop" and self._parsed.tool_calls:
@@ -104,14 +118,14 @@ class ResponseAssembler:
             message["tool_calls"] = parsed.tool_calls
         prompt_ids = self._prompt_token_ids if self._first else []
         choice = {"index": 0, "delta": message, **self._logprobs_field(delta.logprobs), "finish_reason": finish or None}
-        body = self._envelope("chat.completion.chunk", choice, prompt_ids, delta.token_ids)
+        body = self._envelope(self.CHUNK_OBJECT, choice, prompt_ids, delta.token_ids)
         self._first = False
         return ClientOutput(delta.text, json.dumps(body, ensure_ascii=False), prompt_ids, delta.token_ids, finish)
 
     def _usage_chunk(self, finish: str) -> ClientOutput:
         body = {
             "id": self._params.request_id,
-            "object": "chat.completion.chunk",
+            "object": self.CHUNK_OBJECT,
             "created": self._params.created,
             "model": self._params.model,
             "choices": [],
@@ -130,7 +144,7 @@ class ResponseAssembler:
         if parsed.tool_calls:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in parsed.tool_calls]
         choice = {"index": 0, "message": message, **self._logprobs_field(self._logprobs), "finish_reason": finish}
-        body = self._envelope("chat.completion", choice, self._prompt_token_ids, self._token_ids)
+        body = self._envelope(self.OBJECT, choice, self._prompt_token_ids, self._token_ids)
         body["usage"] = self._usage()
         body.update(extra or {})
         return ClientOutput(
@@ -169,6 +183,61 @@ class ResponseAssembler:
         }
 
 
+class CompletionAssembler(ResponseAssembler):
+    """A completions request's outputs: the raw text (no reasoning or tool-call parsing), the
+    prompt's text first with `echo` (in the first chunk when streaming), logprobs in the
+    completions shape with each token's `text_offset` into the choice's text."""
+
+    OBJECT = CHUNK_OBJECT = "text_completion"
+
+    def __init__(
+        self,
+        params: GenerationParams,
+        prompt_token_ids: list[int],
+        parser: OutputParser | HarmonyOutputParser,
+        speller: TokenSpeller,
+    ):
+        super().__init__(params, prompt_token_ids, parser, speller)
+        self._echo = speller.text(prompt_token_ids) if params.echo else ""
+        self._offset = len(self._echo)  # streaming: the next token's text_offset
+
+    def _parse(self, delta: Delta) -> ParsedDelta:
+        return ParsedDelta()
+
+    def _chunk(self, delta: Delta, parsed: ParsedDelta, finish: str) -> ClientOutput:
+        text = (self._echo if self._first else "") + delta.text
+        prompt_ids = self._prompt_token_ids if self._first else []
+        choice = self._choice(text, delta.logprobs, self._offset, finish or None)
+        if choice["logprobs"] and choice["logprobs"]["tokens"]:
+            self._offset = choice["logprobs"]["text_offset"][-1] + len(choice["logprobs"]["tokens"][-1])
+        body = self._envelope(self.CHUNK_OBJECT, choice, prompt_ids, delta.token_ids)
+        self._first = False
+        return ClientOutput(text, json.dumps(body, ensure_ascii=False), prompt_ids, delta.token_ids, finish)
+
+    def _completion(self, finish: str, extra: dict[str, Any] | None = None) -> ClientOutput:
+        text = self._echo + "".join(self._text)
+        choice = self._choice(text, self._logprobs, len(self._echo), finish)
+        body = self._envelope(self.OBJECT, choice, self._prompt_token_ids, self._token_ids)
+        body["usage"] = self._usage()
+        body.update(extra or {})
+        return ClientOutput(text, json.dumps(body, ensure_ascii=False), self._prompt_token_ids, self._token_ids, finish)
+
+    def _choice(self, text: str, entries: list[TokenLogprobs], offset: int, finish: str | None) -> dict[str, Any]:
+        logprobs = self._speller.completion_logprobs(entries, offset) if self._params.logprobs else None
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def response_assembler(
+    params: GenerationParams,
+    prompt_token_ids: list[int],
+    parser: OutputParser | HarmonyOutputParser,
+    speller: TokenSpeller,
+) -> ResponseAssembler:
+    """The assembler of the request's API: completions or chat."""
+    kind = CompletionAssembler if params.completion else ResponseAssembler
+    return kind(params, prompt_token_ids, parser, speller)
+
+
 def remote_prefill_output(
     params: GenerationParams,
     prompt_token_ids: list[int],
@@ -181,7 +250,7 @@ def remote_prefill_output(
     the answer. The JSON carries kv_transfer_params at top level with the prompt ids listed,
     as vLLM returns them, so a vLLM-style proxy copies them into the decode request as they are."""
     parser = OutputParser(reasoning=False, tools=False)
-    assembler = ResponseAssembler(replace(params, stream=False), prompt_token_ids, parser, speller)
+    assembler = response_assembler(replace(params, stream=False), prompt_token_ids, parser, speller)
     assembler.on_delta(first)
     return assembler._completion(
         "length", {"kv_transfer_params": {**kv_transfer_params, "prompt_token_ids": prompt_token_ids}}

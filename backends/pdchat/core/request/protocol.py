@@ -1,8 +1,10 @@
 """Typed chat requests: parse and validate what clients send, before any work.
 
-Two front doors lead to the same `ChatRequest`: an OpenAI chat-completions body
-(`request` JSON) and the TensorRT-LLM/genai-perf `text_input` convention. Every
-refusal is an `InvalidRequest` naming the field and what is accepted.
+Three front doors lead to the same `ChatRequest`: an OpenAI chat-completions body
+(`request` JSON), an OpenAI completions body (`completion_request` JSON: a raw `prompt`,
+text or token ids, that no chat template renders) and the TensorRT-LLM/genai-perf
+`text_input` convention. Every refusal is an `InvalidRequest` naming the field and what
+is accepted.
 """
 
 from __future__ import annotations
@@ -108,6 +110,42 @@ TOOL_FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 PENALTY_BOUND = 2.0
 LOGIT_BIAS_BOUND = 100.0
 MAX_TOP_LOGPROBS = 20
+# The completions API (/v1/completions): the fields it shares with chat (sampling, limits,
+# streaming, the token-id wire forms) plus its own; anything else is refused by name.
+COMPLETION_FIELDS = frozenset(
+    {
+        "prompt",
+        "echo",
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "n",
+        "logprobs",
+        "ignore_eos",
+        "return_token_ids",
+        "kv_transfer_params",
+        "prompt_token_ids",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "min_tokens",
+        "stop_token_ids",
+        "top_k",
+        "min_p",
+        "cache_salt",
+    }
+)
+# OpenAI completions fields this server does not do, refused by name (unless null) with why.
+UNSUPPORTED_COMPLETION_FIELDS = {
+    "suffix": "text after the insertion point (fill-in-the-middle) is not supported; send the prompt only",
+    "best_of": "no choice is picked from more samples; leave it out",
+}
 # Fields whose JSON form is a list but whose value is a tuple (frozen, comparable).
 _TUPLE_FIELDS = ("stop", "stop_token_ids")
 # Generous but finite: the default when a request names no max_tokens.
@@ -149,6 +187,10 @@ class SamplingOptions:
     parallel_tool_calls: bool = True
     # vLLM's field: prompts share cached KV blocks only with requests of the same salt.
     cache_salt: str | None = None
+    # The completions API: the answer is `text_completion` shaped (raw text, its logprobs in
+    # that API's shape); `echo` writes the prompt (its ids decoded) before the text.
+    completion: bool = False
+    echo: bool = False
 
     def sampling_options(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(SamplingOptions)}
@@ -209,9 +251,13 @@ class GenerationParams(SamplingOptions, _WireForm):
 @dataclass(frozen=True, kw_only=True)
 class ChatRequest(SamplingOptions, _WireForm):
     """A validated chat request: the render inputs plus the sampling wishes. Its JSON is the
-    canonical form `chat` hands the renderer, parsed and validated once."""
+    canonical form `chat` hands the renderer, parsed and validated once. A completions
+    request is one too: `prompt` set (text, or token ids taken as the rendered prompt), no
+    messages, `completion` true; every stage and the gate treat it as a chat."""
 
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    # The completions API's prompt: a string (tokenized without a chat template) or token ids.
+    prompt: str | list[int] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -249,7 +295,7 @@ class ChatRequest(SamplingOptions, _WireForm):
             # A random seed chosen once here keeps prefill and decode on one sample path.
             seed=self.seed if self.seed is not None else secrets.randbits(63),
             parse_tool_calls=self.parse_tool_calls,
-            request_id=f"chatcmpl-{uuid.uuid4().hex}",
+            request_id=f"{'cmpl' if self.completion else 'chatcmpl'}-{uuid.uuid4().hex}",
             model=names[0],
             created=int(time.time()),
         )
@@ -300,30 +346,14 @@ def chat_request_from_body(data: dict[str, Any], *, check_grammar: bool = True) 
     """Validate an already parsed OpenAI chat-completions body (the router parsed it once).
     `check_grammar=False` leaves schemas to the servers: xgrammar imports torch, which the
     router does without."""
-    unknown = sorted(set(data) - HONOURED_FIELDS - IGNORED_FIELDS - set(FIXED_FIELDS))
-    for key in sorted(set(data) & set(FIXED_FIELDS)):
-        if data[key] is not None and data[key] is not FIXED_FIELDS[key]:  # a bool: 1 is not true
-            raise InvalidRequest(
-                f"'{key}' can only be {str(FIXED_FIELDS[key]).lower()} on this server, got {data[key]!r}"
-            )
-    if unknown:
-        raise InvalidRequest(
-            f"Unrecognized request argument supplied: {', '.join(unknown)} (this server honours "
-            f"{', '.join(sorted(HONOURED_FIELDS))}; see docs/client-contract.md)"
-        )
-    n = data.get("n")
-    if n is not None and (type(n) is not int or n != 1):
-        raise InvalidRequest(
-            f"'n' must be 1, an integer (one choice per request; send n requests for n choices), got {n!r}"
-        )
+    _known_fields(data, HONOURED_FIELDS, "this server honours")
+    _single_choice(data.get("n"))
     # max_completion_tokens is OpenAI's newer name: it wins where both are given, as in vLLM.
     max_tokens = _positive_int("max_tokens", data.get("max_tokens"))
     max_tokens = _positive_int("max_completion_tokens", data.get("max_completion_tokens")) or max_tokens
     tools = _tools(data.get("tools"))
     tool_choice = data.get("tool_choice")
     _strict_tools_fit(tools, tool_choice)
-    controls = _sampling_controls(data)
-    _min_tokens_fit(controls["min_tokens"], max_tokens)
     return ChatRequest(
         messages=_messages(data.get("messages")),
         tools=tools,
@@ -333,19 +363,105 @@ def chat_request_from_body(data: dict[str, Any], *, check_grammar: bool = True) 
         add_generation_prompt=_typed(data, "add_generation_prompt", bool, True),
         continue_final_message=_typed(data, "continue_final_message", bool, False),
         reasoning_effort=_reasoning_effort(data.get("reasoning_effort")),
-        model=_typed(data, "model", str, None),
-        max_tokens=max_tokens,
-        temperature=_number("temperature", data.get("temperature"), 1.0, 0.0, 2.0),
-        top_p=_number("top_p", data.get("top_p"), 1.0, 1e-6, 1.0),
-        seed=_seed(data.get("seed")),
-        stop=_stop(data.get("stop")),
-        ignore_eos=_typed(data, "ignore_eos", bool, False),
-        stream=_typed(data, "stream", bool, False),
-        return_token_ids=_typed(data, "return_token_ids", bool, False),
-        include_usage=_include_usage(data.get("stream_options"), data.get("stream")),
-        kv_transfer_params=_typed(data, "kv_transfer_params", dict, None),
-        prompt_token_ids=_typed(data, "prompt_token_ids", list, None),
+        **_shared_fields(data, max_tokens),
+    )
+
+
+def parse_completion_json(body: str | bytes) -> ChatRequest:
+    """Parse an OpenAI completions body (the `completion_request` input) into a ChatRequest."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"'completion_request' is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest(f"'completion_request' must be a JSON object, got {type(data).__name__}")
+    return completion_request_from_body(data)
+
+
+def completion_request_from_body(data: dict[str, Any]) -> ChatRequest:
+    """Validate an already parsed OpenAI completions body: `prompt` a string or a list of
+    token ids (a batch of one taken as its prompt), `echo`, `logprobs` an integer (the
+    alternatives per token, 0 for the chosen token's only), the sampling fields chat takes.
+    `suffix` and `best_of` are refused by name; so is `echo` with `logprobs`, which would
+    need the prompt's logprobs (prefill computes the last position's logits only)."""
+    for key, why in UNSUPPORTED_COMPLETION_FIELDS.items():
+        if data.get(key) is not None:
+            raise InvalidRequest(f"'{key}' is not supported by this server: {why}")
+    _known_fields(
+        {k: v for k, v in data.items() if k not in UNSUPPORTED_COMPLETION_FIELDS}, COMPLETION_FIELDS, "completions take"
+    )
+    _single_choice(data.get("n"))
+    logprobs = None if data.get("logprobs") is None else _bounded_int("logprobs", data["logprobs"], 0, MAX_TOP_LOGPROBS)
+    echo = _typed(data, "echo", bool, False)
+    if echo and logprobs is not None:
+        raise InvalidRequest(
+            "'echo' with 'logprobs' asks for the prompt's logprobs, which this server does not compute; "
+            "send one of them"
+        )
+    sampling = {**data, "logprobs": logprobs is not None, "top_logprobs": logprobs}
+    return ChatRequest(
+        prompt=_completion_prompt(data.get("prompt")),
+        completion=True,
+        echo=echo,
+        **_shared_fields(sampling, _positive_int("max_tokens", data.get("max_tokens"))),
+    )
+
+
+def _single_choice(n: Any) -> None:
+    if n is not None and (type(n) is not int or n != 1):
+        raise InvalidRequest(
+            f"'n' must be 1, an integer (one choice per request; send n requests for n choices), got {n!r}"
+        )
+
+
+def _known_fields(data: dict[str, Any], honoured: frozenset[str], taken: str) -> None:
+    """Refuse the fields outside `honoured` (and the ignored ones) by name, and the fixed
+    switches at any value but this server's behaviour."""
+    unknown = sorted(set(data) - honoured - IGNORED_FIELDS - set(FIXED_FIELDS))
+    for key in sorted(set(data) & set(FIXED_FIELDS)):
+        if data[key] is not None and data[key] is not FIXED_FIELDS[key]:  # a bool: 1 is not true
+            raise InvalidRequest(
+                f"'{key}' can only be {str(FIXED_FIELDS[key]).lower()} on this server, got {data[key]!r}"
+            )
+    if unknown:
+        raise InvalidRequest(
+            f"Unrecognized request argument supplied: {', '.join(unknown)} ({taken} "
+            f"{', '.join(sorted(honoured))}; see docs/client-contract.md)"
+        )
+
+
+def _shared_fields(data: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
+    """What chat and completions bodies share, validated: the model, limits, sampling,
+    streaming and the token-id wire forms."""
+    controls = _sampling_controls(data)
+    _min_tokens_fit(controls["min_tokens"], max_tokens)
+    return {
+        "model": _typed(data, "model", str, None),
+        "max_tokens": max_tokens,
+        "temperature": _number("temperature", data.get("temperature"), 1.0, 0.0, 2.0),
+        "top_p": _number("top_p", data.get("top_p"), 1.0, 1e-6, 1.0),
+        "seed": _seed(data.get("seed")),
+        "stop": _stop(data.get("stop")),
+        "ignore_eos": _typed(data, "ignore_eos", bool, False),
+        "stream": _typed(data, "stream", bool, False),
+        "return_token_ids": _typed(data, "return_token_ids", bool, False),
+        "include_usage": _include_usage(data.get("stream_options"), data.get("stream")),
+        "kv_transfer_params": _typed(data, "kv_transfer_params", dict, None),
+        "prompt_token_ids": _typed(data, "prompt_token_ids", list, None),
         **controls,
+    }
+
+
+def _completion_prompt(value: Any) -> str | list[int]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one prompt
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and value and all(type(i) is int and i >= 0 for i in value):
+        return value
+    raise InvalidRequest(
+        "'prompt' must be a non-empty string or a non-empty list of token ids (non-negative integers); "
+        f"one prompt per request, got {type(value).__name__}"
     )
 
 

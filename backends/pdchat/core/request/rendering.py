@@ -81,13 +81,28 @@ class PromptRenderer:
 
     def render(self, request: ChatRequest) -> RenderedPrompt:
         self.check_size(request)
-        ids = self.token_ids(request)
+        ids = self.token_ids(request) if request.prompt is None else self.completion_ids(request.prompt)
         return RenderedPrompt(
             ids, request.generation_params(len(ids), self.context_length, self.vocab_size, self.served_names)
         )
 
     def token_ids(self, request: ChatRequest) -> list[int]:
         raise NotImplementedError
+
+    def completion_ids(self, prompt: str | list[int]) -> list[int]:
+        """A completions prompt's ids, no chat template: a string encoded as vLLM's completions
+        encode it (the tokenizer's special tokens added), token ids taken as they are once
+        each is in the vocabulary (their length against the context is render()'s check)."""
+        if isinstance(prompt, str):
+            return [int(i) for i in self.tokenizer.encode(prompt, add_special_tokens=True)]
+        self.check_vocabulary("prompt", prompt)
+        return list(prompt)
+
+    def check_vocabulary(self, key: str, ids: Sequence[int]) -> None:
+        """Refuse ids the tokenizer does not know (InvalidRequest naming `key`)."""
+        outside = [i for i in ids if i >= len(self.tokenizer)]
+        if outside:
+            raise InvalidRequest(f"'{key}' holds ids outside this model's vocabulary: {outside[:5]}")
 
     def render_defaults(self) -> dict[str, Any]:
         """Render inputs the server supplies (not the request) as of now: part of the gate's
@@ -184,6 +199,8 @@ class ChatRenderer(PromptRenderer):
 
 def rendered_texts(request: ChatRequest) -> Iterator[str]:
     """The text of every request field a render writes into the prompt."""
+    if isinstance(request.prompt, str):
+        yield request.prompt
     for message in request.messages:
         yield message["content"]
         yield reasoning_of(message)

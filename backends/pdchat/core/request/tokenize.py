@@ -127,9 +127,7 @@ def tokenize(renderer: Any, request: TokenizeRequest) -> dict[str, Any]:
 def detokenize(renderer: Any, request: DetokenizeRequest) -> dict[str, Any]:
     """vLLM's detokenize answer: the ids' text, special tokens kept (vLLM's default)."""
     check_served_model(request.model, renderer.served_names)
-    outside = [t for t in request.tokens if t >= len(renderer.tokenizer)]
-    if outside:
-        raise InvalidRequest(f"'tokens' holds ids outside this model's vocabulary: {outside[:5]}")
+    renderer.check_vocabulary("tokens", request.tokens)
     return {"prompt": renderer.tokenizer.decode(list(request.tokens))}
 
 
