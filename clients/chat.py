@@ -98,12 +98,14 @@ def chat_inputs(
     *,
     prompt_token_ids: list[int] | np.ndarray | None = None,
     kv_transfer_params: dict[str, Any] | str | bytes | None = None,
+    form: str = tensors.REQUEST,
     **scalars: Any,
 ) -> dict[str, np.ndarray]:
     """The client contract's input tensors, by name: a JSON body (dict, or str/bytes sent
-    as is) or text_input + scalars; forwarded ids and kv_transfer_params for `chat`."""
+    as is) as input `form` (tensors.REQUEST: chat; tensors.COMPLETION_REQUEST: completions,
+    `chat` only) or text_input + scalars; forwarded ids and kv_transfer_params for `chat`."""
     arrays: dict[str, np.ndarray] = {}
-    for name, value in ((tensors.REQUEST, request), (tensors.KV_TRANSFER_PARAMS, kv_transfer_params)):
+    for name, value in ((form, request), (tensors.KV_TRANSFER_PARAMS, kv_transfer_params)):
         if value is not None:
             if isinstance(value, dict):
                 value = json.dumps(value)

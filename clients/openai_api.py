@@ -1,6 +1,6 @@
 """The router's OpenAI-compatible HTTP front: FastAPI on uvicorn's pure-Python h11 protocol.
 
-Routes: `POST /v1/chat/completions` (SSE when `stream`), `GET /v1/models`, vLLM's
+Routes: `POST /v1/chat/completions` and `POST /v1/completions` (SSE when `stream`), `GET /v1/models`, vLLM's
 `POST /tokenize`, `POST /detokenize` and `GET /version`, `GET /health`, `GET /metrics`
 (Prometheus), `POST /drain`. The front is where untrusted bytes arrive, so it bounds
 everything a client controls before the router sees it: the request head's size and the
@@ -49,6 +49,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import pdchat
+from pdchat import tensors
 from pdchat.clients.chat import ChatError, ChatOutput
 from pdchat.clients.router import Draining, UpstreamTimeout
 from pdchat.core.errors import ErrorCode
@@ -60,6 +61,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdchat.router.http")
 
 CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+# The generation routes, each with the `chat` input its body travels as (ChatFront.chat's form).
+GENERATION_FORMS = {CHAT_PATH: tensors.REQUEST, COMPLETIONS_PATH: tensors.COMPLETION_REQUEST}
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers carry no API key
 OUTCOMES = ("ok", "client_error", "server_error", "cancelled")
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -276,12 +280,13 @@ class _Front:
             error.status, error.body(), {**(headers or {}), **({"Connection": "close"} if error.close else {})}
         )
 
-    async def chat_completions(self, request: Request) -> Response:
+    async def generate(self, request: Request) -> Response:
+        """A chat completion or a completion (GENERATION_FORMS: by the route), streamed or whole."""
         started = time.perf_counter()
         if self.draining:
             raise ApiError(503, "this front is draining: it takes no new requests", "draining", close=True)
         body = await self._json_body(request)
-        outputs = self.router.chat(body, request.state.request_id)
+        outputs = self.router.chat(body, request.state.request_id, GENERATION_FORMS[request.url.path])
         try:
             if not body.get("stream"):
                 return Response(await self._whole(outputs), 200, media_type="application/json")
@@ -462,7 +467,7 @@ class _Guard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        counted = scope["path"] == CHAT_PATH and scope["method"] == "POST"
+        counted = scope["path"] in GENERATION_FORMS and scope["method"] == "POST"
         metrics = self.front.metrics
         state = scope.setdefault("state", {})
         statuses: list[int] = []
@@ -529,7 +534,8 @@ def create_app(router: ChatFront, settings: HttpSettings | None = None) -> _Guar
     """The ASGI app of the front (for uvicorn or any ASGI server; `serve` adds the timeouts)."""
     front = _Front(router, settings or HttpSettings())
     app = FastAPI(title="pdchat router", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_api_route(CHAT_PATH, front.chat_completions, methods=["POST"])
+    for path in GENERATION_FORMS:
+        app.add_api_route(path, front.generate, methods=["POST"])
     app.add_api_route("/v1/models", front.models, methods=["GET"])
     app.add_api_route("/tokenize", front.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", front.detokenize, methods=["POST"])

@@ -10,9 +10,10 @@ A server that sends nothing for `stall_timeout_s` (setting STALL_TIMEOUT_S) ends
 stream with UpstreamTimeout, its request cancelled, and gets no new request until it
 answers a readiness probe again (`BackendPool`).
 
-`pdchat.clients.openai_api` puts it behind `POST /v1/chat/completions` (SSE when
-streaming), `GET /v1/models`, `POST /tokenize`, `POST /detokenize`, `GET /version`,
-`GET /health`, `GET /metrics` and `POST /drain`, for the `openai` client or curl.
+`pdchat.clients.openai_api` puts it behind `POST /v1/chat/completions` and
+`POST /v1/completions` (SSE when streaming), `GET /v1/models`, `POST /tokenize`,
+`POST /detokenize`, `GET /version`, `GET /health`, `GET /metrics` and `POST /drain`, for
+the `openai` client or curl.
 """
 
 from __future__ import annotations
@@ -34,7 +35,13 @@ from pdchat import tensors
 from pdchat.clients.affinity import PrefixAffinity, prefix_keys
 from pdchat.clients.chat import ChatError, ChatOutput, GrpcChat, ServerSilent, chat_inputs
 from pdchat.core.errors import ErrorCode, InvalidRequest
-from pdchat.core.request.protocol import ChatRequest, chat_request_from_body, check_served_model, utf8_json
+from pdchat.core.request.protocol import (
+    ChatRequest,
+    chat_request_from_body,
+    check_served_model,
+    completion_request_from_body,
+    utf8_json,
+)
 from pdchat.core.request.tokenize import parse_detokenize, parse_tokenize
 from pdchat.core.settings import STALL_TIMEOUT_S
 
@@ -44,6 +51,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdchat.router")
 PROBE_TIMEOUT_S = 2.0
 RENDERER = "renderer"  # the Triton model that answers /tokenize and /detokenize
+# The `chat` input a body travels as (chat completions, completions), and how the front
+# validates it first (without the grammar compiler: the router has no torch).
+BODY_VALIDATORS = {
+    tensors.REQUEST: functools.partial(chat_request_from_body, check_grammar=False),
+    tensors.COMPLETION_REQUEST: completion_request_from_body,
+}
 
 
 class UpstreamTimeout(ChatError):
@@ -278,7 +291,9 @@ class ChatFront:
         """Every pool this front streams from."""
         return (self.serving,)
 
-    def chat(self, body: dict[str, Any], request_id: str = "") -> Iterator[ChatOutput]:
+    def chat(self, body: dict[str, Any], request_id: str = "", form: str = tensors.REQUEST) -> Iterator[ChatOutput]:
+        """The responses to one body of the API `form` names (a BODY_VALIDATORS key: chat
+        completions, or completions), streamed if it asks."""
         raise NotImplementedError
 
     def abort(self, reason: str) -> None:
@@ -323,11 +338,11 @@ class ChatFront:
         status["ok"] = any(status[self.serving.role].values())
         return status
 
-    def _validated(self, body: dict[str, Any]) -> tuple[bytes, ChatRequest]:
-        """The body as the bytes every server gets, once it is known valid here (a bad
-        request is the client's error, never a server failure)."""
+    def _validated(self, body: dict[str, Any], form: str) -> tuple[bytes, ChatRequest]:
+        """The body as the bytes every server gets as input `form`, once it is known valid
+        here (a bad request is the client's error, never a server failure)."""
         try:
-            chat = chat_request_from_body(body, check_grammar=False)
+            chat = BODY_VALIDATORS[form](body)
             if self.served_model_names:
                 check_served_model(chat.model, self.served_model_names)
             return utf8_json(body), chat
@@ -362,14 +377,14 @@ class ChatFront:
                     raise
                 raise error from exc
 
-    def _stream(self, text: bytes, request_id: str, **forwarded: Any) -> Iterator[ChatOutput]:
-        """Responses of one serving server (errors as `BackendPool.stream` says)."""
+    def _stream(self, text: bytes, request_id: str, form: str, **forwarded: Any) -> Iterator[ChatOutput]:
+        """Responses of one serving server to `text` as input `form` (errors as `BackendPool.stream` says)."""
         if not self.serving.any_healthy():
             self.stats.failed += 1
             raise self.serving.none_ready()
         with self.serving.pick() as backend:
             try:
-                yield from self.serving.stream(backend, chat_inputs(text, **forwarded), request_id)
+                yield from self.serving.stream(backend, chat_inputs(text, form=form, **forwarded), request_id)
             except ChatError:
                 self.stats.failed += 1
                 raise
@@ -389,10 +404,10 @@ class ServerFront(ChatFront):
     ):
         super().__init__(BackendPool([url], role, stall_timeout_s=stall_timeout_s), served_model_names)
 
-    def chat(self, body: dict[str, Any], request_id: str = "") -> Iterator[ChatOutput]:
+    def chat(self, body: dict[str, Any], request_id: str = "", form: str = tensors.REQUEST) -> Iterator[ChatOutput]:
         self.stats.requests += 1
-        text, _ = self._validated(body)
-        yield from self._stream(text, request_id or f"pdchat-{uuid.uuid4().hex}")
+        text, _ = self._validated(body, form)
+        yield from self._stream(text, request_id or f"pdchat-{uuid.uuid4().hex}", form)
 
 
 class PDRouter(ChatFront):
@@ -432,11 +447,11 @@ class PDRouter(ChatFront):
         """Prefill's renderers (they render the chat requests), decode's while none is ready."""
         return (self.prefill, self.decode)
 
-    def chat(self, body: dict[str, Any], request_id: str = "") -> Iterator[ChatOutput]:
-        """The decode server's responses for one chat request (streamed if body asks)."""
+    def chat(self, body: dict[str, Any], request_id: str = "", form: str = tensors.REQUEST) -> Iterator[ChatOutput]:
+        """The decode server's responses for one chat or completions request (streamed if body asks)."""
         request_id = request_id or f"pdchat-{uuid.uuid4().hex}"
         self.stats.requests += 1
-        text, chat = self._validated(body)
+        text, chat = self._validated(body, form)
         for routers_own in ("kv_transfer_params", "prompt_token_ids"):
             if getattr(chat, routers_own) is not None:
                 message = f"{routers_own} is the router's to set: send the conversation only"
@@ -445,7 +460,7 @@ class PDRouter(ChatFront):
             # Prefill work for a request no decode server can finish would only pile up KV.
             self.stats.failed += 1
             raise self.decode.none_ready()
-        prefilled = self._prefill_leg(text, request_id, prefix_keys(body))
+        prefilled = self._prefill_leg(text, request_id, form, prefix_keys(body))
         forwarded = {}
         if prefilled is not None:
             # The signed handoff goes on as the prefill server serialized it.
@@ -453,9 +468,9 @@ class PDRouter(ChatFront):
             if self.forward_ids:
                 forwarded["prompt_token_ids"] = prefilled.prompt_token_ids
             self.stats.disaggregated += 1
-        yield from self._stream(text, request_id, **forwarded)
+        yield from self._stream(text, request_id, form, **forwarded)
 
-    def _prefill_leg(self, body: bytes, request_id: str, keys: list[bytes]) -> ChatOutput | None:
+    def _prefill_leg(self, body: bytes, request_id: str, form: str, keys: list[bytes]) -> ChatOutput | None:
         """Prefill's answer (first token, prompt ids, signed handoff), or None to let decode
         do it all: no prefill server ready, or the one picked failed or stalled. A
         do_remote_decode request gets one answer, streamed or not. `keys`: the request's
@@ -464,7 +479,7 @@ class PDRouter(ChatFront):
         choose = None if self.affinity is None else functools.partial(self.affinity.choose, keys)
         try:
             with self.prefill.pick(choose) as used:
-                inputs = chat_inputs(body, kv_transfer_params={"do_remote_decode": True})
+                inputs = chat_inputs(body, kv_transfer_params={"do_remote_decode": True}, form=form)
                 [output] = list(self.prefill.stream(used, inputs, request_id))
             log.info(
                 "request %s: prefill on %s in %.1f ms", request_id, used.url, 1000 * (time.perf_counter() - started)

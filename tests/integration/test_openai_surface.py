@@ -1,5 +1,5 @@
 """The OpenAI/vLLM surface around chat (issue 26): served model names, /tokenize,
-/detokenize, /version, and vLLM-named engine metrics, on a real server.
+/detokenize, /version, /v1/completions, and vLLM-named engine metrics, on a real server.
 
 One decode-role server (it signs do_remote_decode itself, so a router can drive both legs
 on it) with two served names, behind in-process fronts: the P/D router and `pdchat openai`'s
@@ -172,3 +172,96 @@ def test_vllm_metric_names_appear_with_sane_values_after_a_request(fronts, named
     assert metric(named_server, "vllm:time_to_first_token_seconds_count") >= 2  # prefill's and decode's
     assert metric(named_server, "vllm:e2e_request_latency_seconds_count") >= 2
     assert metric(named_server, "vllm:inter_token_latency_seconds_count") >= 5
+
+
+def completion(port: int, body: dict) -> tuple[int, list[dict]]:
+    """POST /v1/completions: the status and the answer, or the SSE chunks of a streamed one."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            if not body.get("stream"):
+                return reply.status, [json.loads(reply.read())]
+            events = [line[6:].strip() for line in reply if line.startswith(b"data: ")]
+            assert events[-1] == b"[DONE]", events
+            return reply.status, [json.loads(event) for event in events[:-1]]
+    except urllib.error.HTTPError as exc:
+        return exc.code, [json.loads(exc.read())]
+
+
+GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+
+@pytest.mark.parametrize("front", ["router", "openai"])
+def test_a_completion_of_a_chats_rendered_ids_equals_the_chat_answer(fronts, front):
+    """The ids /tokenize gives for a chat, sent as a completions prompt: the same stages
+    (through the router: prefill's signed handoff, decode reusing the ids) answer the chat's
+    tokens, streamed and not."""
+    status, answer = chat(fronts[front], **GREEDY)
+    assert status == 200, answer
+    status, tokens = call(fronts[front], "POST", "/tokenize", {"messages": MESSAGES})
+    assert status == 200 and tokens["tokens"] == answer["prompt_token_ids"], tokens
+    expected_ids = answer["choices"][0]["token_ids"]
+    status, [whole] = completion(fronts[front], {"prompt": tokens["tokens"], "model": NAMES[1], **GREEDY})
+    assert status == 200, whole
+    assert whole["object"] == "text_completion" and whole["model"] == NAMES[0]
+    [choice] = whole["choices"]
+    assert choice["token_ids"] == expected_ids and choice["finish_reason"] == "length"
+    assert whole["usage"]["prompt_tokens"] == len(tokens["tokens"]) and whole["usage"]["completion_tokens"] == 8
+    status, chunks = completion(
+        fronts[front],
+        {"prompt": tokens["tokens"], "stream": True, "stream_options": {"include_usage": True}, **GREEDY},
+    )
+    assert status == 200, chunks
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert [i for c in chunks for ch in c["choices"] for i in ch["token_ids"]] == expected_ids
+    assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == choice["text"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_a_text_prompt_with_echo_stop_and_logprobs(fronts):
+    port = fronts["router"]
+    prompt = "Once upon a time"
+    status, [echoed] = completion(port, {"prompt": prompt, "echo": True, **GREEDY})
+    assert status == 200, echoed
+    status, [plain] = completion(port, {"prompt": prompt, "logprobs": 2, **GREEDY})
+    assert status == 200, plain
+    text = plain["choices"][0]["text"]
+    assert echoed["choices"][0]["text"] == prompt + text
+    logprobs = plain["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["text_offset"]) == 8
+    assert all(len(top) <= 2 for top in logprobs["top_logprobs"]) and logprobs["text_offset"][0] == 0
+    stop = text[2:5]
+    status, [stopped] = completion(port, {"prompt": prompt, **GREEDY, "stop": stop, "return_token_ids": False})
+    assert status == 200 and stopped["choices"][0]["finish_reason"] == "stop", stopped
+    assert stop not in stopped["choices"][0]["text"] and text.startswith(stopped["choices"][0]["text"])
+
+
+@pytest.mark.parametrize(
+    ("front", "fields", "needle"),
+    [
+        ("router", {"suffix": "end"}, "'suffix' is not supported"),
+        ("router", {"best_of": 3}, "'best_of' is not supported"),
+        ("router", {"messages": MESSAGES}, "Unrecognized request argument supplied: messages"),
+        ("router", {"prompt": [10**7]}, "outside this model's vocabulary"),
+        ("router", {"prompt_token_ids": [1, 2]}, "prompt_token_ids is the router's to set"),
+        # pdchat openai passes the body on: the server's gate refuses unsigned forwarded ids.
+        ("openai", {"prompt_token_ids": [1, 2]}, "refused (unsigned)"),
+    ],
+)
+def test_completion_fields_are_refused_by_name(fronts, front, fields, needle):
+    status, [answer] = completion(fronts[front], {"prompt": [1, 2], "max_tokens": 2, **fields})
+    assert status == 400 and needle in answer["error"]["message"], answer
+
+
+def test_the_openai_clients_completions_create_works_against_the_router(fronts):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{fronts['router']}/v1", api_key="unused")
+    whole = client.completions.create(model=NAMES[0], prompt="The sky is", max_tokens=5, temperature=0)
+    assert whole.object == "text_completion" and whole.usage.completion_tokens == 5
+    streamed = client.completions.create(model=NAMES[0], prompt="The sky is", max_tokens=5, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == whole.choices[0].text
