@@ -13,9 +13,16 @@ than the least loaded one (then the least loaded); what it routed is remembered 
 Entries age out after `ttl_s` and a server keeps at most `max_entries` (least recently
 used first out), so the table stays bounded whatever the traffic.
 
-NOTE: an affinity table is a guess at what a server caches: a server may have evicted a
-prefix, or (restarted) lost them all; a wrong guess costs one prefill of the prefix, never
-a wrong answer.
+Where a server publishes its KV events, the guess is checked against them
+(clients/kv_index.py): once prefill answers, the request's last key is bound to the
+content key of its prompt's last full block (`bind`), and from then on a bound key counts
+on that server only while the server's block index holds that block and every one before
+it. So a conversation whose blocks the server evicted no longer draws its next turn there:
+its score falls to its longest prefix still held, or 0 (then the least loaded).
+
+NOTE: without events the table is a guess at what a server caches: a server may have
+evicted a prefix, or (restarted) lost them all; a wrong guess costs one prefill of the
+prefix, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -25,8 +32,11 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdchat.clients.kv_index import BlockIndex
 
 # Request fields that change a rendered prompt from its first token on.
 ROOT_FIELDS = ("model", "cache_salt", "tools", "chat_template_kwargs", "reasoning_effort")
@@ -46,7 +56,8 @@ def prefix_keys(body: dict[str, Any]) -> list[bytes]:
 
 
 class PrefixAffinity:
-    """Which server to send a request to, by the prefixes each was sent. Thread-safe."""
+    """Which server to send a request to, by the prefixes each was sent and, for the servers
+    in `indexes`, the blocks their KV events say they hold. Thread-safe."""
 
     def __init__(
         self,
@@ -55,12 +66,15 @@ class PrefixAffinity:
         ttl_s: float = 600.0,
         max_entries: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
+        indexes: Mapping[str, BlockIndex] | None = None,
     ):
         self.max_extra_load = max_extra_load
         self.ttl_s = ttl_s
         self.max_entries = max_entries
+        self.indexes = dict(indexes or {})
         self._clock = clock
-        self._seen: dict[str, OrderedDict[bytes, float]] = {}  # server -> key -> last routed
+        # server -> key -> [last routed, content key of its prompt's last full block or None]
+        self._seen: dict[str, OrderedDict[bytes, list]] = {}
         self._lock = threading.Lock()
         self.matched_messages = 0  # of requests routed: leading messages found on the chosen server
         self.routed_messages = 0
@@ -83,27 +97,57 @@ class PrefixAffinity:
             self._remember(best, keys, now)
             return best
 
+    def scores(self, keys: Sequence[bytes], servers: Sequence[str]) -> dict[str, int]:
+        """Each server's score for a request with these prefix keys, as `choose` weighs them:
+        its leading messages found there (and still held, where events say)."""
+        now = self._clock()
+        with self._lock:
+            return {server: self._match(server, keys, now) for server in servers}
+
+    def bind(self, server: str, key: bytes, block_key: int | None) -> None:
+        """The request whose last prefix key is `key`, routed to `server`, left its prompt's
+        full blocks there, the last of content key `block_key` (BlockIndex.prompt_key; None:
+        no full block): `key` now counts there only while the server's index holds it."""
+        with self._lock:
+            entry = self._seen.get(server, {}).get(key)
+            if entry is not None and block_key is not None:
+                entry[1] = block_key
+
     def forget(self, server: str) -> None:
         """The server lost its cache (it restarted, or says it cleared its blocks)."""
         with self._lock:
             self._seen.pop(server, None)
 
     def _match(self, server: str, keys: Sequence[bytes], now: float) -> int:
+        """Leading keys routed to `server` within the TTL; where the server has an index, up
+        to the deepest bound key it still holds (none held: 0)."""
         seen = self._seen.get(server)
-        count = 0
+        count, bound = 0, []  # bound: (position, content key)
         for key in keys:
-            routed = None if seen is None else seen.get(key)
-            if routed is None or now - routed > self.ttl_s:
+            entry = None if seen is None else seen.get(key)
+            if entry is None or now - entry[0] > self.ttl_s:
                 break
+            if entry[1] is not None:
+                bound.append((count, entry[1]))
             count += 1
-        return count
+        index = self.indexes.get(server)
+        if index is None or not bound:
+            return count
+        for position, block_key in reversed(bound):
+            if index.holds(block_key):
+                return count if position == bound[-1][0] else position + 1
+        return 0
 
     def _remember(self, server: str, keys: Sequence[bytes], now: float) -> None:
         seen = self._seen.setdefault(server, OrderedDict())
         for key in keys:
-            seen[key] = now
-            seen.move_to_end(key)
+            entry = seen.get(key)
+            if entry is None:
+                seen[key] = [now, None]
+            else:
+                entry[0] = now
+                seen.move_to_end(key)
         while len(seen) > self.max_entries:
             seen.popitem(last=False)
-        while seen and now - next(iter(seen.values())) > self.ttl_s:
+        while seen and now - next(iter(seen.values()))[0] > self.ttl_s:
             seen.popitem(last=False)

@@ -28,12 +28,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdchat import tensors
 from pdchat.clients.affinity import PrefixAffinity, prefix_keys
 from pdchat.clients.chat import ChatError, ChatOutput, GrpcChat, ServerSilent, chat_inputs
+from pdchat.clients.kv_index import BlockIndex, KVEventSource, KVEventSubscriber
 from pdchat.core.errors import ErrorCode, InvalidRequest
 from pdchat.core.request.protocol import (
     ChatRequest,
@@ -43,7 +44,7 @@ from pdchat.core.request.protocol import (
     utf8_json,
 )
 from pdchat.core.request.tokenize import parse_detokenize, parse_tokenize
-from pdchat.core.settings import STALL_TIMEOUT_S
+from pdchat.core.settings import KV_BLOCK_TOKENS, STALL_TIMEOUT_S
 
 if TYPE_CHECKING:
     import numpy as np
@@ -415,7 +416,12 @@ class PDRouter(ChatFront):
     the benchmarks (vLLM before it forwarded ids): decode gets the signed handoff without
     the ids and renders itself. `stall_timeout_s`: None reads the setting. `policy` picks
     the prefill server: `prefix` (a conversation's next turn goes where its prefix is
-    cached, clients/affinity.py) or `least-loaded`."""
+    cached, clients/affinity.py) or `least-loaded`.
+
+    `kv_events`: the prefill servers (by address) whose KV events the prefix policy reads,
+    each on a subscriber thread of its own, so what a server evicted no longer draws a
+    conversation there (clients/kv_index.py); blocks of `kv_event_block_size` tokens (None:
+    setting KV_BLOCK_TOKENS, as the servers read it). Call close() to stop the subscribers."""
 
     POLICIES = ("prefix", "least-loaded")
 
@@ -427,16 +433,34 @@ class PDRouter(ChatFront):
         stall_timeout_s: float | None = None,
         served_model_names: Sequence[str] = (),
         policy: str = "prefix",
+        kv_events: dict[str, KVEventSource] | None = None,
+        kv_event_block_size: int | None = None,
     ):
         if policy not in self.POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(self.POLICIES)}, got {policy!r}")
+        kv_events = kv_events or {}
+        if kv_events and policy != "prefix":
+            raise ValueError("KV events feed the prefix policy: they need policy prefix")
+        if unknown := sorted(set(kv_events) - set(prefill_urls)):
+            raise ValueError(f"KV events of {', '.join(unknown)}, which is no prefill server here")
         super().__init__(BackendPool(decode_urls, "decode", stall_timeout_s=stall_timeout_s), served_model_names)
         self.prefill = BackendPool(prefill_urls, "prefill", stall_timeout_s=stall_timeout_s)
         self.decode = self.serving
         self.forward_ids = forward_ids
-        self.affinity = PrefixAffinity() if policy == "prefix" else None
+        block_size = KV_BLOCK_TOKENS.get() if kv_event_block_size is None else kv_event_block_size
+        self.kv_indexes = {url: BlockIndex(block_size) for url in kv_events}
+        self.affinity = PrefixAffinity(indexes=self.kv_indexes) if policy == "prefix" else None
         if self.affinity is not None:
             self.prefill.on_unready = self.affinity.forget
+        self._subscribers = [
+            KVEventSubscriber(
+                self.kv_indexes[url],
+                source.endpoint,
+                source.replay_endpoint,
+                on_reset=functools.partial(self.affinity.forget, url),
+            )
+            for url, source in kv_events.items()
+        ]
 
     @property
     def pools(self) -> tuple[BackendPool, ...]:
@@ -484,6 +508,9 @@ class PDRouter(ChatFront):
             log.info(
                 "request %s: prefill on %s in %.1f ms", request_id, used.url, 1000 * (time.perf_counter() - started)
             )
+            index = self.kv_indexes.get(used.url)
+            if index is not None and keys:  # its blocks are on that server now: affinity holds while they are
+                self.affinity.bind(used.url, keys[-1], index.prompt_key(output.prompt_token_ids))
             return output
         except ChatError as exc:
             if exc.is_client_error or isinstance(exc, Draining):
@@ -500,7 +527,16 @@ class PDRouter(ChatFront):
                 "prefix_matched_messages": self.affinity.matched_messages,
                 "prefix_routed_messages": self.affinity.routed_messages,
             }
+        if self.kv_indexes:  # what each server's KV events told
+            health["kv_events"] = {
+                url: {"blocks": len(index), **asdict(index.stats)} for url, index in self.kv_indexes.items()
+            }
         return health
+
+    def close(self) -> None:
+        """Stop the KV event subscribers."""
+        for subscriber in self._subscribers:
+            subscriber.close()
 
 
 def _ready(url: str) -> bool:

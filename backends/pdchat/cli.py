@@ -71,6 +71,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="how a prefill server is picked: prefix (a conversation's next turn goes where its prefix is cached, "
         "unless that server is busier than the least loaded by more than 2 requests) or least-loaded",
     )
+    router.add_argument(
+        "--kv-event-source",
+        action="append",
+        default=[],
+        metavar="PREFILL=ENDPOINT",
+        help="a prefill server's KV events endpoint (its prefill_kv_events_endpoint, e.g. tcp://host:5557; repeat per "
+        "server): the prefix policy then counts a conversation on it only while its blocks are held there",
+    )
+    router.add_argument(
+        "--kv-event-replay-source",
+        action="append",
+        default=[],
+        metavar="PREFILL=ENDPOINT",
+        help="that server's replay endpoint (prefill_kv_events_replay_endpoint), for the messages the router missed",
+    )
+    router.add_argument(
+        "--kv-event-block-size",
+        type=int,
+        help="tokens per KV block on those servers (default: setting kv_block_tokens, 16)",
+    )
     _served_names_option(router)
     _http_options(router)
 
@@ -261,16 +281,26 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
+    from pdchat.clients.kv_index import parse_sources
     from pdchat.clients.router import PDRouter
 
-    front = PDRouter(
-        args.prefill,
-        args.decode,
-        forward_ids=not args.no_forward_ids,
-        served_model_names=_served_names(args),
-        policy=args.policy,
-    )
-    return _serve_http(args, front, f"router (prefill {args.prefill}, decode {args.decode})")
+    try:
+        front = PDRouter(
+            args.prefill,
+            args.decode,
+            forward_ids=not args.no_forward_ids,
+            served_model_names=_served_names(args),
+            policy=args.policy,
+            kv_events=parse_sources(args.kv_event_source, args.kv_event_replay_source),
+            kv_event_block_size=args.kv_event_block_size,
+        )
+    except ValueError as exc:
+        print(f"pdchat router: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _serve_http(args, front, f"router (prefill {args.prefill}, decode {args.decode})")
+    finally:
+        front.close()
 
 
 def _openai(args: argparse.Namespace) -> int:

@@ -68,6 +68,12 @@ def metric(server, name: str, **labels: str) -> float:
     )
 
 
+def chat_renders(server) -> float:
+    """Chat requests the server's renderer rendered: not its executions, which also answer the
+    /tokenize calls vllm-router makes to every worker's front."""
+    return metric(server, "pdchat_requests_parsed_total", model="renderer")
+
+
 def executions(server, model: str) -> int:
     """How many times Triton executed `model` (its statistics API)."""
     client = grpcclient.InferenceServerClient(server.grpc_url)

@@ -2,7 +2,8 @@
 msgspec types in vLLM's field layout (written here, not imported from pdchat). A prefill
 of a known prompt yields BlockStored events whose token ids are the prompt's full blocks
 in order and whose hashes chain; a small pool and other prompts yield BlockRemoved; a
-subscriber that joins late gets what it missed from the replay socket."""
+subscriber that joins late gets what it missed from the replay socket. pdchat's router,
+reading them, stops sending a conversation to the server once it evicted its blocks."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ import msgspec
 import pytest
 import zmq
 
+from pdchat.clients.affinity import prefix_keys
 from pdchat.clients.chat import GrpcChat
+from pdchat.clients.kv_index import KVEventSource
+from pdchat.clients.router import PDRouter
 from pdchat.launcher import free_port
-from tests.integration.conftest import running_server, stop_checked
-from tests.integration.helpers import ask, metric, wait_for
+from tests.integration.conftest import HANDOFF_KEY, running_server, stop_checked
+from tests.integration.helpers import ask, chat_renders, metric, wait_for
 from tests.kv_event_types import BlockRemoved, BlockStored, KVEventBatch
 
 BLOCK_TOKENS = 16
@@ -29,12 +33,14 @@ DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 @pytest.fixture(scope="module")
 def events_server(tmp_path_factory, tiny_model_dir):
     """One server whose prefill publishes its events; a 2 MiB pool (32 blocks of 16 tokens
-    on tiny) so three ~220-token prompts evict."""
+    on tiny) so three ~220-token prompts evict. With the decode server's key, so a router
+    can use it as a prefill server."""
     pub, replay = free_port(), free_port()
     env = {
         "PDCHAT_PREFILL_KV_EVENTS_ENDPOINT": f"tcp://*:{pub}",
         "PDCHAT_PREFILL_KV_EVENTS_REPLAY_ENDPOINT": f"tcp://*:{replay}",
         "PDCHAT_PREFILL_KV_MB": "2",
+        "PDCHAT_HANDOFF_KEY": HANDOFF_KEY,
     }
     instance = running_server(tmp_path_factory, "kv-events", env=env)
     instance.kv_events = (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
@@ -150,3 +156,39 @@ def test_a_late_subscriber_gets_the_missed_messages_from_the_replay_socket(event
     full = len(ids) // BLOCK_TOKENS * BLOCK_TOKENS
     tokens = [token for event in stored_blocks(replayed) for token in event.token_ids]
     assert tokens[-full:] == ids[:full], "the last prompt's blocks are the last stored"
+
+
+def test_the_router_stops_sending_a_conversation_to_the_server_that_evicted_its_blocks(events_server, decode_server):
+    """Prefill on the events server or the decode server, the router reading the former's
+    events: a conversation's next turn scores there while its blocks are held; once other
+    prompts evicted them, it scores 0 there and goes to the least loaded server."""
+    home, other = events_server.grpc_url, decode_server.grpc_url
+    router = PDRouter([home, other], [other], kv_events={home: KVEventSource(*events_server.kv_events)})
+    try:
+        first = prompt()
+        [answer] = list(router.chat(first))  # a new router's first pick: the first prefill server
+        second = {
+            **first,
+            "messages": [
+                *first["messages"],
+                {"role": "assistant", "content": answer.response["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "And how far does their light reach?"},
+            ],
+        }
+        keys = prefix_keys(second)
+        assert wait_for(lambda: router.affinity.scores(keys, [home, other]) == {home: 2, other: 0}, 5), (
+            "held there: the next turn would go back"
+        )
+        client = GrpcChat(home)
+        for _ in range(3):  # other conversations fill the 32-block pool: the first one's blocks go
+            ask(client, prompt())
+        client.close()
+        assert wait_for(lambda: router.affinity.scores(keys, [home, other])[home] == 0, 5), "evicted: no affinity"
+        renders = {url: chat_renders(server) for url, server in ((home, events_server), (other, decode_server))}
+        [_] = list(router.chat(second))
+        assert chat_renders(decode_server) == renders[other] + 1, "prefilled on the least loaded server"
+        assert chat_renders(events_server) == renders[home]
+        stats = router.health()["kv_events"][home]
+        assert stats["messages"] > 0 and stats["resets"] == 0 and stats["skipped_blocks"] == 0
+    finally:
+        router.close()

@@ -18,7 +18,7 @@ import pytest
 from pdchat.clients.scaleout import start_front, vllm_router_command
 from pdchat.launcher import free_port, start_service
 from tests.conversations import PARITY_CASES
-from tests.integration.helpers import ask, metric
+from tests.integration.helpers import ask, chat_renders, metric
 
 pytestmark = pytest.mark.skipif(
     shutil.which("vllm-router", path=f"{sys.prefix}/bin") is None, reason="vllm-router not installed"
@@ -46,12 +46,6 @@ def deployment(decode_server, tmp_path_factory):
             if process.poll() is None:
                 process.terminate()
                 process.wait(10)
-
-
-def chat_renders(server) -> float:
-    """Chat requests the server's renderer rendered: not its executions, which also answer the
-    /tokenize calls vllm-router makes to every worker's front."""
-    return metric(server, "pdchat_requests_parsed_total", model="renderer")
 
 
 def test_vllm_router_drives_a_pdchat_pair_with_the_gate_in_force(deployment, decode_server):

@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 import zmq
@@ -86,6 +86,7 @@ def _event_types(array_like: bool) -> tuple[type, type, type]:
 
 
 _TYPES = {"array": _event_types(True), "map": _event_types(False)}
+_ARRAY_EVENT, _MAP_EVENT = (Union[_TYPES[layout]] for layout in LAYOUTS)  # noqa: UP007 - a union of a tuple
 
 
 # What the pool's thread queues: plain tuples, built in well under a microsecond.
@@ -158,6 +159,31 @@ def encode(events: list[Event], block_size: int, rank: int, layout: str = "array
             wire.append(cleared_type())
     batch = EventBatch(ts=time.time() if ts is None else ts, events=wire, data_parallel_rank=rank)
     return msgspec.msgpack.encode(batch)
+
+
+def decode(payload: bytes, block_size: int) -> list[Event]:
+    """The inverse of `encode`, for a consumer (pdchat's router): a message's events as
+    Stored / Removed / Cleared in order, each read in whichever layout it came (an array:
+    positional, tag first; a map: tagged under "type"). Raises ValueError for a payload that
+    is no EventBatch of these events, or a BlockStored whose block size is not `block_size`
+    (its tokens would be cut into other blocks than the consumer's)."""
+    try:
+        batch = msgspec.msgpack.decode(payload, type=EventBatch)
+        wire = [msgspec.convert(e, _ARRAY_EVENT if isinstance(e, list) else _MAP_EVENT) for e in batch.events]
+    except msgspec.MsgspecError as exc:
+        raise ValueError(f"not a KV events batch: {exc}") from exc
+    events: list[Event] = []
+    for event in wire:
+        name = type(event).__name__
+        if name == "BlockStored":
+            if event.block_size != block_size:
+                raise ValueError(f"blocks of {event.block_size} tokens, expected {block_size}")
+            events.append(Stored(event.block_hashes, event.parent_block_hash, event.token_ids))
+        elif name == "BlockRemoved":
+            events.append(Removed(event.block_hashes))
+        else:
+            events.append(Cleared())
+    return events
 
 
 class BlockEvents:

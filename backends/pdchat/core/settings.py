@@ -372,8 +372,10 @@ KV_BLOCK_TOKENS = Setting(
     "PDCHAT_KV_BLOCK_TOKENS",
     "16",
     INTEGER,
-    ("prefill", "decode"),
-    "Tokens per KV block: the unit the pool hands out and the prefix cache shares (prefill and decode may differ).",
+    ("prefill", "decode", "router"),
+    "Tokens per KV block: the unit the pool hands out and the prefix cache shares (prefill and decode may differ). "
+    "The router reads the prefill servers' KV events in blocks of it (`pdchat router --kv-event-block-size` "
+    "overrides).",
 )
 PREFIX_CACHING = Setting(
     "prefix_caching",
