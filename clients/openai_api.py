@@ -51,6 +51,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 import pdchat
 from pdchat import tensors
 from pdchat.clients.chat import ChatError, ChatOutput
+from pdchat.clients.choices import fan_out
 from pdchat.clients.router import Draining, UpstreamTimeout
 from pdchat.core.errors import ErrorCode
 from pdchat.core.settings import DRAIN_TIMEOUT_S
@@ -281,12 +282,13 @@ class _Front:
         )
 
     async def generate(self, request: Request) -> Response:
-        """A chat completion or a completion (GENERATION_FORMS: by the route), streamed or whole."""
+        """A chat completion or a completion (GENERATION_FORMS: by the route), streamed or whole,
+        its `n` choices each a request of one (pdchat.clients.choices)."""
         started = time.perf_counter()
         if self.draining:
             raise ApiError(503, "this front is draining: it takes no new requests", "draining", close=True)
         body = await self._json_body(request)
-        outputs = self.router.chat(body, request.state.request_id, GENERATION_FORMS[request.url.path])
+        outputs = fan_out(self.router.chat, body, request.state.request_id, GENERATION_FORMS[request.url.path])
         try:
             if not body.get("stream"):
                 return Response(await self._whole(outputs), 200, media_type="application/json")

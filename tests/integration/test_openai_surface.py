@@ -265,3 +265,53 @@ def test_the_openai_clients_completions_create_works_against_the_router(fronts):
     assert whole.object == "text_completion" and whole.usage.completion_tokens == 5
     streamed = client.completions.create(model=NAMES[0], prompt="The sky is", max_tokens=5, temperature=0, stream=True)
     assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == whole.choices[0].text
+
+
+def computed_prompt_tokens(server) -> float:
+    return metric(server, "pdchat_prompt_tokens_computed_total", model="prefill")
+
+
+@pytest.mark.parametrize("front", ["router", "openai"])
+def test_n_choices_share_one_prefill_are_indexed_and_reproducible_by_seed(fronts, named_server, front):
+    """n=3 through the front: three choices (each seeded seed + i) whose prompt is computed
+    once but for the tail after its last full block, streamed and whole, the same by seed."""
+    messages = [{"role": "user", "content": f"{front}: " + "tell me about rivers and lakes, " * 12}]
+    body = {"messages": messages, "n": 3, "seed": 11, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}
+    before = computed_prompt_tokens(named_server)
+    status, answer = call(fronts[front], "POST", "/v1/chat/completions", body)
+    assert status == 200, answer
+    prompt = answer["usage"]["prompt_tokens"]
+    computed = computed_prompt_tokens(named_server) - before
+    assert prompt <= computed <= prompt + 2 * 16, (prompt, computed)  # choices 1 and 2: at most a block each
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert answer["usage"]["completion_tokens"] == 18
+    ids = [c["token_ids"] for c in answer["choices"]]
+    assert len({tuple(i) for i in ids}) > 1  # sampled apart
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{fronts[front]}/v1/chat/completions",
+        data=json.dumps(stream).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        events = [line[6:].strip() for line in reply if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert len({c["id"] for c in chunks}) == 1
+    streamed = {i: [] for i in range(3)}
+    for chunk in chunks[:-1]:
+        for choice in chunk["choices"]:
+            streamed[choice["index"]] += choice["token_ids"]
+    assert [streamed[i] for i in range(3)] == ids  # the same seed, the same three choices
+    assert chunks[-1]["usage"]["completion_tokens"] == 18 and chunks[-1]["usage"]["prompt_tokens"] == prompt
+
+
+def test_n_for_completions_and_best_of_refused_by_name(fronts):
+    status, [answer] = completion(fronts["router"], {"prompt": "Rivers", "n": 2, "max_tokens": 3, "seed": 5})
+    assert status == 200 and [c["index"] for c in answer["choices"]] == [0, 1], answer
+    status, [refused] = completion(fronts["router"], {"prompt": "Rivers", "n": 2, "best_of": 3})
+    assert status == 400 and "'best_of' is not supported" in refused["error"]["message"]
+    status, chat_refused = chat(fronts["router"], n=2, best_of=2)
+    assert status == 400 and "best_of" in chat_refused["error"]["message"]
+    status, too_many = chat(fronts["router"], n=17)
+    assert status == 400 and "'n' must be an integer in [1, 16]" in too_many["error"]["message"]

@@ -410,7 +410,8 @@ def completion_request_from_body(data: dict[str, Any]) -> ChatRequest:
 def _single_choice(n: Any) -> None:
     if n is not None and (type(n) is not int or n != 1):
         raise InvalidRequest(
-            f"'n' must be 1, an integer (one choice per request; send n requests for n choices), got {n!r}"
+            f"'n' must be 1, an integer (one choice per request here; the router and pdchat openai serve n > 1 "
+            f"as n requests), got {n!r}"
         )
 
 

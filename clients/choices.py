@@ -1,0 +1,150 @@
+"""`n` > 1 at the OpenAI fronts: a request's n choices, each served as a request of one choice.
+
+`fan_out(serve, body, request_id, form)` serves a chat or completions body asking for `n`
+choices (at most MAX_CHOICES) through `serve` (`ChatFront.chat`) as n bodies without `n`:
+choice i is seeded `seed + i` when the body has a `seed`, so one seed reproduces all n
+(without one, each choice draws its own). The servers see plain requests: P/D, the gate and
+the KV connectors are a single choice's.
+
+One prefill, through the prefix cache: choice 0 goes first, and choice i starts once choice
+i - 1's first chunk (streamed) or choice 0's whole answer (not streamed) is back, so the
+prompt's full blocks are cached when the next prefill looks them up (a prefill takes its
+cached blocks when it takes the prompt: choices started together would all miss). Each
+later choice computes only the prompt's tail after its last full block
+(`pdchat_prompt_tokens_computed_total`; docs/kv-cache.md).
+
+Streamed, chunks are relayed as they come, the choices in turns, each with its `index` and
+choice 0's id; the choices' usage chunks (stream_options.include_usage) become one at the
+end. Whole, one answer holds the n choices. Usage: the prompt counted once (choice 0's,
+with its cached tokens), the completion tokens summed, as vLLM reports n choices.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from pdchat.clients.chat import ChatError, ChatOutput
+from pdchat.core.errors import ErrorCode
+
+MAX_CHOICES = 16  # a bound on the requests one body fans out to
+
+Serve = Callable[[dict[str, Any], str, str], Iterator[ChatOutput]]
+
+
+def choice_count(body: dict[str, Any]) -> int:
+    """The body's `n` (1 if absent), else ChatError INVALID_ARG naming it."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if type(n) is not int or not 1 <= n <= MAX_CHOICES:
+        raise ChatError(f"'n' must be an integer in [1, {MAX_CHOICES}], got {n!r}", ErrorCode.INVALID_ARG)
+    return n
+
+
+def choice_bodies(body: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """The n one-choice bodies: `n` left out, choice i seeded `seed + i` when a seed is given
+    (a seed that is no integer stays as it is, for the parser to refuse by name)."""
+    single = {key: value for key, value in body.items() if key != "n"}
+    seed = body.get("seed")
+    if type(seed) is not int:
+        return [single] * n
+    return [{**single, "seed": seed + i} for i in range(n)]
+
+
+def fan_out(serve: Serve, body: dict[str, Any], request_id: str, form: str) -> Iterator[ChatOutput]:
+    """The outputs of `body` (of API `form`) with its n choices: those of `serve` when n is 1."""
+    n = choice_count(body)
+    if n == 1:
+        yield from serve(body, request_id, form)
+        return
+    requests = [(choice, f"{request_id}-{i}", form) for i, choice in enumerate(choice_bodies(body, n))]
+    if body.get("stream") is True:
+        yield from _streamed(serve, requests)
+    else:
+        yield _whole(serve, requests)
+
+
+def _streamed(serve: Serve, requests: list[tuple[dict[str, Any], str, str]]) -> Iterator[ChatOutput]:
+    """The choices' chunks in turns, one of each per turn. A stream starts when it is first
+    read, in its turn, so choice i's request is sent once choice i - 1's first chunk is here."""
+    streams = [serve(*request) for request in requests]
+    merged = _Merged()
+    try:
+        live = list(range(len(streams)))
+        while live:
+            for i in list(live):
+                output = next(streams[i], None)
+                if output is None:
+                    live.remove(i)
+                elif (chunk := merged.chunk(i, output)) is not None:
+                    yield chunk
+        if merged.usages:
+            yield merged.usage_chunk()
+    finally:
+        for stream in streams:
+            stream.close()  # cancels the choices still running
+
+
+def _whole(serve: Serve, requests: list[tuple[dict[str, Any], str, str]]) -> ChatOutput:
+    """One answer with every choice: choice 0's first, then the others together."""
+    first = _answer(serve, requests[0])
+    with ThreadPoolExecutor(len(requests) - 1, thread_name_prefix="pdchat-choice") as pool:
+        answers = [first, *pool.map(lambda request: _answer(serve, request), requests[1:])]
+    merged = dict(first.response)
+    merged["choices"] = [{**answer.response["choices"][0], "index": i} for i, answer in enumerate(answers)]
+    merged["usage"] = merge_usage([answer.response["usage"] for answer in answers])
+    return ChatOutput(
+        "".join(answer.text for answer in answers),
+        json.dumps(merged, ensure_ascii=False),
+        first.prompt_token_ids,
+        [],
+        first.finish_reason,
+    )
+
+
+def _answer(serve: Serve, request: tuple[dict[str, Any], str, str]) -> ChatOutput:
+    answers = list(serve(*request))
+    if len(answers) != 1:
+        raise ChatError(f"a server sent {len(answers)} responses for a whole answer", ErrorCode.INTERNAL)
+    return answers[0]
+
+
+def merge_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """n choices' usage as one: the prompt (and its cached tokens) once, the completions summed."""
+    completion = sum(usage["completion_tokens"] for usage in usages)
+    return {**usages[0], "completion_tokens": completion, "total_tokens": usages[0]["prompt_tokens"] + completion}
+
+
+class _Merged:
+    """Streamed chunks of n choices as one stream's: each choice's `index`, choice 0's id;
+    usage chunks kept for one at the end."""
+
+    def __init__(self):
+        self.id: str | None = None
+        self.usages: dict[int, dict[str, Any]] = {}  # by choice
+        self._usage_chunk: dict[str, Any] = {}
+
+    def chunk(self, index: int, output: ChatOutput) -> ChatOutput | None:
+        """Choice `index`'s chunk as the merged stream sends it; None for a usage chunk."""
+        response = dict(output.response)
+        self.id = self.id or response.get("id")
+        response["id"] = self.id
+        if not response.get("choices") and "usage" in response:
+            self.usages[index] = response["usage"]
+            self._usage_chunk = response
+            return None
+        response["choices"] = [{**choice, "index": index} for choice in response["choices"]]
+        return ChatOutput(
+            output.text,
+            json.dumps(response, ensure_ascii=False),
+            output.prompt_token_ids,
+            output.output_token_ids,
+            output.finish_reason,
+        )
+
+    def usage_chunk(self) -> ChatOutput:
+        chunk = {**self._usage_chunk, "usage": merge_usage([self.usages[i] for i in sorted(self.usages)])}
+        return ChatOutput("", json.dumps(chunk, ensure_ascii=False))
