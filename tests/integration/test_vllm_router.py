@@ -5,13 +5,18 @@ kv_transfer_params copied into the decode request.
 
 The workers vllm-router sees are the fronts: here two prefill and two decode fronts on the
 session's decode-role server (which signs its own prefill legs), so ejecting a dead decode
-worker is tested by killing its front, without four tritonservers on a 2-core machine.
+worker is tested by killing its front, without four tritonservers on a 2-core machine, and
+where vllm-router's `cache_aware` policy sends a conversation is counted by front (each
+front's /health counts the chat requests it passed on).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
+import urllib.request
+import uuid
 
 import pytest
 
@@ -38,7 +43,7 @@ def deployment(decode_server, tmp_path_factory):
             [fronts["prefill-a"][1], fronts["prefill-b"][1]],
             [fronts["decode-a"][1], fronts["decode-b"][1]],
             router_port,
-        )
+        ) + ["--policy", "cache_aware"]
         started.append(start_service(command, f"http://127.0.0.1:{router_port}/health", logs / "vllm-router.log"))
         yield {"url": f"http://127.0.0.1:{router_port}/v1", "fronts": fronts, "logs": logs}
     finally:
@@ -64,6 +69,36 @@ def test_vllm_router_drives_a_pdchat_pair_with_the_gate_in_force(deployment, dec
     # One render (the prefill leg); the decode leg's ids passed the signed gate.
     assert chat_renders(decode_server) == renders + 1
     assert metric(decode_server, "pdchat_forwarded_ids_total", outcome="accepted") == accepted + 1
+
+
+def front_requests(front_url: str) -> int:
+    """Chat requests a `pdchat openai` front passed to its server."""
+    return json.loads(urllib.request.urlopen(f"{front_url}/health").read())["stats"]["requests"]
+
+
+def test_cache_aware_sends_a_conversations_next_turn_to_the_same_prefill_worker(deployment):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=deployment["url"], api_key="unused", max_retries=0)
+    prefill = {name: deployment["fronts"][name][1] for name in ("prefill-a", "prefill-b")}
+
+    def counts() -> dict[str, int]:
+        return {name: front_requests(url) for name, url in prefill.items()}
+
+    for _ in range(3):  # three conversations: one landing twice on the same of 2 workers by chance is 1 in 8
+        system = f"Session {uuid.uuid4()}. " + "You answer briefly and precisely about lighthouses. " * 20
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "Why are they tall?"}]
+        before = counts()
+        reply = client.chat.completions.create(model="tiny-llama", max_tokens=4, temperature=0, messages=messages)
+        first = counts()
+        [home] = [name for name in prefill if first[name] == before[name] + 1]
+        messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "user", "content": "How far does their light reach?"},
+        ]
+        client.chat.completions.create(model="tiny-llama", max_tokens=4, temperature=0, messages=messages)
+        second = counts()
+        assert second == {**first, home: first[home] + 1}, "the next turn's prefill went to the same worker"
 
 
 def test_a_dead_decode_worker_is_ejected_and_new_requests_do_not_fail(deployment):
