@@ -5,6 +5,7 @@
     python -m pdchat.clients.bench router   # latency the router adds per request
     python -m pdchat.clients.bench soak     # N streams at concurrency C through a P/D pair
     python -m pdchat.clients.bench batching # throughput and latency by concurrency (batched decode)
+    python -m pdchat.clients.bench batching --kv-events  # decode's step alone, KV events off and on
     python -m pdchat.clients.bench e2e      # TTFT with and without forwarded ids, by prompt length (clients/e2e.py)
     python -m pdchat.clients.bench vllm-router  # 2 prefill x 2 decode behind vllm-router, one decode killed
                                                 # (clients/scaleout.py)
@@ -291,6 +292,9 @@ def bench_batching(args: argparse.Namespace) -> None:
             json.loads(prompt["data"][0]["request"][0])["messages"], add_generation_prompt=True, return_dict=False
         )
     )
+    if args.kv_events:
+        _kv_events_off_on(model_dir, prompt_tokens, args)
+        return
     print(f"decode's forward pass alone, in this process: {args.concurrency} rows", file=sys.stderr, flush=True)
     engine_alone = _forward_alone(model_dir, prompt_tokens, args.concurrency, args.device, args.dtype)
     results: dict[str, dict[int, dict[str, float]]] = {}
@@ -383,26 +387,131 @@ def _forward_alone(
     """decode's batched forward pass timed in this process, on the torch threads a stage
     model gets: what a server's steps would cost with nothing else on the CPU (the best
     of `rounds` rounds of `steps` steps, against a noisy neighbour's share)."""
-    from pdchat.core.generation.engine import CausalLM, DecodeBatch
-    from pdchat.core.settings import torch_threads
-
-    engine = CausalLM(model_dir, device, dtype, threads=torch_threads({}, {}))
-    prompt = [(7 * i) % engine.vocab_size for i in range(prompt_tokens)]
+    engine = _stage_engine(model_dir, device, dtype)
     timed = {}
     for rows in row_counts:
-        batch = DecodeBatch(engine)
-        for _ in range(rows):
-            batch.join(engine.prefill(prompt)[1])
-        batch.step([1] * rows)  # warm
-        per_step = float("inf")
-        for _ in range(rounds):
-            started = time.perf_counter()
-            for _ in range(steps):
-                logits = batch.step([1] * rows)
-            logits.cpu()  # on CUDA: wait for the steps queued
-            per_step = min(per_step, (time.perf_counter() - started) / steps)
+        batch = _decoding(engine, prompt_tokens, rows)
+        per_step = min(_step_time(batch, rows, steps) for _ in range(rounds))
         timed[rows] = {"ms_per_step": 1000 * per_step, "output_tokens_per_s": rows / per_step}
     return timed
+
+
+def _stage_engine(model_dir, device: str, dtype: str):
+    """The engine a stage model runs, on the torch threads it gets."""
+    from pdchat.core.generation.engine import CausalLM
+    from pdchat.core.settings import torch_threads
+
+    return CausalLM(model_dir, device, dtype, threads=torch_threads({}, {}))
+
+
+def _decoding(engine, prompt_tokens: int, rows: int):
+    """A decode batch of `rows` prefilled prompts, stepped once (warm). The prompts differ
+    from their first token, so no two rows share a block (each keys its own as it decodes)."""
+    from pdchat.core.generation.engine import DecodeBatch
+
+    batch = DecodeBatch(engine)
+    for row in range(rows):
+        prompt = [(7919 * row + 7 * i) % engine.vocab_size for i in range(prompt_tokens)]
+        batch.join(engine.prefill(prompt)[1])
+    batch.step([1] * rows)
+    return batch
+
+
+def _step_time(batch, rows: int, steps: int) -> float:
+    """Seconds per step over `steps` steps of `batch`."""
+    started = time.perf_counter()
+    for _ in range(steps):
+        logits = batch.step([1] * rows)
+    logits.cpu()  # on CUDA: wait for the steps queued
+    return (time.perf_counter() - started) / steps
+
+
+def _kv_events_off_on(model_dir, prompt_tokens: int, args: argparse.Namespace, steps: int = 32) -> None:
+    """Decode's step alone in this process with KV events off and on, side by side: per row
+    count, `args.rounds` rounds of each setting interleaved (off, on, then on, off: neither
+    always runs first on a noisy machine), the publisher on a local tcp port with a
+    subscriber connected (read after the rounds, so no reader thread shares the process).
+    A step of 32 crosses two block boundaries per row: every row keys blocks as it goes."""
+    import zmq
+
+    from pdchat.core.kv_events import BlockEvents, KVEventPublisher
+    from pdchat.launcher import free_port
+
+    engine = _stage_engine(model_dir, args.device, args.dtype)
+    port = free_port()
+    sink = BlockEvents()
+    publisher = KVEventPublisher(sink, endpoint=f"tcp://*:{port}", block_size=engine.pool.block_tokens)
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    time.sleep(0.3)  # subscribed
+    timed: dict[int, dict[str, list[float]]] = {}
+    for rows in args.concurrency:
+        print(f"decode's step alone, {rows} rows: events off and on, {args.rounds} rounds each", file=sys.stderr)
+        batch = _decoding(engine, prompt_tokens, rows)
+        timed[rows] = {"off": [], "on": []}
+        for index in range(args.rounds):
+            for setting in ("off", "on") if index % 2 == 0 else ("on", "off"):
+                engine.pool.events = sink if setting == "on" else None
+                timed[rows][setting].append(1000 * _step_time(batch, rows, steps))
+        engine.pool.events = None
+    publisher.close()
+    received = 0
+    while sub.poll(200):
+        sub.recv_multipart()
+        received += 1
+    context.destroy(linger=0)
+    stats = publisher.stats()
+    results = {
+        rows: {
+            "off_ms_per_step_median": statistics.median(r["off"]),
+            "on_ms_per_step_median": statistics.median(r["on"]),
+            "on_over_off_median": statistics.median(r["on"]) / statistics.median(r["off"]),
+            "on_over_off_best": min(r["on"]) / min(r["off"]),
+            "rounds_ms_per_step": r,
+        }
+        for rows, r in timed.items()
+    }
+    print(
+        f"\nDecode's step alone, model {args.model} on {args.device} ({args.dtype}), ~{prompt_tokens}-token prompts, "
+        f"{steps} steps a round, {args.rounds} rounds per setting interleaved; KV events off and on:"
+    )
+    print(
+        table(
+            ["rows", "off ms/step (median)", "on ms/step (median)", "on / off (median)", "on / off (best round)"],
+            [
+                [
+                    rows,
+                    r["off_ms_per_step_median"],
+                    r["on_ms_per_step_median"],
+                    r["on_over_off_median"],
+                    r["on_over_off_best"],
+                ]
+                for rows, r in results.items()
+            ],
+        )
+    )
+    print(
+        f"published {stats.published} messages, received {received}, "
+        f"dropped {stats.dropped_events} events and {stats.dropped_messages} messages"
+    )
+    write_results(
+        "batching_kv_events",
+        {
+            "model": args.model,
+            "device": args.device,
+            "dtype": args.dtype,
+            "prompt_tokens": prompt_tokens,
+            "steps_per_round": steps,
+            "rounds": args.rounds,
+            "published_messages": stats.published,
+            "received_messages": received,
+            "dropped_events": stats.dropped_events,
+            "dropped_messages": stats.dropped_messages,
+            "results": results,
+        },
+    )
 
 
 def _during_long_prefill(server, tokenizer, args: argparse.Namespace) -> dict[str, float]:
@@ -458,6 +567,12 @@ def main(argv: list[str] | None = None) -> None:
     batching.add_argument(
         "--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16"
     )
+    batching.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="only decode's step alone (in this process, no server), KV events off and on side by side",
+    )
+    batching.add_argument("--rounds", type=int, default=6, help="with --kv-events: rounds of each setting")
     e2e.add_arguments(commands.add_parser("e2e"))
     scaleout.add_arguments(commands.add_parser("vllm-router"))
     chaos.add_arguments(commands.add_parser("chaos"))
