@@ -14,9 +14,9 @@ import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
 from pdchat.core.request.grammar import load_xgrammar
-from pdchat.core.request.protocol import ChatRequest
+from pdchat.core.request.protocol import ChatRequest, json_object
 from pdchat.core.request.renderers import load_renderer
-from pdchat.core.request.tokenize import detokenize, json_object, parse_detokenize, parse_tokenize, tokenize
+from pdchat.core.request.tokenize import detokenize, parse_detokenize, parse_tokenize, tokenize
 from pdchat.core.settings import max_request_bytes
 from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model

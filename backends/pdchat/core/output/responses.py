@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from pdchat.core.output.harmony import HarmonyOutputParser
@@ -189,17 +190,11 @@ class CompletionAssembler(ResponseAssembler):
     completions shape with each token's `text_offset` into the choice's text."""
 
     OBJECT = CHUNK_OBJECT = "text_completion"
+    _spelled = 0  # streaming: characters of the tokens spelled so far (text_offset past the echo)
 
-    def __init__(
-        self,
-        params: GenerationParams,
-        prompt_token_ids: list[int],
-        parser: OutputParser | HarmonyOutputParser,
-        speller: TokenSpeller,
-    ):
-        super().__init__(params, prompt_token_ids, parser, speller)
-        self._echo = speller.text(prompt_token_ids) if params.echo else ""
-        self._offset = len(self._echo)  # streaming: the next token's text_offset
+    @cached_property
+    def _echo(self) -> str:
+        return self._speller.text(self._prompt_token_ids) if self._params.echo else ""
 
     def _parse(self, delta: Delta) -> ParsedDelta:
         return ParsedDelta()
@@ -207,9 +202,9 @@ class CompletionAssembler(ResponseAssembler):
     def _chunk(self, delta: Delta, parsed: ParsedDelta, finish: str) -> ClientOutput:
         text = (self._echo if self._first else "") + delta.text
         prompt_ids = self._prompt_token_ids if self._first else []
-        choice = self._choice(text, delta.logprobs, self._offset, finish or None)
-        if choice["logprobs"] and choice["logprobs"]["tokens"]:
-            self._offset = choice["logprobs"]["text_offset"][-1] + len(choice["logprobs"]["tokens"][-1])
+        choice = self._choice(text, delta.logprobs, len(self._echo) + self._spelled, finish or None)
+        if choice["logprobs"]:
+            self._spelled += sum(len(token) for token in choice["logprobs"]["tokens"])
         body = self._envelope(self.CHUNK_OBJECT, choice, prompt_ids, delta.token_ids)
         self._first = False
         return ClientOutput(text, json.dumps(body, ensure_ascii=False), prompt_ids, delta.token_ids, finish)

@@ -65,13 +65,12 @@ FIXED_FIELDS = {
     "no_stop_trim": False,
     "return_hidden_states": False,
 }
-# Every other field this server honours; anything else is refused by name.
-HONOURED_FIELDS = frozenset(
+# The fields chat and completions bodies share: model, limits, sampling, streaming, logprobs
+# (a flag for chat, a count for completions) and the token-id wire forms.
+SHARED_FIELDS = frozenset(
     {
-        "messages",
         "model",
         "max_tokens",
-        "max_completion_tokens",
         "temperature",
         "top_p",
         "seed",
@@ -79,12 +78,6 @@ HONOURED_FIELDS = frozenset(
         "stream",
         "stream_options",
         "n",
-        "tools",
-        "tool_choice",
-        "response_format",
-        "chat_template_kwargs",
-        "add_generation_prompt",
-        "continue_final_message",
         "ignore_eos",
         "return_token_ids",
         "kv_transfer_params",
@@ -98,49 +91,31 @@ HONOURED_FIELDS = frozenset(
         "top_k",
         "min_p",
         "logprobs",
-        "top_logprobs",
-        "parallel_tool_calls",
-        "reasoning_effort",
         "cache_salt",
     }
 )
+# Every other field this server honours in a chat; anything else is refused by name.
+HONOURED_FIELDS = SHARED_FIELDS | {
+    "messages",
+    "max_completion_tokens",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "top_logprobs",
+    "parallel_tool_calls",
+    "reasoning_effort",
+}
 REASONING_EFFORTS = ("low", "medium", "high")
 TOOL_FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 # OpenAI's bounds: penalties in [-2, 2], biases in [-100, 100], up to 20 alternatives per token.
 PENALTY_BOUND = 2.0
 LOGIT_BIAS_BOUND = 100.0
 MAX_TOP_LOGPROBS = 20
-# The completions API (/v1/completions): the fields it shares with chat (sampling, limits,
-# streaming, the token-id wire forms) plus its own; anything else is refused by name.
-COMPLETION_FIELDS = frozenset(
-    {
-        "prompt",
-        "echo",
-        "model",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "seed",
-        "stop",
-        "stream",
-        "stream_options",
-        "n",
-        "logprobs",
-        "ignore_eos",
-        "return_token_ids",
-        "kv_transfer_params",
-        "prompt_token_ids",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "logit_bias",
-        "min_tokens",
-        "stop_token_ids",
-        "top_k",
-        "min_p",
-        "cache_salt",
-    }
-)
+# The completions API (/v1/completions): the shared fields plus its own; anything else is refused by name.
+COMPLETION_FIELDS = SHARED_FIELDS | {"prompt", "echo"}
 # OpenAI completions fields this server does not do, refused by name (unless null) with why.
 UNSUPPORTED_COMPLETION_FIELDS = {
     "suffix": "text after the insertion point (fill-in-the-middle) is not supported; send the prompt only",
@@ -318,17 +293,22 @@ def check_served_model(model: str | None, served: str | Sequence[str]) -> None:
         raise ModelNotFound(f"model '{model}' is not served here; this server serves {listed}")
 
 
-def parse_chat_json(body: str | bytes) -> ChatRequest:
-    """Parse an OpenAI chat-completions body into a ChatRequest. orjson: several times faster
-    than json on long conversations, and it refuses what no stage could use (lone UTF-16
-    surrogates, NaN, infinities, nesting past 1024) as invalid JSON, not as a crash."""
+def json_object(name: str, text: str | bytes) -> dict[str, Any]:
+    """`text` (the `name` input) as a JSON object, else InvalidRequest. orjson: several times
+    faster than json on long conversations, and it refuses what no stage could use (lone
+    UTF-16 surrogates, NaN, infinities, nesting past 1024) as invalid JSON, not as a crash."""
     try:
-        data = orjson.loads(body)
+        body = orjson.loads(text)
     except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"'request' is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise InvalidRequest(f"'request' must be a JSON object, got {type(data).__name__}")
-    return chat_request_from_body(data)
+        raise InvalidRequest(f"'{name}' is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"'{name}' must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def parse_chat_json(body: str | bytes) -> ChatRequest:
+    """Parse an OpenAI chat-completions body (the `request` input) into a ChatRequest."""
+    return chat_request_from_body(json_object("request", body))
 
 
 def utf8_json(data: dict[str, Any]) -> bytes:
@@ -369,13 +349,7 @@ def chat_request_from_body(data: dict[str, Any], *, check_grammar: bool = True) 
 
 def parse_completion_json(body: str | bytes) -> ChatRequest:
     """Parse an OpenAI completions body (the `completion_request` input) into a ChatRequest."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"'completion_request' is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise InvalidRequest(f"'completion_request' must be a JSON object, got {type(data).__name__}")
-    return completion_request_from_body(data)
+    return completion_request_from_body(json_object("completion_request", body))
 
 
 def completion_request_from_body(data: dict[str, Any]) -> ChatRequest:

@@ -25,8 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-import orjson
-
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.request.protocol import ChatRequest, chat_request_from_body, check_served_model
 
@@ -59,17 +57,6 @@ class TokenizeRequest:
 class DetokenizeRequest:
     tokens: tuple[int, ...]
     model: str | None = None
-
-
-def json_object(name: str, text: str | bytes) -> dict[str, Any]:
-    """`text` (the `name` input) as a JSON object, else InvalidRequest."""
-    try:
-        body = orjson.loads(text)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"'{name}' is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest(f"'{name}' must be a JSON object, got {type(body).__name__}")
-    return body
 
 
 def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
