@@ -324,32 +324,35 @@ def _project_vocab_by_rows(model: torch.nn.Module) -> None:
     """Give a CPU model an output projection that picks its GEMM by row count.
 
     Why: nn.Linear multiplies by its [vocab, hidden] weight transposed, which MKL's fp32
-    GEMM does slowly for the few rows a decode step has, and which of the other two
-    layouts is fastest depends on the rows. On the tiny model (vocab 49k, hidden 256), ms
-    per projection, nn.Linear / x @ W^T (W^T stored) / (W @ x^T)^T: 1 row 6.6 / 2.4 / 6.5;
-    4 rows 10.4 / 8.1 / 4.0; 8 rows 11.7 / 9.7 / 6.1; 16 rows 14.0 / 11.4 / 13.5. The
-    copy costs the projection's size again (its weight is also kept for 2-8 rows)."""
+    GEMM does slowly for the few rows a decode step has. For one row `x @ W^T` with W^T
+    stored is fastest; for more, oneDNN with the weight reordered once into its blocked
+    layout (as vLLM's CPU backend does for its linear layers), which skips the layout
+    conversion a plain call pays each time. The smaller linear layers keep nn.Linear:
+    oneDNN's per-call overhead outweighs its gain there. Measured per shape and row
+    count in docs/batching.md. The two copies cost the projection's size twice."""
     head = model.get_output_embeddings()
     if type(head) is torch.nn.Linear:
         model.set_output_embeddings(_VocabProjection(head))
 
 
 class _VocabProjection(torch.nn.Module):
-    """nn.Linear's result, by whichever GEMM layout is fastest for this many rows."""
-
-    FEW_ROWS = range(2, 9)  # rows for which W @ x^T beat x @ W^T (see above)
+    """nn.Linear's result, by whichever GEMM is fastest for this many rows."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.weight = linear.weight  # [vocab, hidden], shared with tied input embeddings
         self.weight_t = torch.nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
         self.bias = linear.bias
+        # oneDNN's blocked layout of the weight, reordered once for batches of about 16 rows
+        # (fp32 only: its bf16 and fp16 paths need AVX-512 or AVX-NE-CONVERT).
+        fp32 = linear.weight.dtype == torch.float32
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 16) if fp32 else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.reshape(-1, hidden.shape[-1])
-        if rows.shape[0] in self.FEW_ROWS:
-            out = (self.weight @ rows.t()).t()
-        else:
+        if rows.shape[0] == 1 or self.packed is None:
             out = rows @ self.weight_t
-        out = out.reshape(*hidden.shape[:-1], -1)
-        return out if self.bias is None else out + self.bias
+            out = out if self.bias is None else out + self.bias
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [None], "")
+        return out.reshape(*hidden.shape[:-1], -1)
