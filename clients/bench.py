@@ -13,6 +13,8 @@
                                             # along the way (clients/chaos.py)
     python -m pdchat.clients.bench prefix   # TTFT per turn of an 8-turn chat, prefix cache on and off
                                             # (clients/prefix.py)
+    python -m pdchat.clients.bench peer     # beside vLLM's CPU build: tok/s, TTFT, ITL by concurrency
+                                            # (clients/peer.py)
 
 Ratios are measured side by side in one run; these machines are noisy.
 """
@@ -28,7 +30,7 @@ import time
 
 import numpy as np
 
-from pdchat.clients import chaos, e2e, prefix, scaleout
+from pdchat.clients import chaos, e2e, peer, prefix, scaleout
 from pdchat.clients.report import plot, table, timed, write_results
 from pdchat.core.settings import DEVICE, DTYPE, FORWARDED_IDS, MODEL
 
@@ -577,6 +579,7 @@ def main(argv: list[str] | None = None) -> None:
     scaleout.add_arguments(commands.add_parser("vllm-router"))
     chaos.add_arguments(commands.add_parser("chaos"))
     prefix.add_arguments(commands.add_parser("prefix"))
+    peer.add_arguments(commands.add_parser("peer"))
     args = parser.parse_args(argv)
     benches = {
         "reuse": bench_reuse,
@@ -588,6 +591,7 @@ def main(argv: list[str] | None = None) -> None:
         "vllm-router": scaleout.bench_vllm_router,
         "chaos": chaos.run,
         "prefix": prefix.run,
+        "peer": peer.run,
     }
     benches[args.bench](args)
 

