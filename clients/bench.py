@@ -6,6 +6,7 @@
     python -m pdchat.clients.bench soak     # N streams at concurrency C through a P/D pair
     python -m pdchat.clients.bench batching # throughput and latency by concurrency (batched decode)
     python -m pdchat.clients.bench batching --kv-events  # decode's step alone, KV events off and on
+    python -m pdchat.clients.bench batching --step-only  # decode's step alone, beside transformers' nn.Linear head
     python -m pdchat.clients.bench e2e      # TTFT with and without forwarded ids, by prompt length (clients/e2e.py)
     python -m pdchat.clients.bench vllm-router  # 2 prefill x 2 decode behind vllm-router, one decode killed
                                                 # (clients/scaleout.py)
@@ -299,6 +300,13 @@ def bench_batching(args: argparse.Namespace) -> None:
         return
     print(f"decode's forward pass alone, in this process: {args.concurrency} rows", file=sys.stderr, flush=True)
     engine_alone = _forward_alone(model_dir, prompt_tokens, args.concurrency, args.device, args.dtype)
+    if args.step_only:
+        _print_forward_alone(engine_alone)
+        write_results(
+            f"{results_name}_step-{args.model}",
+            {"model": args.model, "prompt_tokens": prompt_tokens, "forward_pass_alone": engine_alone},
+        )
+        return
     results: dict[str, dict[int, dict[str, float]]] = {}
     env = {MODEL.env: args.model, FORWARDED_IDS.env: "trusted", **placement}
     with TritonServer(env=env, exit_timeout_s=5) as server:
@@ -334,13 +342,7 @@ def bench_batching(args: argparse.Namespace) -> None:
             [[long["itl_p50_ms"], long["itl_p99_ms"], long["itl_p99_ms"] / long["itl_p50_ms"]]],
         )
     )
-    print("\nDecode's forward pass alone (in this process, no server: the ceiling of the rows above):")
-    print(
-        table(
-            ["rows", "ms per step", "output tokens/s"],
-            [[rows, r["ms_per_step"], r["output_tokens_per_s"]] for rows, r in engine_alone.items()],
-        )
-    )
+    _print_forward_alone(engine_alone)
     mono = results["monolithic (perf_analyzer)"]
     if 1 in mono and 16 in mono:
         print(
@@ -388,22 +390,54 @@ def _forward_alone(
 ) -> dict[int, dict[str, float]]:
     """decode's batched forward pass timed in this process, on the torch threads a stage
     model gets: what a server's steps would cost with nothing else on the CPU (the best
-    of `rounds` rounds of `steps` steps, against a noisy neighbour's share)."""
+    of `rounds` rounds of `steps` steps, against a noisy neighbour's share). Each round
+    also times the step with transformers' own nn.Linear vocabulary projection in place of
+    the engine's (`ms_per_step_nn_linear`), so the two are compared side by side."""
+    import torch
+
     engine = _stage_engine(model_dir, device, dtype)
+    ours = engine.model.get_output_embeddings()
+    stock = torch.nn.Linear(ours.weight.shape[1], ours.weight.shape[0], bias=ours.bias is not None)
+    stock.weight, stock.bias = ours.weight, ours.bias
+    heads = {"ms_per_step": ours, "ms_per_step_nn_linear": stock}
     timed = {}
     for rows in row_counts:
         batch = _decoding(engine, prompt_tokens, rows)
-        per_step = min(_step_time(batch, rows, steps) for _ in range(rounds))
-        timed[rows] = {"ms_per_step": 1000 * per_step, "output_tokens_per_s": rows / per_step}
+        best = dict.fromkeys(heads, float("inf"))
+        for _ in range(rounds):
+            for name, head in heads.items():
+                engine.model.set_output_embeddings(head)
+                best[name] = min(best[name], _step_time(batch, rows, steps))
+        engine.model.set_output_embeddings(ours)
+        batch.leave(list(range(rows)))
+        timed[rows] = {
+            **{name: 1000 * seconds for name, seconds in best.items()},
+            "output_tokens_per_s": rows / best["ms_per_step"],
+        }
     return timed
 
 
-def _stage_engine(model_dir, device: str, dtype: str):
-    """The engine a stage model runs, on the torch threads it gets."""
-    from pdchat.core.generation.engine import CausalLM
-    from pdchat.core.settings import torch_threads
+def _print_forward_alone(engine_alone: dict[int, dict[str, float]]) -> None:
+    print("\nDecode's forward pass alone (in this process, no server: the ceiling of the rows above):")
+    print(
+        table(
+            ["rows", "ms per step", "output tokens/s", "ms per step, nn.Linear head", "nn.Linear / pdchat"],
+            [
+                [rows, r["ms_per_step"], r["output_tokens_per_s"], r["ms_per_step_nn_linear"]]
+                + [r["ms_per_step_nn_linear"] / r["ms_per_step"]]
+                for rows, r in engine_alone.items()
+            ],
+        )
+    )
 
-    return CausalLM(model_dir, device, dtype, threads=torch_threads({}, {}))
+
+def _stage_engine(model_dir, device: str, dtype: str):
+    """The engine a decode stage model runs, on the torch threads and KV pool it gets."""
+    from pdchat.core.generation.engine import CausalLM
+    from pdchat.core.settings import DECODE_KV_MB, MIB, KVPoolOptions, torch_threads
+
+    pool = KVPoolOptions(bytes=int(DECODE_KV_MB.default) * MIB)
+    return CausalLM(model_dir, device, dtype, threads=torch_threads({}, {}), pool=pool)
 
 
 def _decoding(engine, prompt_tokens: int, rows: int):
@@ -575,6 +609,11 @@ def main(argv: list[str] | None = None) -> None:
         help="only decode's step alone (in this process, no server), KV events off and on side by side",
     )
     batching.add_argument("--rounds", type=int, default=6, help="with --kv-events: rounds of each setting")
+    batching.add_argument(
+        "--step-only",
+        action="store_true",
+        help="only decode's step alone (in this process, no server), its vocabulary projection beside nn.Linear's",
+    )
     e2e.add_arguments(commands.add_parser("e2e"))
     scaleout.add_arguments(commands.add_parser("vllm-router"))
     chaos.add_arguments(commands.add_parser("chaos"))
