@@ -247,3 +247,33 @@ def test_requests_wait_for_blocks_and_a_cancelled_local_prefill_gives_its_kv_bac
     scheduler.close()
     assert recorder.events.index("a3") < recorder.events.index("b:cancelled"), "b was admitted only once a left"
     assert b.dropped, "a request cancelled while prefilling gave its blocks back"
+
+
+def test_state_reports_are_spaced_while_running_and_the_idle_state_is_reported_at_once():
+    """A state that changes every step is reported at most once per interval; the state the
+    scheduler goes idle in is reported at once, so gauges never stay at a running count."""
+    recorder, states = Recorder(), []
+    ticks = iter(range(10_000))  # a clock that advances 1 "second" per reading
+
+    class GrowingBatch(RecordingBatch):
+        def kv_bytes(self):  # every step holds more, as rows' blocks fill
+            return 100 * len(self.steps) if self.rows else 0
+
+    scheduler = DecodeScheduler(
+        GrowingBatch(), Limits(), on_state=states.append, state_interval_s=3.0, clock=lambda: next(ticks)
+    )
+    scheduler.submit(recorder.job(CountingGeneration("a", 12)))
+    for _ in range(200):
+        if "a:end" in recorder.events:
+            break
+        threading.Event().wait(0.01)
+    for _ in range(200):
+        if states and states[-1].running == 0:
+            break
+        threading.Event().wait(0.01)
+    scheduler.close()
+    assert "a:end" in recorder.events
+    assert states[-1].running == 0 and states[-1].kv_bytes == 0, "the idle state was never reported"
+    running = [s for s in states if s.running]
+    # 12 steps, the KV changing every step: far fewer reports than steps.
+    assert 1 <= len(running) <= 6, states

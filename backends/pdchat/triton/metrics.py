@@ -237,6 +237,7 @@ class VllmMetrics:
     here), `ended`."""
 
     _KINDS = {"gauge": "GAUGE", "counter": "COUNTER", "histogram": "HISTOGRAM"}
+    _FLUSH_S = 0.1
 
     def __init__(self, served_name: str, instance_name: str):
         labels = {"model_name": served_name, "engine": instance_name}
@@ -251,6 +252,10 @@ class VllmMetrics:
         }
         self._timeline = RequestTimeline()
         self._counted = {"prompt": 0, "queries": 0, "hits": 0}
+        # Generation tokens not yet added to their counter: added at most every
+        # _FLUSH_S while streams run, and whenever a request ends (so none is ever lost).
+        self._unsent_tokens = 0
+        self._sent_at = float("-inf")
 
     def pool(self, usage) -> None:
         """KV usage, and the prefix cache's and prompts' counters advanced to `usage`'s totals."""
@@ -284,20 +289,30 @@ class VllmMetrics:
 
     def emitted(self, key: str, sampled: int, now: float | None = None) -> None:
         """An output of `key`, of which `sampled` tokens were sampled by this engine."""
-        observed = self._timeline.emitted(key, time.monotonic() if now is None else now)
+        now = time.monotonic() if now is None else now
+        observed = self._timeline.emitted(key, now)
         if observed is not None:
             self._metric(observed[0]).observe(observed[1])
-        if sampled > 0:
-            self._metric(engine_stats.GENERATION_TOKENS).increment(sampled)
+        self._unsent_tokens += sampled
+        if now - self._sent_at >= self._FLUSH_S:
+            self._send_tokens(now)
 
     def ended(self, key: str, finished: bool, now: float | None = None) -> None:
         """`key` ended: its end-to-end latency if it `finished` (not failed or cancelled)."""
+        now = time.monotonic() if now is None else now
+        self._send_tokens(now)
         if not finished:
             self._timeline.dropped(key)
             return
-        seconds = self._timeline.finished(key, time.monotonic() if now is None else now)
+        seconds = self._timeline.finished(key, now)
         if seconds is not None:
             self._metric(engine_stats.E2E).observe(seconds)
+
+    def _send_tokens(self, now: float) -> None:
+        if self._unsent_tokens > 0:
+            self._metric(engine_stats.GENERATION_TOKENS).increment(self._unsent_tokens)
+            self._unsent_tokens = 0
+        self._sent_at = now
 
     def close(self) -> None:
         """Drop metrics before their families, as the python backend requires."""

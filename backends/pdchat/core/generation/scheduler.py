@@ -113,13 +113,16 @@ class DecodeScheduler:
         *,
         name: str = "pdchat-decode",
         on_state: Callable[[SchedulerState], None] | None = None,
+        state_interval_s: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
     ):
         self._batch = batch
         self._limits = limits
         self._on_state = on_state
+        self._state_interval_s = state_interval_s
         self._clock = clock
         self._state: SchedulerState | None = None
+        self._reported_at = float("-inf")
         self._incoming: queue.SimpleQueue[DecodeJob | None] = queue.SimpleQueue()
         self._cancel_requests: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._waiting: list[_Entry] = []
@@ -305,9 +308,17 @@ class DecodeScheduler:
             self._running = [e for row, e in enumerate(self._running) if row not in leaving]
 
     def _report(self) -> None:
+        """Tell `on_state` of a changed state at most every `state_interval_s` while work
+        goes on (the KV held changes nearly every step at 16 rows; each report is several
+        metric updates, each a round trip to the server), and at once when the scheduler
+        is about to wait idle, so the last state is never left unreported."""
         if self._on_state is None:
+            return
+        idle = not (self._waiting or self._prefilling or self._running)
+        now = self._clock()
+        if not idle and now - self._reported_at < self._state_interval_s:
             return
         state = SchedulerState(len(self._running) + len(self._prefilling), len(self._waiting), self._batch.kv_bytes())
         if state != self._state:
-            self._state = state
+            self._state, self._reported_at = state, now
             self._on_state(state)
