@@ -222,6 +222,7 @@ def with_call(arguments, name="f"):
         (body(seed=-1), "'seed'"),
         (body(n=2), "'n' must be 1"),
         (body(stop=[""]), "'stop'"),
+        (body(stop=[f"s{i}" for i in range(65)]), "'stop' holds 65 strings; at most 64"),
         (body(stream="yes"), "'stream' must be a bool"),
         (body(tools=[{"type": "function"}]), "tools[0] must be"),
         (body(tools=[{"type": "function", "function": {"name": ""}}]), "tools[0].function.name"),
