@@ -34,13 +34,26 @@ MAX_CHOICES = 16  # a bound on the requests one body fans out to
 Serve = Callable[[dict[str, Any], str, str], Iterator[ChatOutput]]
 
 
+# The fields of one request's P/D handoff (vLLM's wire form), which cannot serve n requests.
+HANDOFF_FIELDS = ("kv_transfer_params", "prompt_token_ids")
+
+
 def choice_count(body: dict[str, Any]) -> int:
-    """The body's `n` (1 if absent), else ChatError INVALID_ARG naming it."""
+    """The body's `n` (1 if absent), else ChatError INVALID_ARG naming it. n > 1 is refused
+    beside a handoff (HANDOFF_FIELDS): a signed handoff is admitted once, so choice 1 on would
+    be refused `replayed` after choice 0 ran (its chunks already sent, streamed), and a
+    prefill leg's n handoffs would hold n KVs to their expiry with one answered."""
     n = body.get("n")
     if n is None:
         return 1
     if type(n) is not int or not 1 <= n <= MAX_CHOICES:
         raise ChatError(f"'n' must be an integer in [1, {MAX_CHOICES}], got {n!r}", ErrorCode.INVALID_ARG)
+    if n > 1 and (given := [key for key in HANDOFF_FIELDS if body.get(key) is not None]):
+        raise ChatError(
+            f"'n' > 1 with {' and '.join(given)}: a P/D handoff serves one request; send n = 1 to each "
+            "server (a front before both, such as pdchat's router, serves n choices itself)",
+            ErrorCode.INVALID_ARG,
+        )
     return n
 
 

@@ -17,6 +17,16 @@ def test_n_is_counted_and_bounded_by_name():
             choice_count({"n": n})
 
 
+def test_n_above_1_is_refused_beside_a_handoff_which_serves_one_request():
+    """A signed handoff is admitted once: choice 1 on would be refused `replayed` after choice 0
+    ran (streamed: with its chunks already sent), found on pdchat openai before a decode server."""
+    for field, value in (("kv_transfer_params", {"do_remote_decode": True}), ("prompt_token_ids", [1, 2])):
+        with pytest.raises(ChatError, match=f"'n' > 1 with {field}: a P/D handoff serves one request"):
+            choice_count({"n": 2, field: value})
+        assert choice_count({"n": 1, field: value}) == 1
+    assert choice_count({"n": 2, "kv_transfer_params": None}) == 2
+
+
 def test_choice_i_is_seeded_seed_plus_i_and_n_is_left_out():
     assert choice_bodies({"n": 3, "seed": 7, "prompt": "x"}, 3) == [{"seed": 7 + i, "prompt": "x"} for i in range(3)]
     assert choice_bodies({"n": 2, "prompt": "x"}, 2) == [{"prompt": "x"}] * 2
