@@ -256,6 +256,7 @@ def parse_sources(sources: Sequence[str], replay_sources: Sequence[str] = ()) ->
                 raise ValueError(f"{flag} {value!r}: one endpoint per server (pdchat's prefill runs one instance)")
             if server in found:
                 raise ValueError(f"{flag}: {server} given twice")
+            _check_endpoint(flag, value, endpoint)
             found[server] = endpoint
         return found
 
@@ -263,3 +264,20 @@ def parse_sources(sources: Sequence[str], replay_sources: Sequence[str] = ()) ->
     if unknown := sorted(set(replays) - set(events)):
         raise ValueError(f"--kv-event-replay-source for {', '.join(unknown)}, which has no --kv-event-source")
     return {server: KVEventSource(endpoint, replays.get(server)) for server, endpoint in events.items()}
+
+
+def _check_endpoint(flag: str, value: str, endpoint: str) -> None:
+    """ZMQ's own check of `endpoint`'s form, by connecting a socket closed at once (a connect
+    sends nothing). Otherwise a malformed one (`host:5557`, no `tcp://`) would only kill its
+    subscriber thread once the router runs, and the prefix policy would find no block held."""
+    context = zmq.Context()
+    try:
+        socket = context.socket(zmq.SUB)
+        try:
+            socket.connect(endpoint)
+        except zmq.ZMQError as exc:
+            raise ValueError(f"{flag} {value!r}: not a ZMQ endpoint ({exc}); e.g. tcp://host:5557") from None
+        finally:
+            socket.close(0)
+    finally:
+        context.destroy(linger=0)

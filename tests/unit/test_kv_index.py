@@ -103,6 +103,10 @@ def test_sources_parse_like_vllm_routers_flags():
         (["p:1=tcp://h:1,tcp://h:2"], [], "one endpoint per server"),
         (["p:1=tcp://h:1", "p:1=tcp://h:2"], [], "given twice"),
         (["p:1=tcp://h:1"], ["p:2=tcp://h:2"], "has no --kv-event-source"),
+        # Malformed endpoints killed the subscriber thread once the router ran, found by the red team.
+        (["p:1=h:5557"], [], "--kv-event-source 'p:1=h:5557': not a ZMQ endpoint"),
+        (["p:1=tcp://h:port"], [], "not a ZMQ endpoint"),
+        (["p:1=tcp://h:1"], ["p:1=h:5558"], "--kv-event-replay-source 'p:1=h:5558': not a ZMQ endpoint"),
     ):
         with pytest.raises(ValueError, match=message):
             parse_sources(sources, replays)
