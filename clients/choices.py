@@ -30,6 +30,7 @@ from pdchat.clients.chat import ChatError, ChatOutput
 from pdchat.core.errors import ErrorCode
 
 MAX_CHOICES = 16  # a bound on the requests one body fans out to
+SEED_MODULUS = 1 << 63  # the servers take a seed modulo this (protocol's _seed)
 
 Serve = Callable[[dict[str, Any], str, str], Iterator[ChatOutput]]
 
@@ -59,12 +60,17 @@ def choice_count(body: dict[str, Any]) -> int:
 
 def choice_bodies(body: dict[str, Any], n: int) -> list[dict[str, Any]]:
     """The n one-choice bodies: `n` left out, choice i seeded `seed + i` when a seed is given
-    (a seed that is no integer stays as it is, for the parser to refuse by name)."""
+    (a seed that is no integer, or a negative one, stays as it is, for the parser to refuse by
+    name). The servers take a seed modulo 2**63, so `seed + i` is sent so reduced: the servers
+    parse JSON integers past 2**64 - 1 as floats and refuse them, which failed choice i of a seed
+    just below 2**64 after the choices before it ran."""
     single = {key: value for key, value in body.items() if key != "n"}
     seed = body.get("seed")
     if type(seed) is not int:
         return [single] * n
-    return [{**single, "seed": seed + i} for i in range(n)]
+    if seed < 0:
+        return [{**single, "seed": seed + i} for i in range(n)]
+    return [{**single, "seed": (seed + i) % SEED_MODULUS} for i in range(n)]
 
 
 def fan_out(serve: Serve, body: dict[str, Any], request_id: str, form: str) -> Iterator[ChatOutput]:

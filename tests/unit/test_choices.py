@@ -31,6 +31,15 @@ def test_choice_i_is_seeded_seed_plus_i_and_n_is_left_out():
     assert choice_bodies({"n": 3, "seed": 7, "prompt": "x"}, 3) == [{"seed": 7 + i, "prompt": "x"} for i in range(3)]
     assert choice_bodies({"n": 2, "prompt": "x"}, 2) == [{"prompt": "x"}] * 2
     assert choice_bodies({"n": 2, "seed": "x"}, 2) == [{"seed": "x"}] * 2  # the parser refuses it by name
+    assert choice_bodies({"n": 2, "seed": -1}, 2) == [{"seed": -1}, {"seed": 0}]  # choice 0 is refused by name
+
+
+def test_choice_seeds_are_sent_modulo_2_63_as_the_servers_take_them():
+    """The servers parse integers past 2**64 - 1 as floats and refuse them: choice 2 of seed
+    2**64 - 2 failed after choices 0 and 1 ran (streamed: a 200 with their chunks, then the error)."""
+    seeds = [choice["seed"] for choice in choice_bodies({"n": 3, "seed": 2**64 - 2}, 3)]
+    assert seeds == [(2**64 - 2 + i) % 2**63 for i in range(3)] and all(seed < 2**63 for seed in seeds)
+    assert [c["seed"] for c in choice_bodies({"n": 2, "seed": 2**63 - 1}, 2)] == [2**63 - 1, 0]
 
 
 class FakeFront:
