@@ -1,12 +1,18 @@
-"""A real tritonserver on the tiny model, shared by the integration tests.
+"""Real tritonservers on the tiny model, shared by the integration tests.
 
-Besides the repository's models it serves an extra repository with `prefill_bad`,
+Stopping a server takes seconds: a fixture's server is stopped in the background while
+the next tests run, and every stop is joined and checked (no shared memory left) at the
+end of the session.
+
+Besides the repository's models `server` serves an extra repository with `prefill_bad`,
 a prefill pointed at a model path that does not exist, loaded on demand only.
 """
 
 from __future__ import annotations
 
 import shutil
+import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -43,7 +49,7 @@ def server(tmp_path_factory, tiny_model_dir):
 
 
 def running_server(tmp_path_factory, name: str, **options):
-    """Start a tiny-model server; stop it after, checking it left no shared memory."""
+    """Start a tiny-model server; stop_checked stops it."""
     env = {"PDCHAT_MODEL": "tiny", **options.pop("env", {})}
     instance = TritonServer(env=env, log_path=tmp_path_factory.getbasetemp() / f"tritonserver-{name}.log", **options)
     instance.start()
@@ -51,8 +57,68 @@ def running_server(tmp_path_factory, name: str, **options):
 
 
 def stop_checked(instance: TritonServer) -> None:
-    instance.stop()
-    assert instance.leaked_shm() == [], "the server left shared-memory regions behind"
+    """Stop the server in the background; that it left no shared memory is checked with
+    every other stop at the end of the session (`_background_stops`)."""
+
+    def stop() -> None:
+        instance.stop()
+        assert instance.leaked_shm() == [], f"the {instance.role} server left shared-memory regions behind"
+
+    in_background(stop)
+
+
+_STOPPING: list[tuple[threading.Thread, list[BaseException]]] = []
+
+
+def in_background(stop: Callable[[], None]) -> None:
+    """Run `stop` (a teardown and its checks) on a thread of its own; what it raises fails
+    the session's last teardown."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            stop()
+        except BaseException as exc:  # noqa: BLE001 - raised at the session's end
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="pdchat-test-stop")
+    thread.start()
+    _STOPPING.append((thread, errors))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _background_stops():
+    """Set up before every other session fixture, so torn down after them: joins every
+    background stop (the session servers' too, which thus stop at once) and raises the
+    first failure."""
+    yield
+    for thread, _ in _STOPPING:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread, _ in _STOPPING), "a server's stop did not end within 120 s"
+    errors = [error for _, errors in _STOPPING for error in errors]
+    _STOPPING.clear()
+    if errors:
+        raise errors[0]
+
+
+def at_once(calls: list[Callable[[], object]]) -> None:
+    """Make the calls at once, a thread each (servers start or stop in parallel); raise the
+    first failure once all are done."""
+    errors: list[BaseException] = []
+
+    def call(function: Callable[[], object]) -> None:
+        try:
+            function()
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(function,)) for function in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
 
 
 @pytest.fixture(scope="session")

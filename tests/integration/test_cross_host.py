@@ -11,7 +11,7 @@ from pdchat.clients.router import PDRouter
 from pdchat.launcher import TritonServer
 from tests.conversations import PARITY_CASES
 from tests.integration import netns
-from tests.integration.conftest import stop_checked
+from tests.integration.conftest import at_once
 from tests.integration.helpers import metric
 
 pytestmark = pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 for network namespaces")
@@ -36,13 +36,15 @@ def pair(tmp_path_factory, tiny_model_dir):
             for role, host in (("prefill", host_a), ("decode", host_b))
         ]
         try:
-            for server in servers:
-                server.start()
+            at_once([server.start for server in servers])
             yield (*servers, host_a)
-        finally:
-            for server in servers:
-                if server.process is not None:
-                    stop_checked(server)
+        finally:  # both at once, and before their namespaces go
+
+            def stop(server: TritonServer) -> None:
+                server.stop()
+                assert server.leaked_shm() == [], f"the {server.role} server left shared-memory regions behind"
+
+            at_once([lambda s=server: stop(s) for server in servers if server.process is not None])
 
 
 def test_pd_across_hosts_over_nixl_equals_monolithic(pair, server):

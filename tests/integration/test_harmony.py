@@ -14,6 +14,7 @@ from pdchat.clients.chat import GrpcChat, HttpChat, chat_inputs
 from pdchat.launcher import PDStack
 from tests.conversations import WEATHER_TOOL as WEATHER
 from tests.integration.adversarial import ADVERSARIAL
+from tests.integration.conftest import in_background
 from tests.integration.helpers import ask, executions, metric, refusal, router_answer, summary
 
 CHAT = "chat"
@@ -52,9 +53,13 @@ def stack(tmp_path_factory):
     )
     instance.start()
     yield instance
-    instance.stop()
-    for server in (instance.prefill, instance.decode):
-        assert server.leaked_shm() == []
+
+    def stop() -> None:  # in the background, while the next tests run; checked at the session's end
+        instance.stop()
+        for server in (instance.prefill, instance.decode):
+            assert server.leaked_shm() == [], f"the gpt-oss {server.role} server left shm regions"
+
+    in_background(stop)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import pytest
 from pdchat.clients.scaleout import start_front, vllm_router_command
 from pdchat.launcher import free_port, start_service
 from tests.conversations import PARITY_CASES
+from tests.integration.conftest import at_once
 from tests.integration.helpers import ask, chat_renders, metric
 
 pytestmark = pytest.mark.skipif(
@@ -34,10 +35,14 @@ pytestmark = pytest.mark.skipif(
 def deployment(decode_server, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-router-logs")
     fronts, started = {}, []
+    names = ("prefill-a", "prefill-b", "decode-a", "decode-b")
+
+    def start(name: str) -> None:
+        fronts[name] = start_front(decode_server.grpc_url, logs / f"{name}.log")
+        started.append(fronts[name][0])
+
     try:  # whatever started is stopped, also when a later start fails
-        for name in ("prefill-a", "prefill-b", "decode-a", "decode-b"):
-            fronts[name] = start_front(decode_server.grpc_url, logs / f"{name}.log")
-            started.append(fronts[name][0])
+        at_once([lambda name=name: start(name) for name in names])  # the four fronts at once
         router_port = free_port()
         command = vllm_router_command(
             [fronts["prefill-a"][1], fronts["prefill-b"][1]],
@@ -46,11 +51,12 @@ def deployment(decode_server, tmp_path_factory):
         ) + ["--policy", "cache_aware"]
         started.append(start_service(command, f"http://127.0.0.1:{router_port}/health", logs / "vllm-router.log"))
         yield {"url": f"http://127.0.0.1:{router_port}/v1", "fronts": fronts, "logs": logs}
-    finally:
-        for process in started:
-            if process.poll() is None:
-                process.terminate()
-                process.wait(10)
+    finally:  # all signalled first: they stop at once
+        running = [process for process in started if process.poll() is None]
+        for process in running:
+            process.terminate()
+        for process in running:
+            process.wait(10)
 
 
 def test_vllm_router_drives_a_pdchat_pair_with_the_gate_in_force(deployment, decode_server):
