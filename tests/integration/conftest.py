@@ -24,6 +24,11 @@ MODELS = ("renderer", "prefill", "decode", ENSEMBLE, "chat")
 HANDOFF_KEY = "test-handoff-key-0123456789abcdef"
 SHORT_TTL_S = 2.0
 MISSING_MODEL_PATH = "/nonexistent/model-dir"
+# KV pools of the tests' servers: 65k and 32k tokens of the tiny model, room for the
+# largest prompt a test sends (~14k tokens, test_prefix_cache), at a quarter of the default
+# memory (1 GiB and 512 MiB, resident from the load): several servers are up at once on a
+# machine of 23 GiB.
+TEST_POOLS = {"PDCHAT_DECODE_KV_MB": "256", "PDCHAT_PREFILL_KV_MB": "128"}
 GRAMMAR_COMPILE_TIMEOUT_S = 6.0
 GRAMMAR_ENV = {
     "PDCHAT_GRAMMAR_COMPILE_TIMEOUT_S": str(GRAMMAR_COMPILE_TIMEOUT_S),
@@ -49,8 +54,8 @@ def server(tmp_path_factory, tiny_model_dir):
 
 
 def running_server(tmp_path_factory, name: str, **options):
-    """Start a tiny-model server; stop_checked stops it."""
-    env = {"PDCHAT_MODEL": "tiny", **options.pop("env", {})}
+    """Start a tiny-model server with TEST_POOLS (unless `env` says otherwise)."""
+    env = {"PDCHAT_MODEL": "tiny", **TEST_POOLS, **options.pop("env", {})}
     instance = TritonServer(env=env, log_path=tmp_path_factory.getbasetemp() / f"tritonserver-{name}.log", **options)
     instance.start()
     return instance

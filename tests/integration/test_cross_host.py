@@ -11,7 +11,7 @@ from pdchat.clients.router import PDRouter
 from pdchat.launcher import TritonServer
 from tests.conversations import PARITY_CASES
 from tests.integration import netns
-from tests.integration.conftest import at_once
+from tests.integration.conftest import TEST_POOLS, at_once
 from tests.integration.helpers import metric
 
 pytestmark = pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 for network namespaces")
@@ -29,6 +29,7 @@ def pair(tmp_path_factory, tiny_model_dir):
             "UCX_TLS": "tcp",
             "UCX_NET_DEVICES": "eth0",
             "PDCHAT_KV_PULL_TIMEOUT_S": "5",
+            **TEST_POOLS,
         }
         logs = tmp_path_factory.mktemp("cross-host-logs")
         servers = [

@@ -14,7 +14,7 @@ from pdchat.clients.chat import GrpcChat, HttpChat, chat_inputs
 from pdchat.launcher import PDStack
 from tests.conversations import WEATHER_TOOL as WEATHER
 from tests.integration.adversarial import ADVERSARIAL
-from tests.integration.conftest import in_background
+from tests.integration.conftest import TEST_POOLS, in_background
 from tests.integration.helpers import ask, executions, metric, refusal, router_answer, summary
 
 CHAT = "chat"
@@ -49,7 +49,9 @@ CASES = {
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     instance = PDStack(
-        model="tiny-gptoss", env={"PDCHAT_CURRENT_DATE": DATE}, log_dir=tmp_path_factory.mktemp("harmony-logs")
+        model="tiny-gptoss",
+        env={"PDCHAT_CURRENT_DATE": DATE, **TEST_POOLS},
+        log_dir=tmp_path_factory.mktemp("harmony-logs"),
     )
     instance.start()
     yield instance

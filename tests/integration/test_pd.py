@@ -16,7 +16,7 @@ from pdchat.clients.chat import GrpcChat, chat_inputs, collect
 from pdchat.core.kv.shm import SHM_PREFIX, ShmConnector, expired_files, kv_directory
 from pdchat.launcher import PDStack
 from tests.conversations import PARITY_CASES, PICK_TOOL, SAMPLING_CASES
-from tests.integration.conftest import in_background
+from tests.integration.conftest import TEST_POOLS, in_background
 from tests.integration.helpers import (
     StreamReader,
     answers_of,
@@ -52,7 +52,7 @@ def stack(request, tmp_path_factory, tiny_model_dir):
     instance = PDStack(
         model="tiny",
         connector=request.param,
-        env={"PDCHAT_KV_TTL_S": str(KV_TTL_S)},
+        env={"PDCHAT_KV_TTL_S": str(KV_TTL_S), **TEST_POOLS},
         log_dir=tmp_path_factory.mktemp(f"pd-logs-{request.param}"),
     )
     instance.start()

@@ -21,6 +21,7 @@ import pytest
 from pdchat.clients import load
 from pdchat.core.kv.shm import FREE_PREFIX, OWNER_PREFIX, STAGING_PREFIX, kv_directory
 from pdchat.launcher import SHM_DIR, free_port, process_group
+from tests.integration.conftest import TEST_POOLS
 from tests.integration.helpers import executions, wait_for
 
 READY = re.compile(r"prefill gRPC (\S+) pid (\d+), decode gRPC \S+ pid (\d+), router pid (\d+)")
@@ -34,6 +35,7 @@ class Launcher:
     def __init__(self, *args: str):
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pdchat.cli", *args, "--model", "tiny"],
+            env={**os.environ, **TEST_POOLS},  # its servers inherit them
             stderr=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             text=True,
