@@ -1,8 +1,11 @@
 """Real tritonservers on the tiny model, shared by the integration tests.
 
-Stopping a server takes seconds: a fixture's server is stopped in the background while
-the next tests run, and every stop is joined and checked (no shared memory left) at the
-end of the session.
+A server start is the suite's dearest step (about 25 s on 2 cores), so servers with one
+configuration are session fixtures here, whichever files use them; where tests need
+settings that do not interfere (a small pool and KV events; one decode slot and request
+templates) one server carries both. Stopping takes seconds too: a fixture's server is
+stopped in the background while the next tests run, and every stop is joined and checked
+(no shared memory left) at the end of the session.
 
 Besides the repository's models `server` serves an extra repository with `prefill_bad`,
 a prefill pointed at a model path that does not exist, loaded on demand only.
@@ -17,7 +20,7 @@ from collections.abc import Callable
 import pytest
 
 from pdchat.clients.chat import GrpcChat, HttpChat
-from pdchat.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer
+from pdchat.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_port
 
 ENSEMBLE = "chat_ensemble"
 MODELS = ("renderer", "prefill", "decode", ENSEMBLE, "chat")
@@ -29,6 +32,8 @@ MISSING_MODEL_PATH = "/nonexistent/model-dir"
 # memory (1 GiB and 512 MiB, resident from the load): several servers are up at once on a
 # machine of 23 GiB.
 TEST_POOLS = {"PDCHAT_DECODE_KV_MB": "256", "PDCHAT_PREFILL_KV_MB": "128"}
+# decode_server's served model names: the tiny model's own name first, and an alias.
+SERVED_NAMES = ("tiny-llama", "tiny-chat")
 GRAMMAR_COMPILE_TIMEOUT_S = 6.0
 GRAMMAR_ENV = {
     "PDCHAT_GRAMMAR_COMPILE_TIMEOUT_S": str(GRAMMAR_COMPILE_TIMEOUT_S),
@@ -128,9 +133,11 @@ def at_once(calls: list[Callable[[], object]]) -> None:
 
 @pytest.fixture(scope="session")
 def decode_server(tmp_path_factory, tiny_model_dir):
-    """Decode role: chat accepts forwarded ids signed with the shared key. Until the
-    P/D servers exist, it also signs them itself (do_remote_decode)."""
-    instance = running_server(tmp_path_factory, "decode", role="decode", env={"PDCHAT_HANDOFF_KEY": HANDOFF_KEY})
+    """Decode role: chat accepts forwarded ids signed with the shared key, and signs its own
+    prefill legs (do_remote_decode), so it serves both legs of a P/D request. Served as
+    SERVED_NAMES (its own name first, so an answer names the model as without them)."""
+    env = {"PDCHAT_HANDOFF_KEY": HANDOFF_KEY, "PDCHAT_SERVED_MODEL_NAME": ",".join(SERVED_NAMES)}
+    instance = running_server(tmp_path_factory, "decode", role="decode", env=env)
     yield instance
     stop_checked(instance)
 
@@ -146,6 +153,48 @@ def trusted_server(tmp_path_factory, tiny_model_dir):
         **GRAMMAR_ENV,
     }
     instance = running_server(tmp_path_factory, "trusted", env=env)
+    yield instance
+    stop_checked(instance)
+
+
+@pytest.fixture(scope="session")
+def small_pool_server(tmp_path_factory, tiny_model_dir):
+    """Small KV pools, and KV events: decode's pool is 4 MiB (1,024 tokens of the tiny model's
+    KV, 64 blocks) with a 2 s queue timeout; prefill's is 2 MiB (32 blocks of 16 tokens, so
+    three ~220-token prompts evict) and publishes its events on `kv_events` (pub, replay).
+    With decode_server's key, so a router can use it as a prefill server."""
+    pub, replay = free_port(), free_port()
+    env = {
+        "PDCHAT_DECODE_KV_MB": "4",
+        "PDCHAT_QUEUE_TIMEOUT_S": "2",
+        "PDCHAT_PREFILL_KV_MB": "2",
+        "PDCHAT_PREFILL_KV_EVENTS_ENDPOINT": f"tcp://*:{pub}",
+        "PDCHAT_PREFILL_KV_EVENTS_REPLAY_ENDPOINT": f"tcp://*:{replay}",
+        "PDCHAT_HANDOFF_KEY": HANDOFF_KEY,
+    }
+    instance = running_server(tmp_path_factory, "small-pool", env=env)
+    instance.kv_events = (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    yield instance
+    stop_checked(instance)
+
+
+ONE_SLOT_RENDER_BOUND_S = 1.0
+
+
+@pytest.fixture(scope="session")
+def one_slot_server(tmp_path_factory, tiny_model_dir):
+    """Decode runs one request at a time and a request waits 1 s for the slot (its pool, of
+    8k tokens, has room for more: the slot is the limit); the operator allows request
+    templates, each render bounded by ONE_SLOT_RENDER_BOUND_S."""
+    env = {
+        "PDCHAT_DECODE_KV_MB": "32",  # 8k tokens: room for its requests, and little memory
+        "PDCHAT_PREFILL_KV_MB": "16",
+        "PDCHAT_MAX_RUNNING": "1",
+        "PDCHAT_QUEUE_TIMEOUT_S": "1",
+        "PDCHAT_ALLOW_REQUEST_TEMPLATES": "1",
+        "PDCHAT_RENDER_TIMEOUT_S": str(ONE_SLOT_RENDER_BOUND_S),
+    }
+    instance = running_server(tmp_path_factory, "one-slot", env=env)
     yield instance
     stop_checked(instance)
 

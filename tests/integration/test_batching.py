@@ -11,7 +11,6 @@ import pytest
 from pdchat.clients.chat import ChatError, GrpcChat, chat_inputs, collect
 from pdchat.core.errors import ErrorCode
 from tests.conversations import CONVERSATIONS
-from tests.integration.conftest import running_server, stop_checked
 from tests.integration.helpers import executions, metric, wait_for
 
 
@@ -62,15 +61,6 @@ def test_batched_local_prefills_get_the_tokens_each_gets_alone_on_the_reuse_path
     alone = [collect(client.stream(chat_inputs(**r))).output_token_ids for r in requests]
     client.close()
     assert together(trusted_server.grpc_url, requests) == alone
-
-
-@pytest.fixture(scope="module")
-def one_slot_server(tmp_path_factory, tiny_model_dir):
-    instance = running_server(
-        tmp_path_factory, "one-slot", env={"PDCHAT_MAX_RUNNING": "1", "PDCHAT_QUEUE_TIMEOUT_S": "1"}
-    )
-    yield instance
-    stop_checked(instance)
 
 
 def test_over_the_limit_a_request_waits_then_gets_unavailable_naming_it(one_slot_server):

@@ -3,7 +3,10 @@ msgspec types in vLLM's field layout (written here, not imported from pdchat). A
 of a known prompt yields BlockStored events whose token ids are the prompt's full blocks
 in order and whose hashes chain; a small pool and other prompts yield BlockRemoved; a
 subscriber that joins late gets what it missed from the replay socket. pdchat's router,
-reading them, stops sending a conversation to the server once it evicted its blocks."""
+reading them, stops sending a conversation to the server once it evicted its blocks.
+
+The server is the session's small_pool_server (conftest): its prefill's 2 MiB pool holds
+32 blocks of 16 tokens, so three ~220-token prompts evict."""
 
 from __future__ import annotations
 
@@ -18,8 +21,6 @@ from pdchat.clients.affinity import prefix_keys
 from pdchat.clients.chat import GrpcChat
 from pdchat.clients.kv_index import KVEventSource
 from pdchat.clients.router import PDRouter
-from pdchat.launcher import free_port
-from tests.integration.conftest import HANDOFF_KEY, running_server, stop_checked
 from tests.integration.helpers import ask, chat_renders, metric, wait_for
 from tests.kv_event_types import BlockRemoved, BlockStored, KVEventBatch
 
@@ -28,24 +29,6 @@ TOPIC = b"kv-events"
 
 
 DECODER = msgspec.msgpack.Decoder(KVEventBatch)
-
-
-@pytest.fixture(scope="module")
-def events_server(tmp_path_factory, tiny_model_dir):
-    """One server whose prefill publishes its events; a 2 MiB pool (32 blocks of 16 tokens
-    on tiny) so three ~220-token prompts evict. With the decode server's key, so a router
-    can use it as a prefill server."""
-    pub, replay = free_port(), free_port()
-    env = {
-        "PDCHAT_PREFILL_KV_EVENTS_ENDPOINT": f"tcp://*:{pub}",
-        "PDCHAT_PREFILL_KV_EVENTS_REPLAY_ENDPOINT": f"tcp://*:{replay}",
-        "PDCHAT_PREFILL_KV_MB": "2",
-        "PDCHAT_HANDOFF_KEY": HANDOFF_KEY,
-    }
-    instance = running_server(tmp_path_factory, "kv-events", env=env)
-    instance.kv_events = (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
-    yield instance
-    stop_checked(instance)
 
 
 @pytest.fixture
@@ -88,9 +71,9 @@ def stored_blocks(messages) -> list[BlockStored]:
     return [event for _, batch in messages for event in batch.events if isinstance(event, BlockStored)]
 
 
-def test_a_prefill_stores_the_prompts_full_blocks_in_order_with_chained_hashes(events_server, context):
-    sub = subscribe(context, events_server.kv_events[0])
-    client = GrpcChat(events_server.grpc_url)
+def test_a_prefill_stores_the_prompts_full_blocks_in_order_with_chained_hashes(small_pool_server, context):
+    sub = subscribe(context, small_pool_server.kv_events[0])
+    client = GrpcChat(small_pool_server.grpc_url)
     result = ask(client, prompt())
     client.close()
     messages = received(sub)
@@ -114,9 +97,9 @@ def test_a_prefill_stores_the_prompts_full_blocks_in_order_with_chained_hashes(e
     assert all(batch.data_parallel_rank == 0 for _, batch in messages)
 
 
-def test_eviction_from_a_small_pool_removes_blocks_it_stored(events_server, context):
-    sub = subscribe(context, events_server.kv_events[0])
-    client = GrpcChat(events_server.grpc_url)
+def test_eviction_from_a_small_pool_removes_blocks_it_stored(small_pool_server, context):
+    sub = subscribe(context, small_pool_server.kv_events[0])
+    client = GrpcChat(small_pool_server.grpc_url)
     for _ in range(3):
         ask(client, prompt())
     client.close()
@@ -129,17 +112,17 @@ def test_eviction_from_a_small_pool_removes_blocks_it_stored(events_server, cont
     assert removed, "three ~220-token prompts do not fit a 32-block pool"
     assert any(block in stored for block in removed), "what was stored here is evicted"
     sent = messages[-1][0] + 1  # seqs count from 0 on this server
-    assert wait_for(lambda: metric(events_server, "pdchat_kv_events_published_total", model="prefill") == sent, 5)
-    assert metric(events_server, "pdchat_kv_events_dropped_total", model="prefill", reason="queue") == 0
+    assert wait_for(lambda: metric(small_pool_server, "pdchat_kv_events_published_total", model="prefill") == sent, 5)
+    assert metric(small_pool_server, "pdchat_kv_events_dropped_total", model="prefill", reason="queue") == 0
 
 
-def test_a_late_subscriber_gets_the_missed_messages_from_the_replay_socket(events_server, context):
-    client = GrpcChat(events_server.grpc_url)
+def test_a_late_subscriber_gets_the_missed_messages_from_the_replay_socket(small_pool_server, context):
+    client = GrpcChat(small_pool_server.grpc_url)
     result = ask(client, prompt())  # nobody listens
     client.close()
     time.sleep(0.3)  # published
     dealer = context.socket(zmq.DEALER)
-    dealer.connect(events_server.kv_events[1])
+    dealer.connect(small_pool_server.kv_events[1])
     dealer.send_multipart((b"", (0).to_bytes(8, "big")))
     replayed = []
     while True:
@@ -158,12 +141,14 @@ def test_a_late_subscriber_gets_the_missed_messages_from_the_replay_socket(event
     assert tokens[-full:] == ids[:full], "the last prompt's blocks are the last stored"
 
 
-def test_the_router_stops_sending_a_conversation_to_the_server_that_evicted_its_blocks(events_server, decode_server):
+def test_the_router_stops_sending_a_conversation_to_the_server_that_evicted_its_blocks(
+    small_pool_server, decode_server
+):
     """Prefill on the events server or the decode server, the router reading the former's
     events: a conversation's next turn scores there while its blocks are held; once other
     prompts evicted them, it scores 0 there and goes to the least loaded server."""
-    home, other = events_server.grpc_url, decode_server.grpc_url
-    router = PDRouter([home, other], [other], kv_events={home: KVEventSource(*events_server.kv_events)})
+    home, other = small_pool_server.grpc_url, decode_server.grpc_url
+    router = PDRouter([home, other], [other], kv_events={home: KVEventSource(*small_pool_server.kv_events)})
     try:
         first = prompt()
         [answer] = list(router.chat(first))  # a new router's first pick: the first prefill server
@@ -184,10 +169,10 @@ def test_the_router_stops_sending_a_conversation_to_the_server_that_evicted_its_
             ask(client, prompt())
         client.close()
         assert wait_for(lambda: router.affinity.scores(keys, [home, other])[home] == 0, 5), "evicted: no affinity"
-        renders = {url: chat_renders(server) for url, server in ((home, events_server), (other, decode_server))}
+        renders = {url: chat_renders(server) for url, server in ((home, small_pool_server), (other, decode_server))}
         [_] = list(router.chat(second))
         assert chat_renders(decode_server) == renders[other] + 1, "prefilled on the least loaded server"
-        assert chat_renders(events_server) == renders[home]
+        assert chat_renders(small_pool_server) == renders[home]
         stats = router.health()["kv_events"][home]
         assert stats["messages"] > 0 and stats["resets"] == 0 and stats["skipped_blocks"] == 0
     finally:

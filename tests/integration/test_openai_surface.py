@@ -1,8 +1,8 @@
 """The OpenAI/vLLM surface around chat (issue 26): served model names, /tokenize,
 /detokenize, /version, /v1/completions, and vLLM-named engine metrics, on a real server.
 
-One decode-role server (it signs do_remote_decode itself, so a router can drive both legs
-on it) with two served names, behind in-process fronts: the P/D router and `pdchat openai`'s
+The session's decode-role server (it signs do_remote_decode itself, so a router can drive
+both legs on it; conftest serves it with two names), behind in-process fronts: the P/D router and `pdchat openai`'s
 ServerFront, each with the names, and a ServerFront without them (the server checks).
 """
 
@@ -18,27 +18,19 @@ import pytest
 import pdchat
 from pdchat.clients.openai_api import HttpSettings
 from pdchat.clients.router import PDRouter, ServerFront
-from tests.integration.conftest import HANDOFF_KEY, running_server, stop_checked
+from tests.integration.conftest import SERVED_NAMES
 from tests.integration.helpers import metric
 from tests.raw_http import running_fronts
 
-NAMES = ("tiny", "tiny-chat")
+NAMES = SERVED_NAMES  # the decode server's
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]
 
 
 @pytest.fixture(scope="module")
-def named_server(tmp_path_factory, tiny_model_dir):
-    env = {"PDCHAT_HANDOFF_KEY": HANDOFF_KEY, "PDCHAT_SERVED_MODEL_NAME": ",".join(NAMES)}
-    instance = running_server(tmp_path_factory, "named", role="decode", env=env)
-    yield instance
-    stop_checked(instance)
-
-
-@pytest.fixture(scope="module")
-def fronts(named_server):
+def fronts(decode_server):
     """{"router": port, "openai": port, "unnamed": port}: the router and ServerFront with
     the names, and a ServerFront without them."""
-    url = named_server.grpc_url
+    url = decode_server.grpc_url
     ports = {}
     routers = {
         "router": PDRouter([url], [url], served_model_names=NAMES),
@@ -89,7 +81,7 @@ def test_a_front_without_names_lists_the_servers_first_and_the_server_answers_40
     assert chat(fronts["unnamed"], model=NAMES[1])[0] == 200
     status, answer = chat(fronts["unnamed"], model="gpt-9")
     assert status == 404 and answer["error"]["code"] == "model_not_found", answer
-    assert "'tiny', 'tiny-chat'" in answer["error"]["message"]
+    assert f"'{NAMES[0]}', '{NAMES[1]}'" in answer["error"]["message"]
 
 
 @pytest.mark.parametrize("front", ["router", "openai"])
@@ -141,11 +133,11 @@ def vllm_series(server) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(r"^(vllm:\S+) (\S+)$", text, re.M)}
 
 
-def test_vllm_metric_names_appear_with_sane_values_after_a_request(fronts, named_server):
-    before = metric(named_server, "vllm:generation_tokens_total", model_name=NAMES[0])
+def test_vllm_metric_names_appear_with_sane_values_after_a_request(fronts, decode_server):
+    before = metric(decode_server, "vllm:generation_tokens_total", model_name=NAMES[0])
     status, answer = chat(fronts["openai"], max_tokens=6, ignore_eos=True, temperature=0)
     assert status == 200, answer
-    series = vllm_series(named_server)
+    series = vllm_series(decode_server)
     names = {key.split("{")[0] for key in series}
     for name in (
         "vllm:num_requests_running",
@@ -160,18 +152,18 @@ def test_vllm_metric_names_appear_with_sane_values_after_a_request(fronts, named
         "vllm:e2e_request_latency_seconds_sum",
     ):
         assert name in names, sorted(names)
-    assert all('model_name="tiny"' in key and 'engine="' in key for key in series)
+    assert all(f'model_name="{NAMES[0]}"' in key and 'engine="' in key for key in series)
     # Each token counted once over the two engines: the first on prefill, the rest on decode.
-    assert metric(named_server, "vllm:generation_tokens_total", model_name=NAMES[0]) - before == 6
-    assert metric(named_server, "vllm:prompt_tokens_total") >= answer["usage"]["prompt_tokens"]
-    assert metric(named_server, "vllm:prefix_cache_queries_total") >= metric(
-        named_server, "vllm:prefix_cache_hits_total"
+    assert metric(decode_server, "vllm:generation_tokens_total", model_name=NAMES[0]) - before == 6
+    assert metric(decode_server, "vllm:prompt_tokens_total") >= answer["usage"]["prompt_tokens"]
+    assert metric(decode_server, "vllm:prefix_cache_queries_total") >= metric(
+        decode_server, "vllm:prefix_cache_hits_total"
     )
     assert all(0 <= v <= 1 for k, v in series.items() if k.startswith("vllm:kv_cache_usage_perc"))
-    assert metric(named_server, "vllm:num_requests_running") == 0
-    assert metric(named_server, "vllm:time_to_first_token_seconds_count") >= 2  # prefill's and decode's
-    assert metric(named_server, "vllm:e2e_request_latency_seconds_count") >= 2
-    assert metric(named_server, "vllm:inter_token_latency_seconds_count") >= 5
+    assert metric(decode_server, "vllm:num_requests_running") == 0
+    assert metric(decode_server, "vllm:time_to_first_token_seconds_count") >= 2  # prefill's and decode's
+    assert metric(decode_server, "vllm:e2e_request_latency_seconds_count") >= 2
+    assert metric(decode_server, "vllm:inter_token_latency_seconds_count") >= 5
 
 
 def completion(port: int, body: dict) -> tuple[int, list[dict]]:
@@ -272,16 +264,16 @@ def computed_prompt_tokens(server) -> float:
 
 
 @pytest.mark.parametrize("front", ["router", "openai"])
-def test_n_choices_share_one_prefill_are_indexed_and_reproducible_by_seed(fronts, named_server, front):
+def test_n_choices_share_one_prefill_are_indexed_and_reproducible_by_seed(fronts, decode_server, front):
     """n=3 through the front: three choices (each seeded seed + i) whose prompt is computed
     once but for the tail after its last full block, streamed and whole, the same by seed."""
     messages = [{"role": "user", "content": f"{front}: " + "tell me about rivers and lakes, " * 12}]
     body = {"messages": messages, "n": 3, "seed": 11, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}
-    before = computed_prompt_tokens(named_server)
+    before = computed_prompt_tokens(decode_server)
     status, answer = call(fronts[front], "POST", "/v1/chat/completions", body)
     assert status == 200, answer
     prompt = answer["usage"]["prompt_tokens"]
-    computed = computed_prompt_tokens(named_server) - before
+    computed = computed_prompt_tokens(decode_server) - before
     assert prompt <= computed <= prompt + 2 * 16, (prompt, computed)  # choices 1 and 2: at most a block each
     assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
     assert answer["usage"]["completion_tokens"] == 18

@@ -9,11 +9,8 @@ from __future__ import annotations
 import threading
 import uuid
 
-import pytest
-
 from pdchat.clients.chat import GrpcChat, HttpChat, chat_inputs, collect
 from pdchat.core.errors import ErrorCode
-from tests.integration.conftest import running_server, stop_checked
 from tests.integration.helpers import ask, metric, refusal, wait_for
 
 BLOCK_TOKENS = 16
@@ -138,15 +135,6 @@ def test_decodes_kv_held_follows_the_tokens_held_not_the_longest_row(server):
     assert max(samples) > long_prompt * KV_BYTES_PER_TOKEN, "sampled while the long prompt was held"
     assert max(samples) <= 1.2 * can_hold, f"{max(samples) / can_hold:.2f}x the tokens held"
     assert wait_for(lambda: metric(server, "pdchat_decode_kv_bytes") == 0)
-
-
-@pytest.fixture(scope="module")
-def small_pool_server(tmp_path_factory, tiny_model_dir):
-    """A decode pool of 4 MiB: 1,024 tokens of the tiny model's KV."""
-    env = {"PDCHAT_DECODE_KV_MB": "4", "PDCHAT_QUEUE_TIMEOUT_S": "2"}
-    instance = running_server(tmp_path_factory, "small-pool", env=env)
-    yield instance
-    stop_checked(instance)
 
 
 def test_a_request_larger_than_the_pool_is_refused_and_the_rest_wait_their_turn(small_pool_server):

@@ -11,23 +11,14 @@ import pytest
 
 from pdchat.clients.chat import ChatError, ChatResult, GrpcChat, chat_inputs, collect
 from pdchat.core.errors import ErrorCode
-from tests.integration.conftest import ENSEMBLE, running_server, stop_checked
+from tests.integration.conftest import ENSEMBLE, ONE_SLOT_RENDER_BOUND_S
 
 FRONT_DOORS = ("chat", ENSEMBLE)
-BOUND_S = 1.0
+BOUND_S = ONE_SLOT_RENDER_BOUND_S  # one_slot_server's: it allows request templates
 # Server-side overhead on top of the bound: a BLS hop or two and a loaded CI machine.
 SLACK_S = 1.0
 SLOW_TEMPLATE = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
 NORMAL = {"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 4, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def templating_server(tmp_path_factory, tiny_model_dir):
-    """A server whose operator allows request templates, with a 1 s render bound."""
-    env = {"PDCHAT_ALLOW_REQUEST_TEMPLATES": "1", "PDCHAT_RENDER_TIMEOUT_S": str(BOUND_S)}
-    instance = running_server(tmp_path_factory, "request-templates", env=env)
-    yield instance
-    stop_checked(instance)
 
 
 def ask(url: str, model: str, body: dict) -> ChatResult:
@@ -58,8 +49,8 @@ def test_a_request_template_is_refused_by_default(server, model):
 
 
 @pytest.mark.parametrize("model", FRONT_DOORS)
-def test_a_slow_template_fails_at_the_bound_while_a_normal_request_completes(templating_server, model):
-    url = templating_server.grpc_url
+def test_a_slow_template_fails_at_the_bound_while_a_normal_request_completes(one_slot_server, model):
+    url = one_slot_server.grpc_url
     assert ask(url, model, NORMAL).output_token_ids  # warm: the first request pays one-off costs
     slow_body = {**NORMAL, "chat_template_kwargs": {"chat_template": SLOW_TEMPLATE}}
     with ThreadPoolExecutor(2) as pool:
