@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from pdchat.clients import load
 from pdchat.clients.chat import GrpcChat, chat_inputs, collect
 from pdchat.core.kv.shm import SHM_PREFIX, ShmConnector, expired_files, kv_directory
 from pdchat.launcher import PDStack
 from tests.conversations import PARITY_CASES, PICK_TOOL, SAMPLING_CASES
+from tests.integration import soak
 from tests.integration.conftest import TEST_POOLS, in_background
 from tests.integration.helpers import (
     StreamReader,
@@ -387,6 +389,22 @@ def test_the_baseline_mode_renders_on_decode_and_gives_the_reuse_answer(stack, m
         answers[False].output_token_ids
         == answers[True].output_token_ids
         == monolithic_answers["tool_result"].output_token_ids
+    )
+
+
+def test_pd_pair_soaks_through_the_router(stack):
+    """tests/integration/soak.py's soak through the router, then no KV left: every KV was
+    pulled, or expired after its TTL. On the shm stack (its KV files are counted), before
+    the fault tests."""
+    if stack.connector != "shm":
+        pytest.skip("the soak counts the shm connector's KV files")
+    engine = soak.kv_engine(stack)
+    send = load.RouterStreams(stack.router_url)
+    soak.soak(send, [stack.prefill, stack.decode], stack.decode, abandon_cancels=True)
+    assert wait_for(lambda: metric(stack.prefill, "pdchat_kv_held_bytes") == 0, timeout=KV_TTL_S + 5)
+    # Handed-back files expire one KV TTL after their pull, and the sweeper frees them.
+    assert wait_for(lambda: not list(kv_directory().glob(f"*pdchat_kv*_{engine}_*")), timeout=KV_TTL_S + 6.5), (
+        "KV files left in shared memory"
     )
 
 
