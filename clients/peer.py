@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from pdchat.clients.report import OUT_DIR, plot, table, write_results
-from pdchat.core.settings import cache_dir
+from pdchat.core.settings import MODEL, SERVED_MODEL_NAME, cache_dir
 from pdchat.launcher import PDStack, Service, TritonServer, free_port, process_group, start_service
 
 VLLM_VERSION = "0.32.0"
@@ -98,7 +98,7 @@ class System:
             self._stops.append(service.stop)
             self.groups = [service.process.pid]
         elif self.name == "pdchat":
-            env = {"PDCHAT_MODEL": self.model, "PDCHAT_SERVED_MODEL_NAME": SERVED_NAME}
+            env = {MODEL.env: self.model, SERVED_MODEL_NAME.env: SERVED_NAME}
             server = TritonServer(env=env, log_path=self.log_dir / "pdchat.log").start()
             self._stops.append(server.stop)
             front = [sys.executable, "-m", "pdchat.cli", "openai", "--server", server.grpc_url]
@@ -122,8 +122,8 @@ class System:
 
 def cpu_seconds(groups: list[int]) -> dict[str, float]:
     """CPU seconds (user + system) each kind of process in these process groups has used:
-    a python stub by its model's name, tritonserver, a front or router, vLLM's processes
-    by their names."""
+    a python stub by its model's name, tritonserver, `pdchat router` or `pdchat openai`,
+    vLLM's processes by their names."""
     ticks = os.sysconf("SC_CLK_TCK")
     used: dict[str, float] = {}
     for index, group in enumerate(groups):
@@ -135,7 +135,8 @@ def cpu_seconds(groups: list[int]) -> dict[str, float]:
             except OSError:  # exited meanwhile
                 continue
             stub = re.search(r"model_repository/(\w+)/1/model.py", command)
-            kind = f"{stub.group(1)} stub" if stub else name
+            front = re.search(r"pdchat.cli (\w+)", command)  # the router, or pdchat openai
+            kind = f"{stub.group(1)} stub" if stub else f"pdchat {front.group(1)}" if front else name
             kind = f"{kind} ({index})" if len(groups) > 1 and "tritonserver" in command else kind
             used[kind] = used.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
     return used
