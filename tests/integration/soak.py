@@ -11,7 +11,7 @@ from pdchat.clients.chat import GrpcChat, chat_inputs
 from tests.integration.helpers import metric, wait_for
 
 CONCURRENCY = 16
-REQUESTS = 300
+REQUESTS = 200
 ABANDONED = 50
 WARM_UP = 32
 RSS_GROWTH = 1.10
