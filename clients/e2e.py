@@ -27,6 +27,7 @@ import time
 
 from pdchat.clients.chat import GrpcChat, chat_inputs
 from pdchat.clients.report import plot, table, timed, write_results
+from pdchat.launcher import each_in_a_thread
 
 MODES = ("reuse", "baseline")
 STAT_MODELS = ("chat", "renderer", "prefill", "decode")
@@ -99,7 +100,6 @@ def run_cell(stack, tokenizer, tokens: int, mode: str, concurrency: int, request
         role: server_time(server.grpc_url) for role, server in (("prefill", stack.prefill), ("decode", stack.decode))
     }
     results: list[dict] = []
-    errors: list[BaseException] = []
     lock = threading.Lock()
     counter = iter(range(requests))
 
@@ -110,17 +110,11 @@ def run_cell(stack, tokenizer, tokens: int, mode: str, concurrency: int, request
                 result = one_request(prefill, decode, conversation(tokenizer, tokens, index), mode)
                 with lock:
                     results.append(result)
-        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
-            errors.append(exc)
         finally:
             prefill.close()
             decode.close()
 
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    errors = each_in_a_thread([worker] * concurrency)
     if errors:
         raise errors[0]
     after = {

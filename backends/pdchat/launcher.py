@@ -505,7 +505,7 @@ class PDStack:
         }
         self.prefill = TritonServer(role="prefill", env=env, log_path=log_dir / "prefill.log")
         self.decode = TritonServer(role="decode", env=env, log_path=log_dir / "decode.log")
-        errors = _each_in_a_thread([lambda s=s: s.start(timeout) for s in (self.prefill, self.decode)])
+        errors = each_in_a_thread([lambda s=s: s.start(timeout) for s in (self.prefill, self.decode)])
         if errors:
             self.stop()
             raise errors[0]
@@ -545,7 +545,7 @@ class PDStack:
     def stop(self) -> None:
         """The router first, so no stream is cut by a server going away, then both servers at once."""
         self.stop_router()
-        errors = _each_in_a_thread([server.stop for server in (self.prefill, self.decode) if server is not None])
+        errors = each_in_a_thread([server.stop for server in (self.prefill, self.decode) if server is not None])
         if errors:
             raise errors[0]
 
@@ -556,8 +556,8 @@ class PDStack:
         self.stop()
 
 
-def _each_in_a_thread(calls: list[Callable[[], object]]) -> list[BaseException]:
-    """Make the calls at once, a thread each; return what they raised."""
+def each_in_a_thread(calls: list[Callable[[], object]]) -> list[BaseException]:
+    """Make the calls at once, a thread each; return what they raised, once all are done."""
     errors: list[BaseException] = []
 
     def call(function: Callable[[], object]) -> None:

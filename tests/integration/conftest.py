@@ -20,7 +20,7 @@ from collections.abc import Callable
 import pytest
 
 from pdchat.clients.chat import GrpcChat, HttpChat
-from pdchat.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_port
+from pdchat.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, each_in_a_thread, free_port
 
 ENSEMBLE = "chat_ensemble"
 MODELS = ("renderer", "prefill", "decode", ENSEMBLE, "chat")
@@ -114,19 +114,7 @@ def _background_stops():
 def at_once(calls: list[Callable[[], object]]) -> None:
     """Make the calls at once, a thread each (servers start or stop in parallel); raise the
     first failure once all are done."""
-    errors: list[BaseException] = []
-
-    def call(function: Callable[[], object]) -> None:
-        try:
-            function()
-        except BaseException as exc:  # noqa: BLE001 - raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=call, args=(function,)) for function in calls]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    errors = each_in_a_thread(calls)
     if errors:
         raise errors[0]
 
