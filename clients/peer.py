@@ -25,8 +25,9 @@ import tempfile
 from pathlib import Path
 
 from pdchat.clients.report import OUT_DIR, plot, table, write_results
+from pdchat.clients.scaleout import start_front, stop_all
 from pdchat.core.settings import MODEL, SERVED_MODEL_NAME, cache_dir
-from pdchat.launcher import PDStack, Service, TritonServer, free_port, process_group, start_service
+from pdchat.launcher import PDStack, Service, TritonServer, free_port, process_group
 
 VLLM_VERSION = "0.32.0"
 SERVED_NAME = "peer"
@@ -69,16 +70,12 @@ class System:
 
     def __init__(self, name: str, model: str, model_dir: Path, vllm: Path, log_dir: Path):
         self.name, self.model, self.model_dir, self.vllm, self.log_dir = name, model, model_dir, vllm, log_dir
-        self.port = free_port()
+        self.url = ""  # its OpenAI API, once started
         self._stops: list = []
         self.groups: list[int] = []  # the process groups of its processes, for their CPU time
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
     def start(self) -> None:
-        health = f"{self.url}/health"
+        port = free_port()
         if self.name == "vllm":
             command = [
                 str(self.vllm),
@@ -91,26 +88,27 @@ class System:
                 "--served-model-name",
                 SERVED_NAME,
                 "--port",
-                str(self.port),
+                str(port),
             ]
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-            service = Service("vllm", command, health, self.log_dir / "vllm.log").start(600)
+            self.url = f"http://127.0.0.1:{port}"
+            service = Service("vllm", command, f"{self.url}/health", self.log_dir / "vllm.log").start(600)
             self._stops.append(service.stop)
             self.groups = [service.process.pid]
         elif self.name == "pdchat":
             env = {MODEL.env: self.model, SERVED_MODEL_NAME.env: SERVED_NAME}
             server = TritonServer(env=env, log_path=self.log_dir / "pdchat.log").start()
-            self._stops.append(server.stop)
-            front = [sys.executable, "-m", "pdchat.cli", "openai", "--server", server.grpc_url]
-            front += ["--port", str(self.port), "--served-model-name", SERVED_NAME]
-            process = start_service(front, health, self.log_dir / "pdchat-front.log")
-            self._stops.insert(0, lambda: (process.terminate(), process.wait(30)))
-            self.groups = [server.process.pid, process.pid]
+            try:
+                front, self.url = start_front(server.grpc_url, self.log_dir / "pdchat-front.log", (SERVED_NAME,))
+            except BaseException:
+                server.stop()
+                raise
+            self._stops.append(lambda: stop_all([front], [server]))
+            self.groups = [server.process.pid, front.pid]
         else:
-            stack = PDStack(
-                model=self.model, router_port=self.port, served_model_names=(SERVED_NAME,), log_dir=self.log_dir
-            )
+            stack = PDStack(model=self.model, router_port=port, served_model_names=(SERVED_NAME,), log_dir=self.log_dir)
             stack.start()
+            self.url = stack.router_url
             self._stops.append(stack.stop)
             self.groups = [stack.prefill.process.pid, stack.decode.process.pid, stack.router.pid]
 

@@ -46,10 +46,15 @@ def stop_all(processes: list[subprocess.Popen], servers: list) -> None:
         server.stop()
 
 
-def start_front(server_grpc_url: str, log_path: Path) -> tuple[subprocess.Popen, str]:
-    """`pdchat openai` for one server: the process and its base URL."""
+def start_front(
+    server_grpc_url: str, log_path: Path, served_model_names: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str]:
+    """`pdchat openai` for one server (answering to `served_model_names` when given): the
+    process and its base URL."""
     port = free_port()
     command = [sys.executable, "-m", "pdchat.cli", "openai", "--server", server_grpc_url, "--port", str(port)]
+    if served_model_names:
+        command += ["--served-model-name", *served_model_names]
     return start_service(command, f"http://127.0.0.1:{port}/health", log_path), f"http://127.0.0.1:{port}"
 
 
