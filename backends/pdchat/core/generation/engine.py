@@ -328,8 +328,9 @@ def _project_vocab_by_rows(model: torch.nn.Module) -> None:
     stored is fastest; for more, oneDNN with the weight reordered once into its blocked
     layout (as vLLM's CPU backend does for its linear layers), which skips the layout
     conversion a plain call pays each time. The smaller linear layers keep nn.Linear:
-    oneDNN's per-call overhead outweighs its gain there. Measured per shape and row
-    count in docs/batching.md. The two copies cost the projection's size twice."""
+    oneDNN's per-call overhead outweighs its gain there (docs/architecture.md; the step
+    with and without it: `bench batching --step-only`). W^T and the reordered weight each
+    cost the projection's size again."""
     head = model.get_output_embeddings()
     if type(head) is torch.nn.Linear:
         model.set_output_embeddings(_VocabProjection(head))
