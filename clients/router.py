@@ -484,7 +484,8 @@ class PDRouter(ChatFront):
             # Prefill work for a request no decode server can finish would only pile up KV.
             self.stats.failed += 1
             raise self.decode.none_ready()
-        prefilled = self._prefill_leg(text, request_id, form, prefix_keys(body))
+        keys = prefix_keys(body) if self.affinity is not None else []  # only the prefix policy reads them
+        prefilled = self._prefill_leg(text, request_id, form, keys)
         forwarded = {}
         if prefilled is not None:
             # The signed handoff goes on as the prefill server serialized it.
