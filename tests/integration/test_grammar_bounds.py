@@ -112,8 +112,10 @@ def test_decode_compiles_beside_its_running_batch(trusted_server, trusted, promp
     assert 0 <= int(picked(answer)[1:-1]) < 20_000
     stream.join(120)
     assert len(stream.arrivals) == 300
-    # A compile on decode's scheduler thread would stop the stream for the compile's whole length.
-    assert stream.longest_gap(started, ended) < 0.5
+    # A compile on decode's scheduler thread would stop the stream for nearly the whole request
+    # (compile, transfer and load of the grammar). Off it, the stream only slows while the grammar
+    # loads beside the step's threads: on two busy cores one step has taken 1.7 s of a 5.3 s request.
+    assert stream.longest_gap(started, ended) < (ended - started) / 2
 
 
 def test_a_compile_past_its_deadline_is_abandoned_and_refused(trusted):
