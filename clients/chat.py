@@ -151,9 +151,12 @@ def _to_output(get: Callable[[str], Any]) -> ChatOutput:
 
 class GrpcChat:
     """gRPC streaming: works for streamed and whole answers of decoupled models.
-    `timeout_s`: the longest wait for a response (the first, or the next)."""
+    `timeout_s`: the longest wait for a response (the first, or the next); `outputs`: the
+    outputs a stream requests (None: all; absent ones read as empty)."""
 
-    def __init__(self, url: str, model: str = DEFAULT_MODEL, timeout_s: float = TIMEOUT_S):
+    def __init__(
+        self, url: str, model: str = DEFAULT_MODEL, timeout_s: float = TIMEOUT_S, outputs: tuple[str, ...] | None = None
+    ):
         import tritonclient.grpc as grpcclient
 
         self._grpc = grpcclient
@@ -161,6 +164,7 @@ class GrpcChat:
         self.url = url
         self.model = model
         self.timeout_s = timeout_s
+        self._outputs = None if outputs is None else [grpcclient.InferRequestedOutput(name) for name in outputs]
 
     def stream(self, inputs: dict[str, np.ndarray], request_id: str = "") -> Iterator[ChatOutput]:
         responses: queue.Queue = queue.Queue()
@@ -174,7 +178,11 @@ class GrpcChat:
                 infer_inputs.append(tensor)
             try:
                 self.client.async_stream_infer(
-                    self.model, infer_inputs, request_id=request_id, enable_empty_final_response=True
+                    self.model,
+                    infer_inputs,
+                    outputs=self._outputs,
+                    request_id=request_id,
+                    enable_empty_final_response=True,
                 )
             except Exception as exc:  # noqa: BLE001 - tritonclient raises several kinds
                 finished = True

@@ -83,6 +83,7 @@ class Backend:
 
     url: str
     stall_timeout_s: float = STALL_TIMEOUT_S.default_value  # its clients' longest wait for a response
+    outputs: tuple[str, ...] | None = None  # what its streams request (None: every output)
     in_flight: int = 0
     idle: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     healthy: bool = True
@@ -93,7 +94,7 @@ class Backend:
         try:
             chat = self.idle.get_nowait()
         except queue.Empty:
-            chat = GrpcChat(self.url, timeout_s=self.stall_timeout_s)
+            chat = GrpcChat(self.url, timeout_s=self.stall_timeout_s, outputs=self.outputs)
         try:
             yield chat
         except BaseException:
@@ -116,11 +117,18 @@ class BackendPool:
     NOTE: no request waits for a probe: a request that finds no server ready is refused at
     once (`none_ready`)."""
 
-    def __init__(self, urls: list[str], role: str = "", reprobe_s: float = 1.0, stall_timeout_s: float | None = None):
+    def __init__(
+        self,
+        urls: list[str],
+        role: str = "",
+        reprobe_s: float = 1.0,
+        stall_timeout_s: float | None = None,
+        outputs: tuple[str, ...] | None = None,
+    ):
         if not urls:
             raise ValueError("a pool needs at least one server")
         self.stall_timeout_s = STALL_TIMEOUT_S.get() if stall_timeout_s is None else stall_timeout_s
-        self.backends = [Backend(u, self.stall_timeout_s) for u in urls]
+        self.backends = [Backend(u, self.stall_timeout_s, outputs) for u in urls]
         self.role = role
         self.reprobe_s = reprobe_s
         self.aborted: str | None = None  # why `abort` ended the streams; no new one starts then
@@ -402,8 +410,10 @@ class ServerFront(ChatFront):
         role: str = "server",
         stall_timeout_s: float | None = None,
         served_model_names: Sequence[str] = (),
+        outputs: tuple[str, ...] | None = None,
     ):
-        super().__init__(BackendPool([url], role, stall_timeout_s=stall_timeout_s), served_model_names)
+        pool = BackendPool([url], role, stall_timeout_s=stall_timeout_s, outputs=outputs)
+        super().__init__(pool, served_model_names)
 
     def chat(self, body: dict[str, Any], request_id: str = "", form: str = tensors.REQUEST) -> Iterator[ChatOutput]:
         self.stats.requests += 1
@@ -421,7 +431,9 @@ class PDRouter(ChatFront):
     `kv_events`: the prefill servers (by address) whose KV events the prefix policy reads,
     each on a subscriber thread of its own, so what a server evicted no longer draws a
     conversation there (clients/kv_index.py); blocks of `kv_event_block_size` tokens (None:
-    setting KV_BLOCK_TOKENS, as the servers read it). Call close() to stop the subscribers."""
+    setting KV_BLOCK_TOKENS, as the servers read it). `outputs`: what its streams request of
+    chat (None: every output; the HTTP fronts request tensors.FRONT_OUTPUTS). Call close() to
+    stop the subscribers."""
 
     POLICIES = ("prefix", "least-loaded")
 
@@ -435,6 +447,7 @@ class PDRouter(ChatFront):
         policy: str = "prefix",
         kv_events: dict[str, KVEventSource] | None = None,
         kv_event_block_size: int | None = None,
+        outputs: tuple[str, ...] | None = None,
     ):
         if policy not in self.POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(self.POLICIES)}, got {policy!r}")
@@ -443,8 +456,10 @@ class PDRouter(ChatFront):
             raise ValueError("KV events feed the prefix policy: they need policy prefix")
         if unknown := sorted(set(kv_events) - set(prefill_urls)):
             raise ValueError(f"KV events of {', '.join(unknown)}, which is no prefill server here")
-        super().__init__(BackendPool(decode_urls, "decode", stall_timeout_s=stall_timeout_s), served_model_names)
-        self.prefill = BackendPool(prefill_urls, "prefill", stall_timeout_s=stall_timeout_s)
+        super().__init__(
+            BackendPool(decode_urls, "decode", stall_timeout_s=stall_timeout_s, outputs=outputs), served_model_names
+        )
+        self.prefill = BackendPool(prefill_urls, "prefill", stall_timeout_s=stall_timeout_s, outputs=outputs)
         self.decode = self.serving
         self.forward_ids = forward_ids
         block_size = KV_BLOCK_TOKENS.get() if kv_event_block_size is None else kv_event_block_size

@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdchat import registry
+from pdchat import registry, tensors
 from pdchat.core import settings
 from pdchat.supervisor import Child, RestartPolicy, Supervisor
 
@@ -293,6 +293,7 @@ def _router(args: argparse.Namespace) -> int:
             policy=args.policy,
             kv_events=parse_sources(args.kv_event_source, args.kv_event_replay_source),
             kv_event_block_size=args.kv_event_block_size,
+            outputs=tensors.FRONT_OUTPUTS,
         )
     except ValueError as exc:
         print(f"pdchat router: {exc}", file=sys.stderr)
@@ -306,9 +307,8 @@ def _router(args: argparse.Namespace) -> int:
 def _openai(args: argparse.Namespace) -> int:
     from pdchat.clients.router import ServerFront
 
-    return _serve_http(
-        args, ServerFront(args.server, served_model_names=_served_names(args)), f"OpenAI front of {args.server}"
-    )
+    front = ServerFront(args.server, served_model_names=_served_names(args), outputs=tensors.FRONT_OUTPUTS)
+    return _serve_http(args, front, f"OpenAI front of {args.server}")
 
 
 def _serve_http(args: argparse.Namespace, front, what: str) -> int:

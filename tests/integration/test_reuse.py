@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from pdchat import tensors
 from pdchat.clients.chat import GrpcChat, HttpChat, chat_inputs
 from tests.conversations import PARITY_CASES, SAMPLING_CASES, chat_body
 from tests.integration.adversarial import ADVERSARIAL
@@ -298,3 +299,29 @@ def test_top_level_prompt_token_ids_are_forwarded_ids_admitted_only_signed(clien
     assert "prompt_token_ids must be a list of integers" in refusal(
         clients["http"], {**body, "prompt_token_ids": ["x"]}
     )
+
+
+@pytest.mark.parametrize("path", ["render", "reuse"])
+def test_a_client_requesting_only_response_gets_only_response_and_the_same_answer(clients, decode_server, path):
+    """A client may request a subset of the outputs (the fronts request what they read): chat
+    still reads decode's finish_reason for its relay, and the answer is unchanged."""
+    body = chat_body("multi_turn", max_tokens=6, temperature=0, stream=True)
+    lean = GrpcChat(decode_server.grpc_url, CHAT, outputs=(tensors.RESPONSE,))
+    try:
+        answers = []
+        for client in (clients["grpc"], lean):
+            handed = {}
+            if path == "reuse":
+                output = prefill(clients["grpc"], body)
+                handed = {"prompt_token_ids": output.prompt_token_ids, "kv_transfer_params": output.kv_transfer_params}
+            answers.append(ask(client, body, **handed))
+    finally:
+        lean.close()
+    full, only = answers
+    assert full.text and full.output_token_ids and full.prompt_token_ids and full.finish_reason
+    assert not (only.text or only.output_token_ids or only.prompt_token_ids or only.finish_reason)
+    assert [strip_ids(chunk) for chunk in responses(only)] == [strip_ids(chunk) for chunk in responses(full)]
+
+
+def strip_ids(chunk: dict) -> dict:
+    return {key: value for key, value in chunk.items() if key not in ("id", "created")}

@@ -63,7 +63,10 @@ class BLSStages:
             model_name=DECODE,
             inputs=inputs,
             request_id=self.request.request_id(),
-            requested_output_names=list(tensors.CLIENT_OUTPUTS),
+            # What our client asked for, and what the relay reads.
+            requested_output_names=sorted(
+                io.requested_client_outputs(self.request) | {tensors.RESPONSE, tensors.FINISH_REASON}
+            ),
         )
         async for response in self.loop.iterate(functools.partial(request.exec, decoupled=True)):
             yield response

@@ -169,14 +169,24 @@ def int32_tensor(name: str, values: list[int]) -> pb_utils.Tensor:
     return pb_utils.Tensor(name, np.asarray(values, dtype=np.int32))
 
 
-def client_tensors(output: ClientOutput) -> list[pb_utils.Tensor]:
-    return [
-        string_tensor(tensors.TEXT_OUTPUT, output.text_output),
-        string_tensor(tensors.RESPONSE, output.response),
-        int32_tensor(tensors.PROMPT_TOKEN_IDS, output.prompt_token_ids),
-        int32_tensor(tensors.OUTPUT_TOKEN_IDS, output.output_token_ids),
-        string_tensor(tensors.FINISH_REASON, output.finish_reason),
-    ]
+def client_tensors(output: ClientOutput, wanted: frozenset[str] | None = None) -> list[pb_utils.Tensor]:
+    """`output` as the client outputs named in `wanted` (None: all of them).
+
+    NOTE: a response costs a send per process it crosses and each tensor is built, copied
+    and serialized on the way: what the caller did not request is never built."""
+    builders = (
+        (tensors.TEXT_OUTPUT, string_tensor, output.text_output),
+        (tensors.RESPONSE, string_tensor, output.response),
+        (tensors.PROMPT_TOKEN_IDS, int32_tensor, output.prompt_token_ids),
+        (tensors.OUTPUT_TOKEN_IDS, int32_tensor, output.output_token_ids),
+        (tensors.FINISH_REASON, string_tensor, output.finish_reason),
+    )
+    return [build(name, value) for name, build, value in builders if wanted is None or name in wanted]
+
+
+def requested_client_outputs(request) -> frozenset[str]:
+    """The client outputs `request` asked for (Triton lists every output when it named none)."""
+    return frozenset(request.requested_output_names()) & frozenset(tensors.CLIENT_OUTPUTS)
 
 
 def send_tensors(sender, output_tensors: list[pb_utils.Tensor], flags: int = 0) -> None:

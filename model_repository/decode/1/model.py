@@ -45,6 +45,7 @@ class _Stream:
     key: str
     sender: Any
     assembler: Any
+    wanted: frozenset[str]  # the client outputs its caller requested
     started: bool = False  # admitted: counted in pdchat_decode_active until it ends
     open: bool = True
     given_first: bool = False  # its first output token was prefill's (vLLM's metrics count it there)
@@ -125,7 +126,13 @@ class TritonPythonModel:
         first = None if handle is None else Choice(handle.first_token_id, handle.first_token_logprobs)
         if first is not None and not 0 <= first.token_id < engine.vocab_size:
             raise InvalidRequest(f"the KV handle's first token {first.token_id} is not in this model's vocabulary")
-        stream = _Stream(params.request_id, sender, self.model.assembler(ids, params), given_first=first is not None)
+        stream = _Stream(
+            params.request_id,
+            sender,
+            self.model.assembler(ids, params),
+            io.requested_client_outputs(request),
+            given_first=first is not None,
+        )
         self.outbox.call(functools.partial(self.vllm_metrics.arrived, stream.key, time.monotonic()))
 
         def start():  # on the scheduler thread, on admission
@@ -181,7 +188,9 @@ class TritonPythonModel:
             return
         try:
             for output in stream.assembler.on_delta(delta):
-                io.send_tensors(stream.sender, io.client_tensors(output), flags=FINAL if output.final else 0)
+                io.send_tensors(
+                    stream.sender, io.client_tensors(output, stream.wanted), flags=FINAL if output.final else 0
+                )
         except Exception as exc:  # noqa: BLE001 - this stream ends; the batch goes on
             log.exception("request %s: sending a response failed", stream.key)
             self.scheduler.cancel(stream.key)
