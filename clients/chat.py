@@ -183,6 +183,8 @@ class GrpcChat:
                     outputs=self._outputs,
                     request_id=request_id,
                     enable_empty_final_response=True,
+                    # A whole answer comes at its end: empty responses meanwhile keep it inside timeout_s.
+                    parameters={tensors.HEARTBEAT_MS: max(1, round(1000 * self.timeout_s / 3))},
                 )
             except Exception as exc:  # noqa: BLE001 - tritonclient raises several kinds
                 finished = True

@@ -21,7 +21,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -78,13 +78,15 @@ class Prefilled:
 
 @dataclass(frozen=True)
 class DecodeCall:
-    """Sealed input of one decode stream; `kv_handle` is "" when decode prefills itself."""
+    """Sealed input of one decode stream; `kv_handle` is "" when decode prefills itself;
+    `heartbeat_s`: decode sends an empty response after this long without one (None: never)."""
 
     prompt_token_ids: np.ndarray | list[int]
     params: GenerationParams
     params_text: str
     seal: str
     kv_handle: str = ""
+    heartbeat_s: float | None = None
 
 
 class ChatStages(Protocol):
@@ -245,6 +247,8 @@ class ChatFlow:
         dropped: the stream ends when decode ends it, so nothing of it outlives the request."""
         closed = cancelled = False
         polled_at = float("-inf")
+        # NOTE: a whole answer has no response until its end: decode's empty ones keep it inside the deadline.
+        call = replace(call, heartbeat_s=self.stall_timeout_s / 3)
         responses = stages.decode(call) if taken is None else _noting_taken(stages, call, taken)
         while True:
             try:

@@ -31,6 +31,12 @@ PROMPT_TOKEN_IDS = "prompt_token_ids"
 OUTPUT_TOKEN_IDS = "output_token_ids"
 FINISH_REASON = "finish_reason"
 
+# Request parameter (not a tensor) of chat and decode: a caller waiting for a whole answer with a
+# deadline between responses asks for an empty response after this many milliseconds (an int:
+# Triton's parameters are bool, int or string) without one. decode sends them; chat asks decode
+# for them and forwards them to a client that asked too.
+HEARTBEAT_MS = "heartbeat_ms"
+
 # Between stages: renderer -> prefill -> decode.
 GENERATION_PARAMS = "generation_params"  # JSON of core.request.protocol.GenerationParams
 FIRST_TOKEN_ID = "first_token_id"  # INT32 [1], sampled by prefill (also inside KV_HANDLE)

@@ -495,6 +495,17 @@ def test_a_stopped_prefill_server_costs_one_stall_then_decode_serves_whole(stack
     assert after["disaggregated"] == stats["disaggregated"] + 1, "prefill did not come back"
 
 
+def test_a_whole_answer_longer_than_the_stall_deadline_still_arrives(stack, restart_router):
+    """Nothing of a whole answer comes before its end: decode's heartbeats, relayed by chat,
+    keep the router's wait for the next response under STALL_S."""
+    body = {**ENDLESS, "max_tokens": 1500, "stream": False}
+    started = time.monotonic()
+    [answer] = router_responses(stack, body)
+    took = time.monotonic() - started
+    assert answer["usage"]["completion_tokens"] == 1500 and answer["choices"][0]["finish_reason"] == "length"
+    assert took > 2 * STALL_S, f"the answer took {took:.1f} s: too short to show the deadline was kept"
+
+
 def test_sigterm_drains_the_router_then_it_exits(stack, restart_router):
     short = StreamReader(stack.router_url, {**SHORT, "max_tokens": 16})
     endless = StreamReader(stack.router_url, ENDLESS)

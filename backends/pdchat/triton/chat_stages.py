@@ -47,6 +47,7 @@ class BLSStages:
         self.sender = sender
         self.loop = loop
         self.lanes = lanes
+        self.heartbeat_s = io.heartbeat_s(request)  # the client's, if it asked for heartbeats
 
     def routed(self, route: Route) -> None:
         pb_utils.Logger.log_info(f"chat request {self.request.request_id() or '-'}: route {route.value}")
@@ -59,9 +60,11 @@ class BLSStages:
 
     async def decode(self, call: DecodeCall) -> AsyncIterator[Any]:
         inputs = io.stage_inputs(call.prompt_token_ids, call.params_text, call.seal, call.kv_handle)
+        beats = [beat for beat in (call.heartbeat_s, self.heartbeat_s) if beat is not None]
         request = pb_utils.InferenceRequest(
             model_name=DECODE,
             inputs=inputs,
+            parameters={tensors.HEARTBEAT_MS: max(1, round(1000 * min(beats)))} if beats else {},
             request_id=self.request.request_id(),
             # What our client asked for, and what the relay reads.
             requested_output_names=sorted(
@@ -75,7 +78,9 @@ class BLSStages:
         if response.has_error():
             self.sender.send(pb_utils.InferenceResponse(error=StageError(response.error()).error), flags=FINAL)
             return True
-        if not response.output_tensors():
+        if not response.output_tensors():  # a heartbeat, or the end of decode's stream
+            if self.heartbeat_s is not None:  # the client waits for its whole answer within a deadline too
+                self.sender.send(io.heartbeat())
             return False
         finish = pb_utils.get_output_tensor_by_name(response, tensors.FINISH_REASON).as_numpy()[0]
         if finish == FAILED.encode():  # decode failed mid-stream: a Triton error for our client

@@ -184,6 +184,17 @@ def client_tensors(output: ClientOutput, wanted: frozenset[str] | None = None) -
     return [build(name, value) for name, build, value in builders if wanted is None or name in wanted]
 
 
+def heartbeat_s(request) -> float | None:
+    """The seconds between empty responses `request`'s caller asked for (None: it asked for none)."""
+    value = json.loads(request.parameters() or "{}").get(tensors.HEARTBEAT_MS)
+    return value / 1000 if type(value) is int and value > 0 else None
+
+
+def heartbeat() -> pb_utils.InferenceResponse:
+    """A response of no outputs: the stream is alive, nothing new (see tensors.HEARTBEAT_MS)."""
+    return pb_utils.InferenceResponse(output_tensors=[])
+
+
 def requested_client_outputs(request) -> frozenset[str]:
     """The client outputs `request` asked for (Triton lists every output when it named none)."""
     return frozenset(request.requested_output_names()) & frozenset(tensors.CLIENT_OUTPUTS)

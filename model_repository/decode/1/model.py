@@ -13,7 +13,7 @@ import functools
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
@@ -46,6 +46,8 @@ class _Stream:
     sender: Any
     assembler: Any
     wanted: frozenset[str]  # the client outputs its caller requested
+    heartbeat_s: float | None = None  # an empty response after this long without one (None: never)
+    sent_at: float = field(default_factory=time.monotonic)  # its last response
     started: bool = False  # admitted: counted in pdchat_decode_active until it ends
     open: bool = True
     given_first: bool = False  # its first output token was prefill's (vLLM's metrics count it there)
@@ -131,6 +133,7 @@ class TritonPythonModel:
             sender,
             self.model.assembler(ids, params),
             io.requested_client_outputs(request),
+            io.heartbeat_s(request),
             given_first=first is not None,
         )
         self.outbox.call(functools.partial(self.vllm_metrics.arrived, stream.key, time.monotonic()))
@@ -191,6 +194,10 @@ class TritonPythonModel:
                 io.send_tensors(
                     stream.sender, io.client_tensors(output, stream.wanted), flags=FINAL if output.final else 0
                 )
+                stream.sent_at = time.monotonic()
+            if stream.heartbeat_s is not None and time.monotonic() - stream.sent_at >= stream.heartbeat_s:
+                stream.sender.send(io.heartbeat())  # a whole answer still being made
+                stream.sent_at = time.monotonic()
         except Exception as exc:  # noqa: BLE001 - this stream ends; the batch goes on
             log.exception("request %s: sending a response failed", stream.key)
             self.scheduler.cancel(stream.key)
