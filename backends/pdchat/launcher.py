@@ -235,6 +235,9 @@ class TritonServer:
     process: subprocess.Popen | None = None
     shm_prefix: str = field(default_factory=lambda: f"pdchat_{uuid.uuid4().hex[:8]}_")
     log_offset: int = 0  # where the log of the latest start begins
+    # The python stubs of its models once ready, by pid: (model, instance). Triton neither
+    # restarts a stub that died nor stops being ready: every request to its model fails.
+    stubs: dict[int, tuple[str, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.model_repository = Path(self.model_repository)
@@ -291,6 +294,7 @@ class TritonServer:
         """Start tritonserver on this server's ports (chosen at the first start, kept for
         a restart), without waiting for it."""
         args, env = self.command()
+        self.stubs = {}
         if self.log_path is None:
             self.log_path = cache_dir() / "logs" / f"tritonserver-{self.role}-{self.http_port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -315,9 +319,28 @@ class TritonServer:
 
     def wait_ready(self, timeout: float) -> None:
         wait_healthy(self.process, self.ready_url, timeout, "tritonserver", self.log_path)
+        self.stubs = python_stubs(self.process.pid)
 
     def is_ready(self) -> bool:
-        return answers(self.ready_url)
+        ready = answers(self.ready_url)
+        if ready and not self.stubs:  # ready after a restart: the stubs to watch are the new ones
+            self.stubs = python_stubs(self.process.pid)
+        return ready
+
+    def dead_stub(self) -> str | None:
+        """The instance (e.g. 'decode_0_0') whose python stub died while its model is still
+        loaded, if one did; a stub gone with its model (unloaded, reloaded) is forgotten."""
+        for pid, (model, instance) in list(self.stubs.items()):
+            if _alive(pid):
+                continue
+            del self.stubs[pid]
+            now = python_stubs(self.process.pid)
+            if instance in {name for _, name in now.values()}:  # its model was reloaded
+                self.stubs.update({p: stub for p, stub in now.items() if stub[1] == instance})
+            elif answers(f"http://{self.http_url}/v2/models/{model}/ready"):
+                self.stubs[pid] = (model, instance)  # NOTE: kept, so that every look reports it
+                return instance
+        return None
 
     def progress(self) -> str:
         """Which models the latest start loaded, is loading, failed: 'loaded renderer, chat;
@@ -325,7 +348,11 @@ class TritonServer:
         return model_progress(_read_from(self.log_path, self.log_offset))
 
     def exited(self) -> bool:
-        return self.process is not None and self.process.poll() is not None
+        """Whether it exited, or a stub of a model it still serves died (it then fails every
+        request to that model: as good as gone)."""
+        if self.process is None:
+            return False
+        return self.process.poll() is not None or self.dead_stub() is not None
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM (the python backend then cleans its shm), SIGKILL if it hangs; then reap."""
@@ -357,7 +384,11 @@ class TritonServer:
 
     def exit_report(self) -> str:
         """Why the server exited, with the end of its log (for a supervisor's message)."""
-        return describe_exit(f"tritonserver ({self.role}, gRPC {self.grpc_url})", self.process, self.log_path)
+        what = f"tritonserver ({self.role}, gRPC {self.grpc_url})"
+        if self.process.poll() is None and (instance := self.dead_stub()) is not None:
+            how = "died; the server stays up, failing every request to that model"
+            return describe_exit(f"the python stub of {instance} in {what}", self.process, self.log_path, how=how)
+        return describe_exit(what, self.process, self.log_path)
 
     def leaked_shm(self) -> list[Path]:
         """Shared-memory regions of this server (none once it has stopped cleanly)."""
@@ -419,6 +450,30 @@ def process_group(pgid: int) -> list[int]:
     return pids
 
 
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, not yet reaped by its parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def python_stubs(pgid: int) -> dict[int, tuple[str, str]]:
+    """The python backend stubs in a server's process group, by pid: (model, instance)."""
+    stubs = {}
+    for pid in process_group(pgid):
+        try:
+            words = [w.decode() for w in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+        except (OSError, UnicodeDecodeError):
+            continue
+        if not words[0].endswith("triton_python_backend_stub"):
+            continue
+        model = next((Path(w).parent.parent.name for w in words if w.endswith("/model.py")), "")
+        instance = next((w for w in words if model and re.fullmatch(re.escape(model) + r"_\d+_\d+", w)), model)
+        stubs[pid] = (model, instance)
+    return stubs
+
+
 def resident_bytes(pids: list[int]) -> dict[int, int]:
     """RSS of each process still alive, by pid."""
     page = os.sysconf("SC_PAGE_SIZE")
@@ -447,10 +502,17 @@ def sweep_dead_kv() -> None:
         sweep_directory()
 
 
-def describe_exit(what: str, process: subprocess.Popen, log_path: Path | None, lines: int = 15) -> str:
-    """'X was killed by SIGKILL' or 'X exited with code N', then its log's last lines."""
+def describe_exit(
+    what: str, process: subprocess.Popen, log_path: Path | None, lines: int = 15, how: str | None = None
+) -> str:
+    """'X was killed by SIGKILL' or 'X exited with code N' (or 'X <how>'), then its log's last lines."""
     code = process.returncode
-    how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited with code {code}"
+    if how is None:
+        how = (
+            f"was killed by {signal.Signals(-code).name}"
+            if code is not None and code < 0
+            else f"exited with code {code}"
+        )
     tail = ""
     if log_path is not None and log_path.exists():
         with open(log_path, "rb") as log:

@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from pdchat.clients.chat import ChatError, GrpcChat, chat_inputs
 from pdchat.core.errors import ErrorCode
-from pdchat.launcher import process_group, resident_bytes
+from pdchat.launcher import python_stubs, resident_bytes
 from tests.integration.conftest import GRAMMAR_COMPILE_TIMEOUT_S
 from tests.integration.helpers import ask
 
@@ -127,18 +126,9 @@ def test_a_compile_past_its_deadline_is_abandoned_and_refused(trusted):
 
 
 def stub_rss(server, model: str) -> int:
-    """RSS of the python stub serving `model` (its command line names the model's directory)."""
-    stubs = [pid for pid in process_group(server.process.pid) if _is_stub_of(pid, model)]
-    assert len(stubs) == 1, stubs
-    return resident_bytes(stubs)[stubs[0]]
-
-
-def _is_stub_of(pid: int, model: str) -> bool:
-    try:
-        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return words[0].endswith(b"triton_python_backend_stub") and any(f"/{model}/".encode() in w for w in words[1:])
+    """RSS of the python stub serving `model`."""
+    [stub] = [pid for pid, (name, _) in python_stubs(server.process.pid).items() if name == model]
+    return resident_bytes([stub])[stub]
 
 
 def test_distinct_large_schemas_leave_decode_s_memory_where_it_was(trusted_server, trusted, prompt_ids):

@@ -20,7 +20,7 @@ import pytest
 
 from pdchat.clients import load
 from pdchat.core.kv.shm import FREE_PREFIX, OWNER_PREFIX, STAGING_PREFIX, kv_directory
-from pdchat.launcher import SHM_DIR, free_port, process_group
+from pdchat.launcher import SHM_DIR, free_port, process_group, python_stubs
 from tests.integration.conftest import TEST_POOLS
 from tests.integration.helpers import executions, wait_for
 
@@ -190,13 +190,24 @@ def test_a_prefill_killed_under_load_comes_back_while_the_stack_serves_on(launch
         assert list(SHM_DIR.glob(f"{prefix}*")) == [], f"the {name} server left shared memory"
 
 
-def test_with_exit_on_failure_a_dead_server_ends_the_launcher_with_status_1(launch):
+@pytest.mark.parametrize("killed", ["tritonserver", "decode stub"])
+def test_with_exit_on_failure_a_dead_server_ends_the_launcher_with_status_1(launch, killed):
+    """A server whose decode stub died still answers ready, and fails every chat request:
+    the launcher treats it as dead too."""
     ports = [f"--{name}-port={free_port()}" for name in ("http", "grpc", "metrics")]
     launcher = launch("serve", "--exit-on-failure", *ports)
     pid = int(launcher.wait_for_line(r"ready: .*, pid (\d+);", timeout=300)[1])
-    os.kill(pid, signal.SIGKILL)
+    if killed == "tritonserver":
+        os.kill(pid, signal.SIGKILL)
+    else:
+        [stub] = [stub for stub, (model, _) in python_stubs(pid).items() if model == "decode"]
+        os.kill(stub, signal.SIGKILL)
     assert launcher.process.wait(timeout=60) == 1
     launcher.wait_for_line("exiting with status 1", timeout=5)
-    assert "tritonserver (monolithic" in launcher.log and "was killed by SIGKILL" in launcher.log
+    if killed == "tritonserver":
+        assert "tritonserver (monolithic" in launcher.log and "was killed by SIGKILL" in launcher.log
+    else:
+        assert "the python stub of decode_0_0 in tritonserver (monolithic, gRPC" in launcher.log
+        assert "died; the server stays up, failing every request to that model" in launcher.log
     assert "restarting" not in launcher.log
     assert process_group(pid) == [], "processes of the server outlived the launcher"
