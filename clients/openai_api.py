@@ -71,6 +71,7 @@ REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID_RULE = "[A-Za-z0-9._:-]{1,128}"
 _REQUEST_ID = re.compile(REQUEST_ID_RULE.encode())
 DRAIN_POLL_S = 0.05  # how often a drain looks whether requests still run
+DISCONNECT_POLL_S = 0.5  # how often a whole answer being made looks whether its client is still there
 T = TypeVar("T")
 
 
@@ -291,7 +292,7 @@ class _Front:
         outputs = fan_out(self.router.chat, body, request.state.request_id, GENERATION_FORMS[request.url.path])
         try:
             if not body.get("stream"):
-                return Response(await self._whole(outputs), 200, media_type="application/json")
+                return Response(await self._whole(outputs, request), 200, media_type="application/json")
             first = await self._in_thread(next, outputs, None)
         except ChatError as exc:
             raise chat_api_error(exc) from exc  # the generator is done: it raised
@@ -303,8 +304,20 @@ class _Front:
         self.metrics.ttft.observe(time.perf_counter() - started)
         return _EventStream(self._events(outputs, first, request.state), headers={"Cache-Control": "no-cache"})
 
-    async def _whole(self, outputs: Iterator[ChatOutput]) -> str:
-        answers = await self._in_thread(list, outputs)
+    async def _whole(self, outputs: Iterator[ChatOutput], request: Request) -> str:
+        """The one answer's JSON. A client that leaves meanwhile (looked for every
+        DISCONNECT_POLL_S) has its request cancelled on the servers."""
+        request_id = request.state.request_id
+        answering = asyncio.ensure_future(self._in_thread(list, outputs))
+        try:
+            while not (await asyncio.wait({answering}, timeout=DISCONNECT_POLL_S))[0]:
+                if await request.is_disconnected():
+                    request.state.outcome = "cancelled"
+                    log.info("request %s: client went away; decode work cancelled", request_id)
+                    await self._in_thread(self.router.cancel, request_id)
+            answers = await answering
+        finally:
+            self.router.forget(request_id)
         if len(answers) != 1:
             raise ApiError.of(ErrorCode.INTERNAL, f"the decode server sent {len(answers)} responses for a whole answer")
         return answers[0].response_json

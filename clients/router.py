@@ -68,6 +68,13 @@ class UpstreamTimeout(ChatError):
         super().__init__(message, ErrorCode.UNAVAILABLE)
 
 
+class ClientLeft(ChatError):
+    """The client of this request left: the front cancelled its streams (`ChatFront.cancel`)."""
+
+    def __init__(self, request_id: str):
+        super().__init__(f"request {request_id}: the client left; it was cancelled", ErrorCode.UNAVAILABLE)
+
+
 class Draining(ChatError):
     """The front is draining: it ended this stream (its request cancelled on its server) or
     takes no new ones. The message says why."""
@@ -135,7 +142,8 @@ class BackendPool:
         self._turn = itertools.count()
         self._lock = threading.Lock()
         self._watcher: threading.Thread | None = None
-        self._streams: set[GrpcChat] = set()  # clients whose stream runs
+        self._streams: dict[GrpcChat, str] = {}  # clients whose stream runs: their request id
+        self._left: set[str] = set()  # requests whose client left (`cancel`), until `forget`
         self.on_unready: Callable[[str], None] | None = None
 
     def any_healthy(self) -> bool:
@@ -193,10 +201,12 @@ class BackendPool:
           not answer ends the stream UNAVAILABLE, naming it;
         - once `abort` ran: Draining, the request cancelled.
         A client error (the request is bad) ends it as the server said."""
-        with backend.client() as client, self._running(client):
+        with backend.client() as client, self._running(client, request_id):
             try:
                 yield from client.stream(inputs, request_id=request_id)
             except Exception as exc:
+                if self._has_left(request_id):  # we closed the stream: the server did nothing wrong
+                    raise ClientLeft(request_id) from exc
                 error = self._failure(backend, exc)
                 if error is exc:
                     raise
@@ -208,24 +218,44 @@ class BackendPool:
         with self._lock:
             self.aborted = reason
             streams = list(self._streams)
+        self._cancel_streams(streams)
+
+    def cancel(self, request_id: str) -> None:
+        """End the streams of `request_id` (and of its choices, `request_id-i`) with ClientLeft,
+        cancelled on their servers, and any it would start, until `forget(request_id)`."""
+        with self._lock:
+            self._left.add(request_id)
+            streams = [client for client, running in self._streams.items() if self._has_left(running)]
+        self._cancel_streams(streams)
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._left.discard(request_id)
+
+    def _has_left(self, request_id: str) -> bool:
+        return request_id in self._left or request_id.rpartition("-")[0] in self._left
+
+    def _cancel_streams(self, streams: list[GrpcChat]) -> None:
         for client in streams:
             try:
                 client.cancel()
             except Exception:  # noqa: BLE001 - a stream ending meanwhile races tritonclient's stop
-                log.debug("a %s stream ended while it was being aborted", self.role, exc_info=True)
+                log.debug("a %s stream ended while it was being cancelled", self.role, exc_info=True)
 
     @contextmanager
-    def _running(self, client: GrpcChat) -> Iterator[None]:
-        """`client`'s stream counts as running (for `abort`) while inside."""
+    def _running(self, client: GrpcChat, request_id: str) -> Iterator[None]:
+        """`client`'s stream counts as running (for `abort` and `cancel`) while inside."""
         with self._lock:
             if self.aborted is not None:
                 raise Draining(self.aborted)
-            self._streams.add(client)
+            if self._has_left(request_id):
+                raise ClientLeft(request_id)
+            self._streams[client] = request_id
         try:
             yield
         finally:
             with self._lock:
-                self._streams.discard(client)
+                self._streams.pop(client, None)
 
     def _failure(self, backend: Backend, exc: Exception) -> Exception:
         """What a stream of `backend` that raised `exc` ends with; the server's readiness updated."""
@@ -310,6 +340,16 @@ class ChatFront:
         server; streams asked for later end so at once."""
         for pool in self.pools:
             pool.abort(reason)
+
+    def cancel(self, request_id: str) -> None:
+        """The client of `request_id` left: end its streams (ClientLeft), cancelling them on
+        their servers, and start none for it until `forget(request_id)`."""
+        for pool in self.pools:
+            pool.cancel(request_id)
+
+    def forget(self, request_id: str) -> None:
+        for pool in self.pools:
+            pool.forget(request_id)
 
     def served_models(self) -> tuple[str, ...]:
         """The model names clients may send, the one reported first."""

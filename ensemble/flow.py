@@ -45,6 +45,7 @@ from pdchat.registry import SHM
 
 # How often a relayed stream asks whether its client left (each ask may be a round trip).
 CANCEL_POLL_S = 0.05
+IDLE_POLL_S = 1.0  # how often a relay waiting for decode looks whether its client left
 
 
 @dataclass(frozen=True)
@@ -251,18 +252,28 @@ class ChatFlow:
         call = replace(call, heartbeat_s=self.stall_timeout_s / 3)
         responses = stages.decode(call) if taken is None else _noting_taken(stages, call, taken)
         while True:
-            try:
-                response = await asyncio.wait_for(anext(responses), self.stall_timeout_s)
-            except StopAsyncIteration:
-                break
-            except asyncio.TimeoutError:
+            waiting = asyncio.ensure_future(anext(responses))
+            silent_until = time.monotonic() + self.stall_timeout_s
+            # A whole answer has no response for long: its client is looked for meanwhile too.
+            while not (await asyncio.wait({waiting}, timeout=min(IDLE_POLL_S, self.stall_timeout_s)))[0]:
+                if not (closed or cancelled) and stages.client_left():
+                    cancelled = True
+                    await self._cancel(stages, call.params.request_id)
+                if time.monotonic() >= silent_until:
+                    break
+            if not waiting.done():
+                waiting.cancel()
                 if closed or cancelled:
                     return  # its client has all it will get: stop draining
                 await self._cancel(stages, call.params.request_id)
                 raise Unavailable(
                     f"decode sent nothing for {self.stall_timeout_s:g} s (setting stage_stall_timeout_s); "
                     "the request was cancelled"
-                ) from None
+                )
+            try:
+                response = waiting.result()
+            except StopAsyncIteration:
+                break
             if closed or cancelled:
                 continue
             if time.monotonic() - polled_at >= CANCEL_POLL_S:

@@ -321,6 +321,23 @@ def test_client_leaving_mid_stream_cancels_decode_and_counts_as_cancelled(stack,
     assert_serves(router_port)
 
 
+def test_client_leaving_a_whole_answer_cancels_decode_and_counts_as_cancelled(stack, router_port):
+    """Nothing comes back before a whole answer's end: the front notices the client leave."""
+    cancelled = 'pdchat_router_requests_total{"outcome": "cancelled"}'
+    before = scrape(stack.router_url)[cancelled]
+    body = json.dumps({**CHAT, "max_tokens": 3000, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", router_port), timeout=30) as sock:
+        sock.sendall(request("POST", "/v1/chat/completions", body))
+        assert wait_for(lambda: metric(stack.decode, "pdchat_decode_active") == 1, timeout=30)
+    left = time.monotonic()
+    # 3000 tokens take far longer than this, alone on the server
+    assert wait_for(lambda: metric(stack.decode, "pdchat_decode_active") == 0, timeout=10)
+    assert time.monotonic() - left < 10
+    assert wait_for(lambda: scrape(stack.router_url)[cancelled] == before + 1, timeout=10)
+    assert scrape(stack.router_url)["pdchat_router_requests_in_flight"] == 0
+    assert_serves(router_port)
+
+
 def test_openai_client_streams_through_the_front_with_its_api_key(fronts):
     from openai import AuthenticationError, OpenAI
 

@@ -108,6 +108,37 @@ def test_a_client_that_leaves_cancels_decode_and_its_stream_is_drained(decode_se
     assert stages.drained == 12 and stages.closed  # decode's stream read to its end, then the client's closed
 
 
+class LeavingDuringAWholeAnswer(LocalStages):
+    """A client gone while decode makes a whole answer: decode sends nothing until told to cancel."""
+
+    def __init__(self, pipeline):
+        super().__init__(pipeline, handoff=True)
+        self.cancelled: list[str] = []
+        self.told = asyncio.Event()
+
+    def client_left(self):
+        return True
+
+    async def decode(self, call: DecodeCall):
+        await self.told.wait()
+        return
+        yield
+
+    async def cancel(self, request_id, seal):
+        self.seal.check_cancel(request_id, seal)
+        self.cancelled.append(request_id)
+        self.told.set()
+
+
+def test_a_client_that_leaves_a_silent_decode_is_seen_before_decode_answers(decode_server, monkeypatch):
+    monkeypatch.setattr("pdchat.ensemble.flow.IDLE_POLL_S", 0.05)
+    stages = LeavingDuringAWholeAnswer(decode_server)
+    started = time.monotonic()
+    asyncio.run(decode_server.flow.serve(ChatInputs(chat()), stages))
+    assert len(stages.cancelled) == 1 and time.monotonic() - started < 5  # not stall_timeout_s (45 s)
+    assert not stages.outputs and stages.closed
+
+
 class StallingDecode(LocalStages):
     """A decode that sends its first response, then nothing."""
 
