@@ -569,8 +569,8 @@ class PDRouter(ChatFront):
                 self.affinity.bind(used.url, keys[-1], index.prompt_key(output.prompt_token_ids))
             return output
         except ChatError as exc:
-            if exc.is_client_error or isinstance(exc, Draining):
-                raise  # the request itself is bad (decode would refuse it too), or the front is stopping
+            if exc.is_client_error or isinstance(exc, (Draining, ClientLeft)):
+                raise  # the request itself is bad (decode would refuse it too), the front stops, or nobody waits
             self.stats.prefill_fallbacks += 1
             log.warning("request %s: prefill failed (%s: %s); decode serves it whole", request_id, exc.code.name, exc)
             return None
