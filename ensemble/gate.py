@@ -202,11 +202,13 @@ class Gate:
 
 
 def forwarded_ids(
-    binary: list[int] | None, kv_transfer_params: str | dict[str, Any] | None
+    binary: list[int] | None,
+    kv_transfer_params: str | dict[str, Any] | None,
+    binary_source: str = "the prompt_token_ids tensor",
 ) -> tuple[list[int] | None, dict[str, Any]]:
-    """Ids from the binary tensor or kv_transfer_params["prompt_token_ids"] (vLLM wire form),
-    and the params with that key consumed. The params come as the tensor's JSON text or, from
-    the request body, already parsed."""
+    """Ids from `binary` (`binary_source` says where they came from) or
+    kv_transfer_params["prompt_token_ids"] (vLLM wire form), and the params with that key
+    consumed. The params come as the tensor's JSON text or, from the request body, already parsed."""
     params: dict[str, Any] = {}
     if isinstance(kv_transfer_params, str):
         try:
@@ -220,7 +222,7 @@ def forwarded_ids(
     listed = params.pop("prompt_token_ids", None)
     if listed is not None and binary is not None:
         raise ForwardedIdsRejected(
-            Rejection.MALFORMED, "give the ids once: as the prompt_token_ids tensor or inside kv_transfer_params"
+            Rejection.MALFORMED, f"give the ids once: as {binary_source} or inside kv_transfer_params"
         )
     if listed is not None:
         return id_array(listed, "kv_transfer_params.prompt_token_ids"), params

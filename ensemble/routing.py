@@ -80,7 +80,9 @@ class RoutePlanner:
                 )
             binary_ids = id_array(chat.prompt_token_ids, "prompt_token_ids")
         ids, params = forwarded_ids(
-            binary_ids, kv_transfer_params if kv_transfer_params is not None else chat.kv_transfer_params
+            binary_ids,
+            kv_transfer_params if kv_transfer_params is not None else chat.kv_transfer_params,
+            "the prompt_token_ids tensor" if chat.prompt_token_ids is None else "the top-level prompt_token_ids",
         )
         if ids is not None:
             admission = self.gate.admit(ids, params, self.fingerprint(chat))
@@ -98,6 +100,10 @@ class RoutePlanner:
                     Rejection.BAD_SIGNATURE, "this server has no handoff key to verify the signature"
                 )
             return RoutePlan(Route.RENDER_VERIFIED, chat, signed_params=params)
+        if type(params.get("do_remote_decode", False)) not in (bool, type(None)):
+            raise InvalidRequest(
+                f"kv_transfer_params.do_remote_decode must be true or false, got {params['do_remote_decode']!r}"
+            )
         if params.get("do_remote_decode") is True:
             if self.gate.key is None:
                 raise InvalidRequest(f"do_remote_decode needs this server to have a handoff key ({HANDOFF_KEY.env})")

@@ -99,6 +99,7 @@ def test_a_prompt_renders_without_the_chat_template_and_token_ids_as_they_are(re
     for prompt, needle in (
         ([len(renderer.tokenizer)], "outside this model's vocabulary"),
         ([1] * renderer.context_length, "leaves no room"),
+        ("x" * (renderer.max_prompt_chars + 1), "^the prompt holds"),
     ):
         with pytest.raises(InvalidRequest, match=needle):
             renderer.render(completion_request_from_body({"prompt": prompt}))

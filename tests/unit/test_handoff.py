@@ -195,6 +195,22 @@ def test_the_route_is_planned_once_before_rendering():
         RoutePlanner(gate(Policy.OFF, key=None), "m").plan(chat(), None, '{"do_remote_decode": true}')
 
 
+def test_do_remote_decode_must_be_a_boolean_and_false_renders():
+    planner = RoutePlanner(gate(), "m")
+    for value in ("false", "null"):
+        assert planner.plan(chat(), None, f'{{"do_remote_decode": {value}}}').route is Route.RENDER
+    for value, shown in (('"yes"', "'yes'"), ("1", "1")):
+        with pytest.raises(InvalidRequest, match=f"do_remote_decode must be true or false, got {shown}$"):
+            planner.plan(chat(), None, f'{{"do_remote_decode": {value}}}')
+
+
+def test_ids_at_the_top_level_and_inside_kv_transfer_params_are_refused_naming_both():
+    planner = RoutePlanner(gate(), "m")
+    body = chat(prompt_token_ids=IDS, kv_transfer_params={"prompt_token_ids": IDS})
+    with pytest.raises(ForwardedIdsRejected, match="as the top-level prompt_token_ids or inside kv_transfer_params"):
+        planner.plan(body, None, None)
+
+
 def test_a_handoff_refused_for_its_request_s_params_stays_good_for_the_corrected_request():
     planner = RoutePlanner(gate(), "m")
     handoff = planner.sign_handoff(chat(), IDS, kv_handle=HANDLE).to_json()

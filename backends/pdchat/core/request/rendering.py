@@ -74,8 +74,9 @@ class PromptRenderer:
         fit the context: every field a render writes counts (contents, reasoning, tool calls, tools)."""
         chars = sum(len(text) for text in rendered_texts(request))
         if chars > self.max_prompt_chars:
+            what = "the messages and tools hold" if request.prompt is None else "the prompt holds"
             raise InvalidRequest(
-                f"the messages and tools hold {chars} characters; no prompt over {self.max_prompt_chars} "
+                f"{what} {chars} characters; no prompt over {self.max_prompt_chars} "
                 f"fits this model's context of {self.context_length} tokens"
             )
 
