@@ -325,3 +325,23 @@ def test_a_client_requesting_only_response_gets_only_response_and_the_same_answe
 
 def strip_ids(chunk: dict) -> dict:
     return {key: value for key, value in chunk.items() if key not in ("id", "created")}
+
+
+def test_a_heartbeat_parameter_that_is_no_positive_integer_is_refused_naming_it(decode_server):
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    body = np.array([json.dumps(chat_body("single_turn", max_tokens=2)).encode()], dtype=np.object_)
+    request = grpcclient.InferInput(tensors.REQUEST, [1], "BYTES")
+    request.set_data_from_numpy(body)
+    for bad in ("50", 0):
+        client, results = grpcclient.InferenceServerClient(decode_server.grpc_url), queue.Queue()
+        client.start_stream(callback=lambda result, error, results=results: results.put(error))
+        try:
+            client.async_stream_infer(CHAT, [request], parameters={tensors.HEARTBEAT_MS: bad})
+            error = results.get(timeout=60)
+        finally:
+            client.stop_stream()
+            client.close()
+        assert "request parameter 'heartbeat_ms' must be a positive integer" in str(error), error

@@ -185,9 +185,14 @@ def client_tensors(output: ClientOutput, wanted: frozenset[str] | None = None) -
 
 
 def heartbeat_s(request) -> float | None:
-    """The seconds between empty responses `request`'s caller asked for (None: it asked for none)."""
+    """The seconds between empty responses `request`'s caller asked for (None: it asked for
+    none); InvalidRequest for a value that is not a positive integer."""
     value = json.loads(request.parameters() or "{}").get(tensors.HEARTBEAT_MS)
-    return value / 1000 if type(value) is int and value > 0 else None
+    if value is None:
+        return None
+    if type(value) is not int or value <= 0:
+        raise InvalidRequest(f"request parameter '{tensors.HEARTBEAT_MS}' must be a positive integer, got {value!r}")
+    return value / 1000
 
 
 def heartbeat() -> pb_utils.InferenceResponse:
