@@ -202,9 +202,10 @@ class GrpcChat:
                 if error is not None:
                     finished = True  # an error ends the request
                     raise _grpc_error(error)
-                final = result.get_response().parameters["triton_final_response"].bool_param
-                if result.as_numpy(tensors.RESPONSE) is not None:
+                response = result.get_response()
+                if response.outputs:  # not a heartbeat, nor the bare final flag
                     yield _to_output(result.as_numpy)
+                final = response.parameters["triton_final_response"].bool_param
                 if final:
                     finished = True
                     return

@@ -20,6 +20,7 @@ then end with an error, their servers told to cancel them. SIGTERM then stops th
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -52,7 +53,7 @@ import pdchat
 from pdchat import tensors
 from pdchat.clients.chat import ChatError, ChatOutput
 from pdchat.clients.choices import fan_out
-from pdchat.clients.router import Draining, UpstreamTimeout
+from pdchat.clients.router import Cancellation, ClientLeft, Draining, UpstreamTimeout
 from pdchat.core.errors import ErrorCode
 from pdchat.core.settings import DRAIN_TIMEOUT_S
 
@@ -289,10 +290,12 @@ class _Front:
         if self.draining:
             raise ApiError(503, "this front is draining: it takes no new requests", "draining", close=True)
         body = await self._json_body(request)
-        outputs = fan_out(self.router.chat, body, request.state.request_id, GENERATION_FORMS[request.url.path])
+        cancellation = Cancellation()
+        serve = functools.partial(self.router.chat, cancellation=cancellation)
+        outputs = fan_out(serve, body, request.state.request_id, GENERATION_FORMS[request.url.path])
         try:
             if not body.get("stream"):
-                return Response(await self._whole(outputs, request), 200, media_type="application/json")
+                return await self._whole(outputs, request, cancellation)
             first = await self._in_thread(next, outputs, None)
         except ChatError as exc:
             raise chat_api_error(exc) from exc  # the generator is done: it raised
@@ -304,23 +307,22 @@ class _Front:
         self.metrics.ttft.observe(time.perf_counter() - started)
         return _EventStream(self._events(outputs, first, request.state), headers={"Cache-Control": "no-cache"})
 
-    async def _whole(self, outputs: Iterator[ChatOutput], request: Request) -> str:
-        """The one answer's JSON. A client that leaves meanwhile (looked for every
-        DISCONNECT_POLL_S) has its request cancelled on the servers."""
-        request_id = request.state.request_id
+    async def _whole(self, outputs: Iterator[ChatOutput], request: Request, cancellation: Cancellation) -> Response:
+        """The one answer. A client that leaves meanwhile (looked for every DISCONNECT_POLL_S)
+        has its request cancelled on the servers, and is counted cancelled, not failed."""
         answering = asyncio.ensure_future(self._in_thread(list, outputs))
+        while not (await asyncio.wait({answering}, timeout=DISCONNECT_POLL_S))[0]:
+            if not cancellation.cancelled and await request.is_disconnected():
+                request.state.outcome = "cancelled"
+                log.info("request %s: client went away; decode work cancelled", request.state.request_id)
+                await self._in_thread(cancellation.cancel)
         try:
-            while not (await asyncio.wait({answering}, timeout=DISCONNECT_POLL_S))[0]:
-                if await request.is_disconnected():
-                    request.state.outcome = "cancelled"
-                    log.info("request %s: client went away; decode work cancelled", request_id)
-                    await self._in_thread(self.router.cancel, request_id)
-            answers = await answering
-        finally:
-            self.router.forget(request_id)
+            answers = answering.result()
+        except ClientLeft:
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         if len(answers) != 1:
             raise ApiError.of(ErrorCode.INTERNAL, f"the decode server sent {len(answers)} responses for a whole answer")
-        return answers[0].response_json
+        return Response(answers[0].response_json, 200, media_type="application/json")
 
     async def _events(self, outputs: Iterator[ChatOutput], first: ChatOutput, state: State) -> AsyncIterator[bytes]:
         """Chunks, then `[DONE]`; an error after the first chunk is a chunk of its own."""

@@ -75,6 +75,44 @@ class ClientLeft(ChatError):
         super().__init__(f"request {request_id}: the client left; it was cancelled", ErrorCode.UNAVAILABLE)
 
 
+class Cancellation:
+    """One client request's way out: once its client left, `cancel()` (from any thread)
+    ends the streams opened for it with ClientLeft, cancelled on their servers, and any it
+    would open after. Each HTTP request has its own: no id a client sends can reach another's."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self._lock = threading.Lock()
+        self._clients: set[GrpcChat] = set()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            clients = list(self._clients)
+        _cancel_streams(clients, "a request whose client left")
+
+    @contextmanager
+    def holding(self, client: GrpcChat, request_id: str) -> Iterator[None]:
+        """`client`'s stream is this request's while inside; ClientLeft at once if it was cancelled."""
+        with self._lock:
+            if self.cancelled:
+                raise ClientLeft(request_id)
+            self._clients.add(client)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._clients.discard(client)
+
+
+def _cancel_streams(clients: list[GrpcChat], whose: str) -> None:
+    for client in clients:
+        try:
+            client.cancel()
+        except Exception:  # noqa: BLE001 - a stream ending meanwhile races tritonclient's stop
+            log.debug("a stream of %s ended while it was being cancelled", whose, exc_info=True)
+
+
 class Draining(ChatError):
     """The front is draining: it ended this stream (its request cancelled on its server) or
     takes no new ones. The message says why."""
@@ -142,8 +180,7 @@ class BackendPool:
         self._turn = itertools.count()
         self._lock = threading.Lock()
         self._watcher: threading.Thread | None = None
-        self._streams: dict[GrpcChat, str] = {}  # clients whose stream runs: their request id
-        self._left: set[str] = set()  # requests whose client left (`cancel`), until `forget`
+        self._streams: set[GrpcChat] = set()  # clients whose stream runs
         self.on_unready: Callable[[str], None] | None = None
 
     def any_healthy(self) -> bool:
@@ -193,19 +230,27 @@ class BackendPool:
             with self._lock:
                 backend.in_flight -= 1
 
-    def stream(self, backend: Backend, inputs: dict[str, np.ndarray], request_id: str = "") -> Iterator[ChatOutput]:
+    def stream(
+        self,
+        backend: Backend,
+        inputs: dict[str, np.ndarray],
+        request_id: str = "",
+        cancellation: Cancellation | None = None,
+    ) -> Iterator[ChatOutput]:
         """`backend`'s responses (it comes from `pick`) to one request. Its errors, by kind:
         - nothing for `stall_timeout_s`: UpstreamTimeout, naming the server; the request is
           cancelled and the server marked unready;
         - a transport failure or server fault: the server is probed at once; one that does
           not answer ends the stream UNAVAILABLE, naming it;
-        - once `abort` ran: Draining, the request cancelled.
+        - once `abort` ran: Draining, the request cancelled;
+        - once `cancellation` was cancelled: ClientLeft, the request cancelled.
         A client error (the request is bad) ends it as the server said."""
-        with backend.client() as client, self._running(client, request_id):
+        cancellation = cancellation or Cancellation()
+        with backend.client() as client, self._running(client), cancellation.holding(client, request_id):
             try:
                 yield from client.stream(inputs, request_id=request_id)
             except Exception as exc:
-                if self._has_left(request_id):  # we closed the stream: the server did nothing wrong
+                if cancellation.cancelled:  # we closed the stream: the server did nothing wrong
                     raise ClientLeft(request_id) from exc
                 error = self._failure(backend, exc)
                 if error is exc:
@@ -218,44 +263,20 @@ class BackendPool:
         with self._lock:
             self.aborted = reason
             streams = list(self._streams)
-        self._cancel_streams(streams)
-
-    def cancel(self, request_id: str) -> None:
-        """End the streams of `request_id` (and of its choices, `request_id-i`) with ClientLeft,
-        cancelled on their servers, and any it would start, until `forget(request_id)`."""
-        with self._lock:
-            self._left.add(request_id)
-            streams = [client for client, running in self._streams.items() if self._has_left(running)]
-        self._cancel_streams(streams)
-
-    def forget(self, request_id: str) -> None:
-        with self._lock:
-            self._left.discard(request_id)
-
-    def _has_left(self, request_id: str) -> bool:
-        return request_id in self._left or request_id.rpartition("-")[0] in self._left
-
-    def _cancel_streams(self, streams: list[GrpcChat]) -> None:
-        for client in streams:
-            try:
-                client.cancel()
-            except Exception:  # noqa: BLE001 - a stream ending meanwhile races tritonclient's stop
-                log.debug("a %s stream ended while it was being cancelled", self.role, exc_info=True)
+        _cancel_streams(streams, f"the {self.role or 'backend'} pool being aborted")
 
     @contextmanager
-    def _running(self, client: GrpcChat, request_id: str) -> Iterator[None]:
-        """`client`'s stream counts as running (for `abort` and `cancel`) while inside."""
+    def _running(self, client: GrpcChat) -> Iterator[None]:
+        """`client`'s stream counts as running (for `abort`) while inside."""
         with self._lock:
             if self.aborted is not None:
                 raise Draining(self.aborted)
-            if self._has_left(request_id):
-                raise ClientLeft(request_id)
-            self._streams[client] = request_id
+            self._streams.add(client)
         try:
             yield
         finally:
             with self._lock:
-                self._streams.pop(client, None)
+                self._streams.discard(client)
 
     def _failure(self, backend: Backend, exc: Exception) -> Exception:
         """What a stream of `backend` that raised `exc` ends with; the server's readiness updated."""
@@ -330,9 +351,16 @@ class ChatFront:
         """Every pool this front streams from."""
         return (self.serving,)
 
-    def chat(self, body: dict[str, Any], request_id: str = "", form: str = tensors.REQUEST) -> Iterator[ChatOutput]:
+    def chat(
+        self,
+        body: dict[str, Any],
+        request_id: str = "",
+        form: str = tensors.REQUEST,
+        cancellation: Cancellation | None = None,
+    ) -> Iterator[ChatOutput]:
         """The responses to one body of the API `form` names (a BODY_VALIDATORS key: chat
-        completions, or completions), streamed if it asks."""
+        completions, or completions), streamed if it asks; ClientLeft once `cancellation`
+        was cancelled."""
         raise NotImplementedError
 
     def abort(self, reason: str) -> None:
@@ -340,16 +368,6 @@ class ChatFront:
         server; streams asked for later end so at once."""
         for pool in self.pools:
             pool.abort(reason)
-
-    def cancel(self, request_id: str) -> None:
-        """The client of `request_id` left: end its streams (ClientLeft), cancelling them on
-        their servers, and start none for it until `forget(request_id)`."""
-        for pool in self.pools:
-            pool.cancel(request_id)
-
-    def forget(self, request_id: str) -> None:
-        for pool in self.pools:
-            pool.forget(request_id)
 
     def served_models(self) -> tuple[str, ...]:
         """The model names clients may send, the one reported first."""
@@ -426,14 +444,19 @@ class ChatFront:
                     raise
                 raise error from exc
 
-    def _stream(self, text: bytes, request_id: str, form: str, **forwarded: Any) -> Iterator[ChatOutput]:
+    def _stream(
+        self, text: bytes, request_id: str, form: str, cancellation: Cancellation | None = None, **forwarded: Any
+    ) -> Iterator[ChatOutput]:
         """Responses of one serving server to `text` as input `form` (errors as `BackendPool.stream` says)."""
         if not self.serving.any_healthy():
             self.stats.failed += 1
             raise self.serving.none_ready()
         with self.serving.pick() as backend:
             try:
-                yield from self.serving.stream(backend, chat_inputs(text, form=form, **forwarded), request_id)
+                inputs = chat_inputs(text, form=form, **forwarded)
+                yield from self.serving.stream(backend, inputs, request_id, cancellation)
+            except ClientLeft:
+                raise  # not a failure: nobody waits for it
             except ChatError:
                 self.stats.failed += 1
                 raise
@@ -455,10 +478,16 @@ class ServerFront(ChatFront):
         pool = BackendPool([url], role, stall_timeout_s=stall_timeout_s, outputs=outputs)
         super().__init__(pool, served_model_names)
 
-    def chat(self, body: dict[str, Any], request_id: str = "", form: str = tensors.REQUEST) -> Iterator[ChatOutput]:
+    def chat(
+        self,
+        body: dict[str, Any],
+        request_id: str = "",
+        form: str = tensors.REQUEST,
+        cancellation: Cancellation | None = None,
+    ) -> Iterator[ChatOutput]:
         self.stats.requests += 1
         text, _ = self._validated(body, form)
-        yield from self._stream(text, request_id or f"pdchat-{uuid.uuid4().hex}", form)
+        yield from self._stream(text, request_id or f"pdchat-{uuid.uuid4().hex}", form, cancellation)
 
 
 class PDRouter(ChatFront):
@@ -526,7 +555,13 @@ class PDRouter(ChatFront):
         """Prefill's renderers (they render the chat requests), decode's while none is ready."""
         return (self.prefill, self.decode)
 
-    def chat(self, body: dict[str, Any], request_id: str = "", form: str = tensors.REQUEST) -> Iterator[ChatOutput]:
+    def chat(
+        self,
+        body: dict[str, Any],
+        request_id: str = "",
+        form: str = tensors.REQUEST,
+        cancellation: Cancellation | None = None,
+    ) -> Iterator[ChatOutput]:
         """The decode server's responses for one chat or completions request (streamed if body asks)."""
         request_id = request_id or f"pdchat-{uuid.uuid4().hex}"
         self.stats.requests += 1
@@ -540,7 +575,7 @@ class PDRouter(ChatFront):
             self.stats.failed += 1
             raise self.decode.none_ready()
         keys = prefix_keys(body) if self.affinity is not None else []  # only the prefix policy reads them
-        prefilled = self._prefill_leg(text, request_id, form, keys)
+        prefilled = self._prefill_leg(text, request_id, form, keys, cancellation)
         forwarded = {}
         if prefilled is not None:
             # The signed handoff goes on as the prefill server serialized it.
@@ -548,9 +583,11 @@ class PDRouter(ChatFront):
             if self.forward_ids:
                 forwarded["prompt_token_ids"] = prefilled.prompt_token_ids
             self.stats.disaggregated += 1
-        yield from self._stream(text, request_id, form, **forwarded)
+        yield from self._stream(text, request_id, form, cancellation, **forwarded)
 
-    def _prefill_leg(self, body: bytes, request_id: str, form: str, keys: list[bytes]) -> ChatOutput | None:
+    def _prefill_leg(
+        self, body: bytes, request_id: str, form: str, keys: list[bytes], cancellation: Cancellation | None
+    ) -> ChatOutput | None:
         """Prefill's answer (first token, prompt ids, signed handoff), or None to let decode
         do it all: no prefill server ready, or the one picked failed or stalled. A
         do_remote_decode request gets one answer, streamed or not. `keys`: the request's
@@ -560,7 +597,7 @@ class PDRouter(ChatFront):
         try:
             with self.prefill.pick(choose) as used:
                 inputs = chat_inputs(body, kv_transfer_params={"do_remote_decode": True}, form=form)
-                [output] = list(self.prefill.stream(used, inputs, request_id))
+                [output] = list(self.prefill.stream(used, inputs, request_id, cancellation))
             log.info(
                 "request %s: prefill on %s in %.1f ms", request_id, used.url, 1000 * (time.perf_counter() - started)
             )

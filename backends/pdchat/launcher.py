@@ -21,6 +21,7 @@ import sys
 import sysconfig
 import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable
@@ -92,11 +93,18 @@ def assemble_backend_dir(pytriton_root: Path) -> Path:
 
 def answers(url: str) -> bool:
     """Whether `url` answers 200 now."""
+    return http_status(url) == 200
+
+
+def http_status(url: str) -> int | None:
+    """The HTTP status `url` answers a GET with now; None for no answer within 2 s."""
     try:
         with urllib.request.urlopen(url, timeout=2) as reply:
-            return reply.status == 200
+            return reply.status
+    except urllib.error.HTTPError as error:
+        return error.code
     except OSError:
-        return False
+        return None
 
 
 def wait_healthy(process: subprocess.Popen, url: str, timeout: float, what: str, log_path: Path | None) -> None:
@@ -329,17 +337,21 @@ class TritonServer:
 
     def dead_stub(self) -> str | None:
         """The instance (e.g. 'decode_0_0') whose python stub died while its model is still
-        loaded, if one did; a stub gone with its model (unloaded, reloaded) is forgotten."""
+        loaded, if one did. A stub gone with its model (unloaded, reloaded) is forgotten; one
+        whose model's readiness the server does not tell now (busy, stopped) is looked at again."""
         for pid, (model, instance) in list(self.stubs.items()):
             if _alive(pid):
                 continue
-            del self.stubs[pid]
             now = python_stubs(self.process.pid)
             if instance in {name for _, name in now.values()}:  # its model was reloaded
+                del self.stubs[pid]
                 self.stubs.update({p: stub for p, stub in now.items() if stub[1] == instance})
-            elif answers(f"http://{self.http_url}/v2/models/{model}/ready"):
-                self.stubs[pid] = (model, instance)  # NOTE: kept, so that every look reports it
-                return instance
+                continue
+            ready = http_status(f"http://{self.http_url}/v2/models/{model}/ready")
+            if ready == 200:
+                return instance  # NOTE: kept in `stubs`, so that every look reports it
+            if ready is not None:  # the server says its model is not ready: unloaded
+                del self.stubs[pid]
         return None
 
     def progress(self) -> str:

@@ -14,6 +14,7 @@ import select
 import socket
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -321,20 +322,45 @@ def test_client_leaving_mid_stream_cancels_decode_and_counts_as_cancelled(stack,
     assert_serves(router_port)
 
 
-def test_client_leaving_a_whole_answer_cancels_decode_and_counts_as_cancelled(stack, router_port):
-    """Nothing comes back before a whole answer's end: the front notices the client leave."""
+def failed_of(stack) -> int:
+    return json.loads(urllib.request.urlopen(f"{stack.router_url}/health", timeout=10).read())["stats"]["failed"]
+
+
+def whole_answer(stack, body: dict, headers: dict[str, str]) -> dict:
+    posted = urllib.request.Request(
+        f"{stack.router_url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **headers},
+    )
+    with urllib.request.urlopen(posted, timeout=120) as reply:
+        return json.loads(reply.read())
+
+
+def test_client_leaving_a_whole_answer_cancels_it_and_no_other(stack, router_port):
+    """Nothing comes back before a whole answer's end: the front notices the client leave.
+    It cancels that request alone, whatever ids the requests carry (every generated id
+    starts "pdchat-"; a client may send any, also another's)."""
     cancelled = 'pdchat_router_requests_total{"outcome": "cancelled"}'
-    before = scrape(stack.router_url)[cancelled]
+    unavailable = 'pdchat_router_errors_total{"code": "UNAVAILABLE", "status": "503"}'
+    before, failed = scrape(stack.router_url), failed_of(stack)
+    victim_body = {**CHAT, "max_tokens": 300, "ignore_eos": True}
     body = json.dumps({**CHAT, "max_tokens": 3000, "ignore_eos": True}).encode()
-    with socket.create_connection(("127.0.0.1", router_port), timeout=30) as sock:
-        sock.sendall(request("POST", "/v1/chat/completions", body))
-        assert wait_for(lambda: metric(stack.decode, "pdchat_decode_active") == 1, timeout=30)
-    left = time.monotonic()
-    # 3000 tokens take far longer than this, alone on the server
+    with ThreadPoolExecutor(2) as pool:
+        victims = [pool.submit(whole_answer, stack, victim_body, h) for h in ({}, {"X-Request-Id": "pdchat"})]
+        with socket.create_connection(("127.0.0.1", router_port), timeout=30) as sock:
+            sock.sendall(request("POST", "/v1/chat/completions", body, (b"X-Request-Id: pdchat",)))
+            assert wait_for(lambda: metric(stack.decode, "pdchat_decode_active") == 3, timeout=30)
+        left = time.monotonic()
+        for victim in victims:
+            assert victim.result(timeout=120)["choices"][0]["finish_reason"] == "length"
+    # 3000 tokens take far longer than this
     assert wait_for(lambda: metric(stack.decode, "pdchat_decode_active") == 0, timeout=10)
-    assert time.monotonic() - left < 10
-    assert wait_for(lambda: scrape(stack.router_url)[cancelled] == before + 1, timeout=10)
-    assert scrape(stack.router_url)["pdchat_router_requests_in_flight"] == 0
+    assert time.monotonic() - left < 30
+    after = scrape(stack.router_url)
+    assert after[cancelled] == before[cancelled] + 1
+    assert after["pdchat_router_requests_in_flight"] == 0
+    assert after.get(unavailable, 0) == before.get(unavailable, 0), "a client that left counted as an error"
+    assert failed_of(stack) == failed, "a client that left counted as a failure"
     assert_serves(router_port)
 
 

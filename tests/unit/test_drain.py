@@ -35,7 +35,9 @@ class StandIn:
         self.reason = ""
         self.aborted = threading.Event()
 
-    def chat(self, body: dict[str, Any], request_id: str = "", form: str = "request") -> Iterator[ChatOutput]:
+    def chat(
+        self, body: dict[str, Any], request_id: str = "", form: str = "request", cancellation=None
+    ) -> Iterator[ChatOutput]:
         count = body["max_tokens"]
         for index in range(count):
             if self.aborted.wait(GAP_S):
