@@ -331,7 +331,7 @@ class TritonServer:
 
     def is_ready(self) -> bool:
         ready = answers(self.ready_url)
-        if ready and not self.stubs:  # ready after a restart: the stubs to watch are the new ones
+        if ready and not self.stubs and self.process is not None:  # ready after a restart: watch the new stubs
             self.stubs = python_stubs(self.process.pid)
         return ready
 
