@@ -453,21 +453,24 @@ def process_group(pgid: int) -> list[int]:
     """Live (not zombie) processes of a process group: a server's are tritonserver and its stubs."""
     pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # [state, ppid, pgrp, ...]
-        except OSError:  # exited meanwhile
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
+        fields = _stat_fields(int(stat.parent.name))
+        if fields is not None and int(fields[2]) == pgid and fields[0] != "Z":
             pids.append(int(stat.parent.name))
     return pids
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat after the command name: [state, ppid, pgrp, ...]; None once it exited."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie, not yet reaped by its parent, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def python_stubs(pgid: int) -> dict[int, tuple[str, str]]:
