@@ -6,6 +6,8 @@ tests, benchmarks) do not care which one carried it.
 
 from __future__ import annotations
 
+import enum
+import functools
 import json
 import queue
 import urllib.error
@@ -149,6 +151,14 @@ def _to_output(get: Callable[[str], Any]) -> ChatOutput:
     )
 
 
+class Waiting(enum.Enum):
+    """What a stream's next `next` would take now (GrpcChat.waiting)."""
+
+    NOTHING = "nothing"
+    OUTPUT = "output"
+    OTHER = "other"
+
+
 class GrpcChat:
     """gRPC streaming: works for streamed and whole answers of decoupled models.
     `timeout_s`: the longest wait for a response (the first, or the next); `outputs`: the
@@ -165,10 +175,15 @@ class GrpcChat:
         self.model = model
         self.timeout_s = timeout_s
         self._outputs = None if outputs is None else [grpcclient.InferRequestedOutput(name) for name in outputs]
+        # Called on the stream's reader thread after each response (or error) arrives.
+        self.on_arrival: Callable[[], None] | None = None
+        self._responses: queue.Queue | None = None  # the running stream's, as they arrived
+        self._ending = False  # the running stream's final response was taken: its next `next` closes it
 
     def stream(self, inputs: dict[str, np.ndarray], request_id: str = "") -> Iterator[ChatOutput]:
         responses: queue.Queue = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        self._responses, self._ending = responses, False
+        self.client.start_stream(callback=functools.partial(self._arrived, responses))
         finished = False
         try:
             infer_inputs = []
@@ -203,16 +218,38 @@ class GrpcChat:
                     finished = True  # an error ends the request
                     raise _grpc_error(error)
                 response = result.get_response()
+                final = response.parameters["triton_final_response"].bool_param
+                self._ending = final
                 if response.outputs:  # not a heartbeat, nor the bare final flag
                     yield _to_output(result.as_numpy)
-                final = response.parameters["triton_final_response"].bool_param
                 if final:
                     finished = True
                     return
         finally:
             # Leaving early (client gone) cancels the request on the server; cancelling a
             # finished one would race its completion, so only unfinished ones are cancelled.
+            self._responses = None
             self._stop_stream(cancel=not finished)
+
+    def waiting(self) -> Waiting:
+        """What the running stream's `next` would take now (heartbeats skipped): OUTPUT, an
+        output that is not its last (taken without waiting or closing anything); NOTHING
+        yet; or OTHER, which may block: no stream running, its end, an error."""
+        responses = self._responses
+        if responses is None or self._ending:
+            return Waiting.OTHER
+        with responses.mutex:
+            for result, error in responses.queue:
+                if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+                    return Waiting.OTHER
+                if result.get_response().outputs:
+                    return Waiting.OUTPUT
+        return Waiting.NOTHING
+
+    def _arrived(self, responses: queue.Queue, result: Any, error: Any) -> None:
+        responses.put((result, error))
+        if (on_arrival := self.on_arrival) is not None:
+            on_arrival()
 
     def cancel(self) -> None:
         """Close the running stream from any thread, its request cancelled on the server: the

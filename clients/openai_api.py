@@ -29,7 +29,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from types import FrameType
@@ -51,9 +51,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import pdchat
 from pdchat import tensors
-from pdchat.clients.chat import ChatError, ChatOutput
+from pdchat.clients.chat import ChatError, ChatOutput, Waiting
 from pdchat.clients.choices import fan_out
-from pdchat.clients.router import Cancellation, ClientLeft, Draining, UpstreamTimeout
+from pdchat.clients.router import ClientLeft, Draining, RequestStreams, UpstreamTimeout
 from pdchat.core.errors import ErrorCode
 from pdchat.core.settings import DRAIN_TIMEOUT_S
 
@@ -73,6 +73,9 @@ REQUEST_ID_RULE = "[A-Za-z0-9._:-]{1,128}"
 _REQUEST_ID = re.compile(REQUEST_ID_RULE.encode())
 DRAIN_POLL_S = 0.05  # how often a drain looks whether requests still run
 DISCONNECT_POLL_S = 0.5  # how often a whole answer being made looks whether its client is still there
+# A stream's next output is awaited on the loop this long at most, then by a worker thread
+# (which sees the stream's stall deadline and its end).
+ARRIVAL_WAIT_S = 0.25
 T = TypeVar("T")
 
 
@@ -244,6 +247,49 @@ class _EventStream(StreamingResponse):
                 await self.body_iterator.aclose()
 
 
+class _Arrivals:
+    """The outputs of one stream (a request of one choice), each taken on the event loop
+    as it arrives: no worker thread waits for each, and outputs that arrived together are
+    sent together. What may block (the stream's end, an error, a stall past
+    ARRIVAL_WAIT_S) is still taken by a worker thread (`in_thread`).
+
+    NOTE: `next(outputs)` runs on the loop only when `streams.waiting()` is OUTPUT: then
+    the output is queued and the generators above it only pass it on."""
+
+    def __init__(
+        self,
+        outputs: Iterator[ChatOutput],
+        streams: RequestStreams,
+        in_thread: Callable[..., Awaitable[ChatOutput | None]],
+    ):
+        self._outputs, self._streams, self._in_thread = outputs, streams, in_thread
+        self._loop = asyncio.get_running_loop()
+        self._arrived = asyncio.Event()
+        streams.on_arrival = self._on_arrival
+
+    async def next(self) -> ChatOutput | None:
+        deadline = self._loop.time() + ARRIVAL_WAIT_S
+        while True:
+            self._arrived.clear()
+            waiting = self._streams.waiting()
+            if waiting is Waiting.OUTPUT:
+                return next(self._outputs, None)
+            remaining = deadline - self._loop.time()
+            if waiting is Waiting.OTHER or remaining <= 0:
+                break
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except asyncio.TimeoutError:
+                break
+        return await self._in_thread(next, self._outputs, None)
+
+    def _on_arrival(self) -> None:  # on a stream's reader thread
+        try:
+            self._loop.call_soon_threadsafe(self._arrived.set)
+        except RuntimeError:  # the loop closed: the front is gone, nobody waits
+            pass
+
+
 def _event(data: dict[str, Any] | str) -> bytes:
     """One SSE event; a server's response JSON goes out as the text it came in."""
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
@@ -290,12 +336,12 @@ class _Front:
         if self.draining:
             raise ApiError(503, "this front is draining: it takes no new requests", "draining", close=True)
         body = await self._json_body(request)
-        cancellation = Cancellation()
-        serve = functools.partial(self.router.chat, cancellation=cancellation)
+        streams = RequestStreams()
+        serve = functools.partial(self.router.chat, streams=streams)
         outputs = fan_out(serve, body, request.state.request_id, GENERATION_FORMS[request.url.path])
         try:
             if not body.get("stream"):
-                return await self._whole(outputs, request, cancellation)
+                return await self._whole(outputs, request, streams)
             first = await self._in_thread(next, outputs, None)
         except ChatError as exc:
             raise chat_api_error(exc) from exc  # the generator is done: it raised
@@ -305,17 +351,20 @@ class _Front:
         if first is None:
             raise ApiError.of(ErrorCode.INTERNAL, "the decode server ended the stream without a response")
         self.metrics.ttft.observe(time.perf_counter() - started)
-        return _EventStream(self._events(outputs, first, request.state), headers={"Cache-Control": "no-cache"})
+        taken = _Arrivals(outputs, streams, self._in_thread) if body.get("n") in (None, 1) else None
+        next_output = taken.next if taken is not None else functools.partial(self._in_thread, next, outputs, None)
+        events = self._events(outputs, first, next_output, request.state)
+        return _EventStream(events, headers={"Cache-Control": "no-cache"})
 
-    async def _whole(self, outputs: Iterator[ChatOutput], request: Request, cancellation: Cancellation) -> Response:
+    async def _whole(self, outputs: Iterator[ChatOutput], request: Request, streams: RequestStreams) -> Response:
         """The one answer. A client that leaves meanwhile (looked for every DISCONNECT_POLL_S)
         has its request cancelled on the servers, and is counted cancelled, not failed."""
         answering = asyncio.ensure_future(self._in_thread(list, outputs))
         while not (await asyncio.wait({answering}, timeout=DISCONNECT_POLL_S))[0]:
-            if not cancellation.cancelled and await request.is_disconnected():
+            if not streams.cancelled and await request.is_disconnected():
                 request.state.outcome = "cancelled"
                 log.info("request %s: client went away; decode work cancelled", request.state.request_id)
-                await self._in_thread(cancellation.cancel)
+                await self._in_thread(streams.cancel)
         try:
             answers = answering.result()
         except ClientLeft:
@@ -324,15 +373,22 @@ class _Front:
             raise ApiError.of(ErrorCode.INTERNAL, f"the decode server sent {len(answers)} responses for a whole answer")
         return Response(answers[0].response_json, 200, media_type="application/json")
 
-    async def _events(self, outputs: Iterator[ChatOutput], first: ChatOutput, state: State) -> AsyncIterator[bytes]:
-        """Chunks, then `[DONE]`; an error after the first chunk is a chunk of its own."""
+    async def _events(
+        self,
+        outputs: Iterator[ChatOutput],
+        first: ChatOutput,
+        next_output: Callable[[], Awaitable[ChatOutput | None]],
+        state: State,
+    ) -> AsyncIterator[bytes]:
+        """Chunks, then `[DONE]`; an error after the first chunk is a chunk of its own.
+        `next_output()`: the output after the last (None at the end)."""
         try:
             output: ChatOutput | None = first
             last = time.perf_counter()
             try:
                 while output is not None:
                     yield _event(output.response_json)
-                    output = await self._in_thread(next, outputs, None)
+                    output = await next_output()
                     now = time.perf_counter()
                     if output is not None:
                         self.metrics.inter_token.observe(now - last)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdchat import tensors
 from pdchat.clients.affinity import PrefixAffinity, prefix_keys
-from pdchat.clients.chat import ChatError, ChatOutput, GrpcChat, ServerSilent, chat_inputs
+from pdchat.clients.chat import ChatError, ChatOutput, GrpcChat, ServerSilent, Waiting, chat_inputs
 from pdchat.clients.kv_index import BlockIndex, KVEventSource, KVEventSubscriber
 from pdchat.core.errors import ErrorCode, InvalidRequest
 from pdchat.core.request.protocol import (
@@ -69,19 +69,25 @@ class UpstreamTimeout(ChatError):
 
 
 class ClientLeft(ChatError):
-    """The client of this request left: the front cancelled its streams (`ChatFront.cancel`)."""
+    """The client of this request left: the front cancelled its streams (`RequestStreams.cancel`)."""
 
     def __init__(self, request_id: str):
         super().__init__(f"request {request_id}: the client left; it was cancelled", ErrorCode.UNAVAILABLE)
 
 
-class Cancellation:
-    """One client request's way out: once its client left, `cancel()` (from any thread)
-    ends the streams opened for it with ClientLeft, cancelled on their servers, and any it
-    would open after. Each HTTP request has its own: no id a client sends can reach another's."""
+class RequestStreams:
+    """The streams one client request opened, one after another (prefill's, then decode's)
+    or n at once: once its client left, `cancel()` (from any thread) ends them with
+    ClientLeft, cancelled on their servers, and any it would open after. Each HTTP request
+    has its own: no id a client sends can reach another's.
+
+    `on_arrival`: called (on a reader thread) when a response of one of them arrives; with
+    `waiting`, a front on an event loop takes a stream's outputs as they come without
+    a thread waiting for each (clients/openai_api.py)."""
 
     def __init__(self) -> None:
         self.cancelled = False
+        self.on_arrival: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._clients: set[GrpcChat] = set()
 
@@ -91,6 +97,19 @@ class Cancellation:
             clients = list(self._clients)
         _cancel_streams(clients, "a request whose client left")
 
+    def waiting(self) -> Waiting:
+        """What the one running stream's `next` would take now (GrpcChat.waiting); OTHER
+        unless exactly one runs."""
+        with self._lock:
+            if len(self._clients) != 1:
+                return Waiting.OTHER
+            [client] = self._clients
+        return client.waiting()
+
+    def _arrived(self) -> None:
+        if (on_arrival := self.on_arrival) is not None:  # set once the front reads the stream
+            on_arrival()
+
     @contextmanager
     def holding(self, client: GrpcChat, request_id: str) -> Iterator[None]:
         """`client`'s stream is this request's while inside; ClientLeft at once if it was cancelled."""
@@ -98,11 +117,13 @@ class Cancellation:
             if self.cancelled:
                 raise ClientLeft(request_id)
             self._clients.add(client)
+            client.on_arrival = self._arrived
         try:
             yield
         finally:
             with self._lock:
                 self._clients.discard(client)
+                client.on_arrival = None
 
 
 def _cancel_streams(clients: list[GrpcChat], whose: str) -> None:
@@ -235,7 +256,7 @@ class BackendPool:
         backend: Backend,
         inputs: dict[str, np.ndarray],
         request_id: str = "",
-        cancellation: Cancellation | None = None,
+        streams: RequestStreams | None = None,
     ) -> Iterator[ChatOutput]:
         """`backend`'s responses (it comes from `pick`) to one request. Its errors, by kind:
         - nothing for `stall_timeout_s`: UpstreamTimeout, naming the server; the request is
@@ -243,14 +264,14 @@ class BackendPool:
         - a transport failure or server fault: the server is probed at once; one that does
           not answer ends the stream UNAVAILABLE, naming it;
         - once `abort` ran: Draining, the request cancelled;
-        - once `cancellation` was cancelled: ClientLeft, the request cancelled.
+        - once `streams` was cancelled: ClientLeft, the request cancelled.
         A client error (the request is bad) ends it as the server said."""
-        cancellation = cancellation or Cancellation()
-        with backend.client() as client, self._running(client), cancellation.holding(client, request_id):
+        streams = streams or RequestStreams()
+        with backend.client() as client, self._running(client), streams.holding(client, request_id):
             try:
                 yield from client.stream(inputs, request_id=request_id)
             except Exception as exc:
-                if cancellation.cancelled:  # we closed the stream: the server did nothing wrong
+                if streams.cancelled:  # we closed the stream: the server did nothing wrong
                     raise ClientLeft(request_id) from exc
                 error = self._failure(backend, exc)
                 if error is exc:
@@ -356,10 +377,10 @@ class ChatFront:
         body: dict[str, Any],
         request_id: str = "",
         form: str = tensors.REQUEST,
-        cancellation: Cancellation | None = None,
+        streams: RequestStreams | None = None,
     ) -> Iterator[ChatOutput]:
         """The responses to one body of the API `form` names (a BODY_VALIDATORS key: chat
-        completions, or completions), streamed if it asks; ClientLeft once `cancellation`
+        completions, or completions), streamed if it asks; ClientLeft once `streams`
         was cancelled."""
         raise NotImplementedError
 
@@ -445,7 +466,7 @@ class ChatFront:
                 raise error from exc
 
     def _stream(
-        self, text: bytes, request_id: str, form: str, cancellation: Cancellation | None = None, **forwarded: Any
+        self, text: bytes, request_id: str, form: str, streams: RequestStreams | None = None, **forwarded: Any
     ) -> Iterator[ChatOutput]:
         """Responses of one serving server to `text` as input `form` (errors as `BackendPool.stream` says)."""
         if not self.serving.any_healthy():
@@ -454,7 +475,7 @@ class ChatFront:
         with self.serving.pick() as backend:
             try:
                 inputs = chat_inputs(text, form=form, **forwarded)
-                yield from self.serving.stream(backend, inputs, request_id, cancellation)
+                yield from self.serving.stream(backend, inputs, request_id, streams)
             except ClientLeft:
                 raise  # not a failure: nobody waits for it
             except ChatError:
@@ -483,11 +504,11 @@ class ServerFront(ChatFront):
         body: dict[str, Any],
         request_id: str = "",
         form: str = tensors.REQUEST,
-        cancellation: Cancellation | None = None,
+        streams: RequestStreams | None = None,
     ) -> Iterator[ChatOutput]:
         self.stats.requests += 1
         text, _ = self._validated(body, form)
-        yield from self._stream(text, request_id or f"pdchat-{uuid.uuid4().hex}", form, cancellation)
+        yield from self._stream(text, request_id or f"pdchat-{uuid.uuid4().hex}", form, streams)
 
 
 class PDRouter(ChatFront):
@@ -560,7 +581,7 @@ class PDRouter(ChatFront):
         body: dict[str, Any],
         request_id: str = "",
         form: str = tensors.REQUEST,
-        cancellation: Cancellation | None = None,
+        streams: RequestStreams | None = None,
     ) -> Iterator[ChatOutput]:
         """The decode server's responses for one chat or completions request (streamed if body asks)."""
         request_id = request_id or f"pdchat-{uuid.uuid4().hex}"
@@ -575,7 +596,7 @@ class PDRouter(ChatFront):
             self.stats.failed += 1
             raise self.decode.none_ready()
         keys = prefix_keys(body) if self.affinity is not None else []  # only the prefix policy reads them
-        prefilled = self._prefill_leg(text, request_id, form, keys, cancellation)
+        prefilled = self._prefill_leg(text, request_id, form, keys, streams)
         forwarded = {}
         if prefilled is not None:
             # The signed handoff goes on as the prefill server serialized it.
@@ -583,10 +604,10 @@ class PDRouter(ChatFront):
             if self.forward_ids:
                 forwarded["prompt_token_ids"] = prefilled.prompt_token_ids
             self.stats.disaggregated += 1
-        yield from self._stream(text, request_id, form, cancellation, **forwarded)
+        yield from self._stream(text, request_id, form, streams, **forwarded)
 
     def _prefill_leg(
-        self, body: bytes, request_id: str, form: str, keys: list[bytes], cancellation: Cancellation | None
+        self, body: bytes, request_id: str, form: str, keys: list[bytes], streams: RequestStreams | None
     ) -> ChatOutput | None:
         """Prefill's answer (first token, prompt ids, signed handoff), or None to let decode
         do it all: no prefill server ready, or the one picked failed or stalled. A
@@ -597,7 +618,7 @@ class PDRouter(ChatFront):
         try:
             with self.prefill.pick(choose) as used:
                 inputs = chat_inputs(body, kv_transfer_params={"do_remote_decode": True}, form=form)
-                [output] = list(self.prefill.stream(used, inputs, request_id, cancellation))
+                [output] = list(self.prefill.stream(used, inputs, request_id, streams))
             log.info(
                 "request %s: prefill on %s in %.1f ms", request_id, used.url, 1000 * (time.perf_counter() - started)
             )

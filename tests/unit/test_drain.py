@@ -36,7 +36,7 @@ class StandIn:
         self.aborted = threading.Event()
 
     def chat(
-        self, body: dict[str, Any], request_id: str = "", form: str = "request", cancellation=None
+        self, body: dict[str, Any], request_id: str = "", form: str = "request", streams=None
     ) -> Iterator[ChatOutput]:
         count = body["max_tokens"]
         for index in range(count):

@@ -126,7 +126,7 @@ class _Router:
 
     stats = SimpleNamespace(prefill_fallbacks=0)
 
-    def chat(self, body: dict, request_id: str = "", form: str = "request", cancellation=None) -> Iterator[ChatOutput]:
+    def chat(self, body: dict, request_id: str = "", form: str = "request", streams=None) -> Iterator[ChatOutput]:
         yield ChatOutput("hi", json.dumps({"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}]}))
 
     def health(self) -> dict:
