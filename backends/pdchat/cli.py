@@ -329,6 +329,7 @@ def _serve_http(args: argparse.Namespace, front, what: str) -> int:
         **{name: value for name, value in limits.items() if value is not None},
     )
     _say(f"{what} on http://{args.host}:{args.port} (API key {'required' if http.api_key else 'not required'})")
+    settings.keep_off_decode_cpus({})  # a decode server on this host steps on those alone
     serve(front, args.host, args.port, http)
     return 0
 

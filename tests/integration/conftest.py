@@ -123,8 +123,13 @@ def at_once(calls: list[Callable[[], object]]) -> None:
 def decode_server(tmp_path_factory, tiny_model_dir):
     """Decode role: chat accepts forwarded ids signed with the shared key, and signs its own
     prefill legs (do_remote_decode), so it serves both legs of a P/D request. Served as
-    SERVED_NAMES (its own name first, so an answer names the model as without them)."""
-    env = {"PDCHAT_HANDOFF_KEY": HANDOFF_KEY, "PDCHAT_SERVED_MODEL_NAME": ",".join(SERVED_NAMES)}
+    SERVED_NAMES (its own name first, so an answer names the model as without them).
+    decode's scheduler thread on a CPU of its own (decode_cpus auto: test_placement)."""
+    env = {
+        "PDCHAT_HANDOFF_KEY": HANDOFF_KEY,
+        "PDCHAT_SERVED_MODEL_NAME": ",".join(SERVED_NAMES),
+        "PDCHAT_DECODE_CPUS": "auto",
+    }
     instance = running_server(tmp_path_factory, "decode", role="decode", env=env)
     yield instance
     stop_checked(instance)

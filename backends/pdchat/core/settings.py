@@ -23,6 +23,7 @@ from typing import Generic, TypeVar
 
 from pdchat import registry
 from pdchat.core.errors import ModelUnavailable
+from pdchat.core.placement import CpuPlacement, allowed_cpus, bind_process, parse_cpus
 
 T = TypeVar("T")
 MIB = 1 << 20
@@ -223,6 +224,25 @@ TORCH_THREADS = Setting(
     "torch's CPU threads in each stage model; auto is half the cores this process may run on (its affinity), "
     "at least 1. Prefill and decode share a server's cores: each taking all of them makes their OpenMP "
     "threads spin against each other.",
+)
+
+
+def _cpus(text: str) -> frozenset[int] | str:
+    return text if text in ("auto", "none") else parse_cpus(text)
+
+
+DECODE_CPUS = Setting(
+    "decode_cpus",
+    "decode_cpus",
+    "PDCHAT_DECODE_CPUS",
+    "none",
+    Kind("auto, none or a CPU list such as 3 or 2-3,6", _cpus),
+    ("chat", "renderer", "prefill", "decode", "router", "openai"),
+    "The CPUs decode's scheduler thread runs on alone (its torch threads with it); every other thread of the "
+    "server's models, and the router's and `pdchat openai`'s, keeps off them. auto: the last CPUs this process "
+    "may run on, as many as decode's torch threads, when at least one is left; none: no binding. A trade: "
+    "steadier steps under load, less CPU for prefill and the rest (docs/deployment.md#cpu-placement). "
+    "tritonserver's own threads keep their affinity: start it under `taskset` to keep them off too.",
 )
 CACHE_DIR = Setting(
     "cache_dir",
@@ -794,6 +814,25 @@ def render_timeout_s(parameters: dict[str, str], environ: os._Environ | dict | N
 def current_date(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> str | None:
     """Harmony's conversation date (CURRENT_DATE); None: today, in UTC."""
     return CURRENT_DATE.get(parameters, environ) or None
+
+
+def cpu_placement(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> CpuPlacement | None:
+    """DECODE_CPUS resolved among the CPUs this process may run on (None: no binding);
+    ModelUnavailable, naming the setting, for CPUs it may not run on."""
+    wanted = DECODE_CPUS.get(parameters, environ)
+    try:
+        return CpuPlacement.resolve(wanted, allowed_cpus(), torch_threads(parameters, environ))
+    except ValueError as exc:
+        raise ModelUnavailable(f"{DECODE_CPUS.names} {exc}") from None
+
+
+def keep_off_decode_cpus(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> CpuPlacement | None:
+    """Bind every thread of this process to the CPUs DECODE_CPUS leaves to all but decode's
+    scheduler thread; the placement (None: nothing bound)."""
+    placement = cpu_placement(parameters, environ)
+    if placement is not None:
+        bind_process(placement.others)
+    return placement
 
 
 def torch_threads(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> int:

@@ -12,7 +12,7 @@ the only thread that calls into the server process; blocking BLS calls run on it
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
-from pdchat.core.settings import max_request_bytes, stage_lanes
+from pdchat.core.settings import keep_off_decode_cpus, max_request_bytes, stage_lanes
 from pdchat.ensemble.flow import ChatFlow, ChatInputs
 from pdchat.models import resolve_model
 from pdchat.triton import io
@@ -36,6 +36,7 @@ class TritonPythonModel:
     def initialize(self, args):
         exit_with_server()  # a stub outliving its server frees its memory and exits
         parameters = io.model_parameters(args)
+        keep_off_decode_cpus(parameters)  # decode's scheduler thread runs there alone
         model = resolve_model(parameters)
         self.metrics = HandoffMetrics(args["model_name"])
         self.parses = ParseMetrics(args["model_name"])

@@ -25,7 +25,7 @@ from pdchat.core.generation.generation import TextModel
 from pdchat.core.generation.sampling import Choice
 from pdchat.core.generation.scheduler import DecodeJob, DecodeScheduler, Limits
 from pdchat.core.kv.connector import Connectors, KVUnavailable
-from pdchat.core.settings import batching_options, kv_options
+from pdchat.core.settings import batching_options, keep_off_decode_cpus, kv_options
 from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
 from pdchat.triton import io
@@ -58,6 +58,7 @@ class TritonPythonModel:
     def initialize(self, args):
         exit_with_server()  # a stub outliving its server frees its memory and exits
         parameters = io.model_parameters(args)
+        cpus = keep_off_decode_cpus(parameters)  # the scheduler thread takes cpus.decode
         kind, device_id = io.instance_placement(args)
         if kind == "GPU" and device_id > 0:
             log.warning(
@@ -81,7 +82,11 @@ class TritonPythonModel:
         )
         # About one step's responses may wait for the outbox before the scheduler waits too.
         self.outbox = Outbox("pdchat-decode-outbox", max_pending=2 * self.options.max_running)
-        self.scheduler = DecodeScheduler(DecodeBatch(self.model.engine), limits, on_state=self._on_state)
+        self.scheduler = DecodeScheduler(
+            DecodeBatch(self.model.engine), limits, on_state=self._on_state, cpus=cpus and cpus.decode
+        )
+        if cpus is not None:
+            log.info("%s: %s (setting decode_cpus)", args["model_instance_name"], cpus.describe())
 
     def execute(self, requests):
         for request in requests:

@@ -19,7 +19,7 @@ from pdchat import tensors
 from pdchat.core.generation.generation import PrefillJob, TextModel
 from pdchat.core.generation.prefill_scheduler import PrefillScheduler, PrefillTask
 from pdchat.core.kv.connector import Connectors
-from pdchat.core.settings import batching_options, kv_options
+from pdchat.core.settings import batching_options, keep_off_decode_cpus, kv_options
 from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
 from pdchat.registry import SHM
@@ -36,6 +36,7 @@ class TritonPythonModel:
     def initialize(self, args):
         exit_with_server()  # a stub outliving its server frees its memory and exits
         parameters = io.model_parameters(args)
+        keep_off_decode_cpus(parameters)  # decode's scheduler thread runs there alone
         settings = resolve_model(parameters).on_instance(*io.instance_placement(args))
         self.model = TextModel.for_stage("prefill", settings, parameters)
         self.kv_events = KVEvents("prefill", parameters, args, self.model.engine.pool)  # off unless its endpoint is set

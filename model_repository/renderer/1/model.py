@@ -17,7 +17,7 @@ from pdchat.core.request.grammar import load_xgrammar
 from pdchat.core.request.protocol import ChatRequest, json_object
 from pdchat.core.request.renderers import load_renderer
 from pdchat.core.request.tokenize import detokenize, parse_detokenize, parse_tokenize, tokenize
-from pdchat.core.settings import max_request_bytes
+from pdchat.core.settings import keep_off_decode_cpus, max_request_bytes
 from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
 from pdchat.triton import io
@@ -29,6 +29,7 @@ class TritonPythonModel:
     def initialize(self, args):
         exit_with_server()  # a stub outliving its server frees its memory and exits
         parameters = io.model_parameters(args)
+        keep_off_decode_cpus(parameters)  # decode's scheduler thread runs there alone
         settings = resolve_model(parameters)
         self.renderer = load_renderer(settings.path, settings.served_names, parameters)
         load_xgrammar()  # before the first request that carries a grammar

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from pdchat.core.errors import Unavailable
 from pdchat.core.output.responses import Delta
+from pdchat.core.placement import bind_thread
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +116,12 @@ class DecodeScheduler:
         on_state: Callable[[SchedulerState], None] | None = None,
         state_interval_s: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
+        cpus: frozenset[int] | None = None,
     ):
+        """`cpus`: the CPUs the scheduler's thread (and the torch threads it starts) runs on
+        (pdchat.core.placement); None: wherever it was started."""
         self._batch = batch
+        self._cpus = cpus
         self._limits = limits
         self._on_state = on_state
         self._state_interval_s = state_interval_s
@@ -145,6 +150,8 @@ class DecodeScheduler:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        if self._cpus is not None:
+            bind_thread(self._cpus)
         while self._take_incoming(block=not (self._waiting or self._prefilling or self._running)):
             self._drop_cancelled()
             self._admit()
