@@ -7,65 +7,60 @@ import threading
 from pdchat.clients import openai_api
 from pdchat.clients.chat import Waiting
 
+LOOP_THREAD = threading.current_thread().name  # asyncio.run runs the loop on this thread
+
 
 class Streams:
     """A stand-in RequestStreams: `waiting` is the test's to set."""
 
-    def __init__(self):
-        self.waiting = lambda: Waiting.NOTHING
+    def __init__(self, waiting=lambda: Waiting.NOTHING):
+        self.waiting = waiting
         self.on_arrival = None
-
-
-def recording(threads: list[str], count: int):
-    for i in range(count):
-        threads.append(threading.current_thread().name)
-        yield i
 
 
 async def in_thread(func, *args):
     return await asyncio.to_thread(func, *args)
 
 
-def run(coroutine):
-    return asyncio.run(coroutine)
+def arrivals_of(count: int, streams: Streams) -> tuple[openai_api._Arrivals, list[str]]:
+    """_Arrivals over outputs 0..count-1 (on the running loop), and the threads that took each."""
+    threads: list[str] = []
+
+    def outputs():
+        for i in range(count):
+            threads.append(threading.current_thread().name)
+            yield i
+
+    return openai_api._Arrivals(outputs(), streams, in_thread), threads
 
 
 def test_an_output_already_here_is_taken_on_the_loop():
     async def main():
-        threads: list[str] = []
-        streams = Streams()
-        streams.waiting = lambda: Waiting.OUTPUT
-        arrivals = openai_api._Arrivals(recording(threads, 3), streams, in_thread)
+        arrivals, threads = arrivals_of(3, Streams(lambda: Waiting.OUTPUT))
         assert [await arrivals.next() for _ in range(3)] == [0, 1, 2]
         return threads
 
-    assert run(main()) == [threading.current_thread().name] * 3
+    assert asyncio.run(main()) == [LOOP_THREAD] * 3
 
 
 def test_what_may_block_is_taken_by_a_worker_thread_at_once():
     async def main():
-        threads: list[str] = []
-        streams = Streams()
-        streams.waiting = lambda: Waiting.OTHER
-        arrivals = openai_api._Arrivals(recording(threads, 1), streams, in_thread)
-        loop = asyncio.get_running_loop()
-        started = loop.time()
+        arrivals, threads = arrivals_of(1, Streams(lambda: Waiting.OTHER))
+        started = asyncio.get_running_loop().time()
         assert await arrivals.next() == 0
         assert await arrivals.next() is None
-        return threads, loop.time() - started
+        return threads, asyncio.get_running_loop().time() - started
 
-    threads, seconds = run(main())
-    assert threads and threads[0] != threading.current_thread().name
+    threads, seconds = asyncio.run(main())
+    assert threads and threads[0] != LOOP_THREAD
     assert seconds < openai_api.ARRIVAL_WAIT_S  # no wait for an arrival that cannot come
 
 
 def test_an_arrival_wakes_the_waiting_loop():
     async def main():
-        threads: list[str] = []
-        streams = Streams()
         state = {"now": Waiting.NOTHING}
-        streams.waiting = lambda: state["now"]
-        arrivals = openai_api._Arrivals(recording(threads, 1), streams, in_thread)
+        streams = Streams(lambda: state["now"])
+        arrivals, threads = arrivals_of(1, streams)
 
         def arrive():  # as a stream's reader thread does
             state["now"] = Waiting.OUTPUT
@@ -75,28 +70,25 @@ def test_an_arrival_wakes_the_waiting_loop():
         assert await arrivals.next() == 0
         return threads
 
-    assert run(main()) == [threading.current_thread().name]
+    assert asyncio.run(main()) == [LOOP_THREAD]
 
 
 def test_a_silence_past_the_wait_goes_to_a_worker_thread(monkeypatch):
     monkeypatch.setattr(openai_api, "ARRIVAL_WAIT_S", 0.05)
 
     async def main():
-        threads: list[str] = []
-        streams = Streams()
-        streams.waiting = lambda: Waiting.NOTHING  # the worker's `next` waits for the stream itself
-        arrivals = openai_api._Arrivals(recording(threads, 1), streams, in_thread)
+        arrivals, threads = arrivals_of(1, Streams())  # the worker's `next` waits for the stream itself
         return await arrivals.next(), threads
 
-    output, threads = run(main())
-    assert output == 0 and threads[0] != threading.current_thread().name
+    output, threads = asyncio.run(main())
+    assert output == 0 and threads[0] != LOOP_THREAD
 
 
 def test_an_arrival_after_the_loop_closed_is_dropped():
     streams = Streams()
 
     async def main():
-        return openai_api._Arrivals(iter(()), streams, in_thread)
+        arrivals_of(0, streams)
 
-    run(main())
+    asyncio.run(main())
     streams.on_arrival()  # the loop is closed: nothing raises on the reader thread
