@@ -204,6 +204,11 @@ class BackendPool:
         self._streams: set[GrpcChat] = set()  # clients whose stream runs
         self.on_unready: Callable[[str], None] | None = None
 
+    @property
+    def servers(self) -> str:
+        """What messages call this pool's servers: "decode server", "server" (a front's one)."""
+        return "server" if self.role in ("", "server") else f"{self.role} server"
+
     def any_healthy(self) -> bool:
         """Whether some server is ready now (as last found: this never probes)."""
         return any(b.healthy for b in self.backends)
@@ -225,7 +230,7 @@ class BackendPool:
     def none_ready(self) -> ChatError:
         """What a request gets while no server of the pool is ready."""
         return ChatError(
-            f"no {self.role or 'backend'} server is ready ({', '.join(b.url for b in self.backends)})",
+            f"no {self.servers} is ready ({', '.join(b.url for b in self.backends)})",
             ErrorCode.UNAVAILABLE,
         )
 
@@ -306,7 +311,7 @@ class BackendPool:
         if isinstance(exc, ServerSilent):  # GrpcChat waited its timeout for a response
             self.mark_unready(backend)
             stall = UpstreamTimeout(
-                f"{self.role or 'backend'} server {backend.url} sent nothing for {self.stall_timeout_s:g} s "
+                f"{self.servers} {backend.url} sent nothing for {self.stall_timeout_s:g} s "
                 "(setting stall_timeout_s); the request was cancelled"
             )
             log.warning("%s; no new requests for it until it answers a readiness probe", stall)
@@ -314,7 +319,7 @@ class BackendPool:
         if isinstance(exc, ChatError) and not exc.is_client_error:
             self.mark_failed(backend)
             if not backend.healthy:
-                return ChatError(f"{self.role} server {backend.url} is unavailable: {exc}", ErrorCode.UNAVAILABLE)
+                return ChatError(f"{self.servers} {backend.url} is unavailable: {exc}", ErrorCode.UNAVAILABLE)
         return exc
 
     def _found(self, backend: Backend, ready: bool) -> None:
@@ -340,7 +345,7 @@ class BackendPool:
             for backend in unready:
                 ready = _ready(backend.url)
                 if ready:
-                    log.info("%s server %s is ready again", self.role or "backend", backend.url)
+                    log.info("%s %s is ready again", self.servers, backend.url)
                 self._found(backend, ready)
 
 

@@ -17,6 +17,10 @@ from pdchat.supervisor import Child, RestartPolicy, Supervisor
 DEMO_QUESTION = "In two sentences, why is the sky blue?"
 
 
+# Commands that start servers or fronts, which read the settings from this environment.
+SERVING_COMMANDS = ("serve", "demo", "router", "pd", "openai")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {
@@ -29,6 +33,12 @@ def main(argv: list[str] | None = None) -> int:
         "env": _env,
         "openai": _openai,
     }
+    if args.command in SERVING_COMMANDS:
+        try:  # what each server's models and fronts would refuse at load, refused before any starts
+            settings.check_environment()
+        except settings.ModelUnavailable as exc:
+            _say(f"{args.command}: {exc}")
+            return 2
     return handlers[args.command](args)
 
 
@@ -328,8 +338,8 @@ def _serve_http(args: argparse.Namespace, front, what: str) -> int:
         api_key=args.api_key or settings.API_KEY.get() or None,
         **{name: value for name, value in limits.items() if value is not None},
     )
-    _say(f"{what} on http://{args.host}:{args.port} (API key {'required' if http.api_key else 'not required'})")
     settings.keep_off_decode_cpus({})  # a decode server on this host steps on those alone
+    _say(f"{what} on http://{args.host}:{args.port} (API key {'required' if http.api_key else 'not required'})")
     serve(front, args.host, args.port, http)
     return 0
 

@@ -10,8 +10,8 @@ of its own for the same reason. So, by setting DECODE_CPUS:
   threads it starts inherit them;
 - every other thread of every pdchat model process (decode's own outbox and grammar
   loading included) and the HTTP fronts bind themselves to `others` (`bind_process`);
-- the launcher starts tritonserver on `others` (a tritonserver started by hand keeps its
-  own affinity: start it under `taskset -c` with `others` to keep it off too).
+- tritonserver's own threads (gRPC, HTTP, the python backend's IPC) keep the affinity it
+  was started with: start it under `taskset -c` with `others` to keep them off too.
 
 `auto` gives decode the last CPUs this process may run on, as many as its torch threads,
 when at least one is left for the rest; one CPU, or `none`: no binding at all.

@@ -826,6 +826,14 @@ def cpu_placement(parameters: dict[str, str], environ: os._Environ | dict | None
         raise ModelUnavailable(f"{DECODE_CPUS.names} {exc}") from None
 
 
+def check_environment(environ: os._Environ | dict | None = None) -> None:
+    """Every setting as this environment gives it (`environ`, else this process's), and the
+    CPUs decode_cpus names: ModelUnavailable, naming the first that a model would refuse."""
+    for setting in SETTINGS:
+        setting.get(None, environ)
+    cpu_placement({}, environ)
+
+
 def keep_off_decode_cpus(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> CpuPlacement | None:
     """Bind every thread of this process to the CPUs DECODE_CPUS leaves to all but decode's
     scheduler thread; the placement (None: nothing bound)."""
