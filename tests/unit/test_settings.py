@@ -131,3 +131,14 @@ def test_booleans_take_the_usual_spellings_in_any_case():
         ("OFF", False),
     ]:
         assert table.ALLOW_REQUEST_TEMPLATES.get({}, {"PDCHAT_ALLOW_REQUEST_TEMPLATES": spelling}) is value, spelling
+
+
+def test_serving_commands_refuse_a_bad_setting_before_starting_anything(monkeypatch, capsys):
+    from pdchat import cli
+
+    table.check_environment({})  # the defaults are fine
+    with pytest.raises(ModelUnavailable, match="dtype must be one of"):
+        table.check_environment({"PDCHAT_DTYPE": "int3"})
+    monkeypatch.setenv("PDCHAT_DECODE_CPUS", "half")
+    assert cli.main(["serve", "--model", "tiny"]) == 2
+    assert "serve: decode_cpus must be auto, none or a CPU list" in capsys.readouterr().err
