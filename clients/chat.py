@@ -240,9 +240,10 @@ class GrpcChat:
             return Waiting.OTHER
         with responses.mutex:
             for result, error in responses.queue:
-                if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+                response = None if error is not None else result.get_response()
+                if response is None or response.parameters["triton_final_response"].bool_param:
                     return Waiting.OTHER
-                if result.get_response().outputs:
+                if response.outputs:
                     return Waiting.OUTPUT
         return Waiting.NOTHING
 

@@ -18,14 +18,12 @@ a plot per model. Never part of CI: minutes per system and model, and a 130 MB w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 from pdchat.clients.report import OUT_DIR, plot, table, write_results
@@ -106,10 +104,8 @@ class System:
             env = {MODEL.env: self.model, SERVED_MODEL_NAME.env: SERVED_NAME, **placed}
             server = TritonServer(env=env, log_path=self.log_dir / f"{self.name}.log").start()
             try:
-                with _exported(placed):  # the front keeps off decode's CPU too
-                    front, self.url = start_front(
-                        server.grpc_url, self.log_dir / f"{self.name}-front.log", (SERVED_NAME,)
-                    )
+                front_log = self.log_dir / f"{self.name}-front.log"  # the front keeps off decode's CPU too
+                front, self.url = start_front(server.grpc_url, front_log, (SERVED_NAME,), env=placed)
             except BaseException:
                 server.stop()
                 raise
@@ -126,21 +122,6 @@ class System:
         for stop in self._stops:
             stop()
         self._stops.clear()
-
-
-@contextlib.contextmanager
-def _exported(variables: dict[str, str]) -> Iterator[None]:
-    """`variables` in this process's environment (so in the processes it starts) while inside."""
-    before = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def cpu_seconds(groups: list[int]) -> dict[str, float]:

@@ -47,15 +47,15 @@ def stop_all(processes: list[subprocess.Popen], servers: list) -> None:
 
 
 def start_front(
-    server_grpc_url: str, log_path: Path, served_model_names: tuple[str, ...] = ()
+    server_grpc_url: str, log_path: Path, served_model_names: tuple[str, ...] = (), env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen, str]:
-    """`pdchat openai` for one server (answering to `served_model_names` when given): the
-    process and its base URL."""
+    """`pdchat openai` for one server (answering to `served_model_names` when given; `env`
+    over this process's environment): the process and its base URL."""
     port = free_port()
     command = [sys.executable, "-m", "pdchat.cli", "openai", "--server", server_grpc_url, "--port", str(port)]
     if served_model_names:
         command += ["--served-model-name", *served_model_names]
-    return start_service(command, f"http://127.0.0.1:{port}/health", log_path), f"http://127.0.0.1:{port}"
+    return start_service(command, f"http://127.0.0.1:{port}/health", log_path, env=env), f"http://127.0.0.1:{port}"
 
 
 def bench_vllm_router(args: argparse.Namespace) -> None:

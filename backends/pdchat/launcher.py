@@ -128,12 +128,16 @@ class Service:
     command: list[str]
     health_url: str
     log_path: Path
+    env: dict[str, str] = field(default_factory=dict)  # over this process's environment
     process: subprocess.Popen | None = None
 
     def spawn(self) -> None:
         """Start the process (its log appended to), without waiting for it."""
+        env = {**os.environ, **self.env}
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(
+                self.command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def start(self, timeout: float = 120.0) -> Service:
         self.spawn()
@@ -174,9 +178,12 @@ class Service:
         self.reap()
 
 
-def start_service(command: list[str], health_url: str, log_path: Path, timeout: float = 120.0) -> subprocess.Popen:
-    """A helper process (a front, a router) in its own process group, once `health_url` answers."""
-    return Service(Path(command[0]).name, command, health_url, log_path).start(timeout).process
+def start_service(
+    command: list[str], health_url: str, log_path: Path, timeout: float = 120.0, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """A helper process (a front, a router) in its own process group, once `health_url`
+    answers; `env` over this process's environment."""
+    return Service(Path(command[0]).name, command, health_url, log_path, env or {}).start(timeout).process
 
 
 def _stub_library_dirs() -> list[Path]:
