@@ -20,6 +20,7 @@ class ModelSettings:
     dtype: str = "auto"
     threads: int | None = None  # torch's CPU threads (None: torch's default)
     names: tuple[str, ...] = ()  # setting SERVED_MODEL_NAME; empty: the directory's name
+    forward: str = "auto"  # setting FORWARD
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -54,16 +55,17 @@ class ModelSettings:
 def resolve_model(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> ModelSettings:
     """Resolve the model spec (embedded name or directory) into a usable directory.
 
-    Settings MODEL, DEVICE, DTYPE, TORCH_THREADS and SERVED_MODEL_NAME; embedded names are built into the
-    cache on first use.
+    Settings MODEL, DEVICE, DTYPE, TORCH_THREADS, SERVED_MODEL_NAME and FORWARD; embedded names are built into
+    the cache on first use.
     """
     spec = settings.MODEL.get(parameters, environ)
     device = settings.DEVICE.get(parameters, environ)
     dtype = settings.DTYPE.get(parameters, environ)
     threads = settings.torch_threads(parameters, environ)
     names = settings.SERVED_MODEL_NAME.get(parameters, environ)
+    forward = settings.FORWARD.get(parameters, environ)
     if spec in registry.EMBEDDED_MODELS:
-        return ModelSettings(embedded.ensure_model(spec), device, dtype, threads, names)
+        return ModelSettings(embedded.ensure_model(spec), device, dtype, threads, names, forward)
     path = Path(spec).expanduser()
     if not (path / "config.json").is_file():
         known = ", ".join(sorted(registry.EMBEDDED_MODELS))
@@ -71,4 +73,4 @@ def resolve_model(parameters: dict[str, str], environ: os._Environ | dict | None
             f"model path '{spec}' is not a Hugging Face model directory (no config.json there); "
             f"give a directory or one of the embedded models: {known}"
         )
-    return ModelSettings(path, device, dtype, threads, names)
+    return ModelSettings(path, device, dtype, threads, names, forward)

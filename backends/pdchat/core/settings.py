@@ -214,6 +214,18 @@ DTYPE = Setting(
     "The model's dtype, which its KV travels in: auto is bfloat16 on CUDA, float32 on CPU. Prefill and decode "
     "servers of one deployment must agree.",
 )
+FORWARD = Setting(
+    "forward",
+    "forward",
+    "PDCHAT_FORWARD",
+    "auto",
+    choice("auto", "transformers"),
+    ("prefill", "decode"),
+    "Which forward pass runs the model. auto: pdchat's own for Llama-architecture models in float32 (the same "
+    "numbers as transformers', in fewer ops) and, on CPU in float32, decode attention in C, built on first use "
+    "with the host's C compiler into cache_dir (the torch path where none is found); transformers: transformers' "
+    "forward with torch attention, for every model (docs/architecture.md#the-forward-pass).",
+)
 TORCH_THREADS = Setting(
     "torch_threads",
     "torch_threads",
@@ -665,7 +677,7 @@ NOTE: a Setting defined below this line would be missing from it."""
 
 
 def cache_dir() -> Path:
-    """Root of generated artefacts (CACHE_DIR): embedded models, the backend directory, logs."""
+    """Root of generated artefacts (CACHE_DIR): embedded models, the backend directory, logs, kernels."""
     return Path(CACHE_DIR.get())
 
 

@@ -19,9 +19,10 @@ import numpy as np
 import torch
 
 from pdchat.core.errors import InvalidRequest, Unavailable
+from pdchat.core.generation import cpu_attention, llama
 from pdchat.core.generation.paged import NULL_BLOCK, PAGED_ATTENTION, BlockPool, PagedForward, Sequence, root_hash
 from pdchat.core.kv.base import KV_TOKEN_AXIS, KV_WIRE_TYPES, kv_dtype_name
-from pdchat.core.settings import DEFAULT_KV_POOL, DTYPE, KVPoolOptions
+from pdchat.core.settings import DEFAULT_KV_POOL, DTYPE, KVPoolOptions, cache_dir
 
 # The prompt's KV from a token on (export_kv's layout), or None when it cannot be had.
 KVSource = Callable[[int], np.ndarray | None]
@@ -42,7 +43,12 @@ def pick_dtype(preference: str, device: str) -> torch.dtype:
 
 
 class CausalLM:
-    """One causal LM over one block pool: prefill a prompt, step rows, move KV in and out."""
+    """One causal LM over one block pool: prefill a prompt, step rows, move KV in and out.
+
+    `forward` (setting FORWARD): `auto` runs pdchat's own forward pass for Llama-architecture
+    models in fp32 (core.generation.llama) and, on CPU in fp32, decode attention in C
+    (core.generation.cpu_attention, when this host can build it); `transformers` runs
+    transformers' forward with torch attention for every model."""
 
     def __init__(
         self,
@@ -51,6 +57,7 @@ class CausalLM:
         dtype: str = "auto",
         threads: int | None = None,
         pool: KVPoolOptions = DEFAULT_KV_POOL,
+        forward: str = "auto",
     ):
         from transformers import AutoModelForCausalLM
 
@@ -64,6 +71,10 @@ class CausalLM:
         self.model = model.to(self.device).eval()
         if self.device == "cpu":
             _project_vocab_by_rows(self.model)
+        own = forward == "auto"
+        self.llama = llama.LlamaForward(self.model) if own and llama.supports(self.model) else None
+        fp32_cpu = self.device == "cpu" and self.dtype == torch.float32
+        self.decode_attention = cpu_attention.load(cache_dir() / "kernels") if own and fp32_cpu else None
         config = self.model.config
         self.context_length = int(config.max_position_embeddings)
         self.vocab_size = int(config.vocab_size)
@@ -111,13 +122,11 @@ class CausalLM:
         sequence.extend(token_ids)
         read = self._read_slots([sequence])
         positions = torch.arange(start, len(sequence), device=self.device).view(1, -1)
-        paged = PagedForward(self.pool, read[0, start:], read, positions, causal=start == 0)
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        # logits_to_keep=1: full-prompt logits would be vocab x tokens floats for nothing.
-        out = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1, paged=paged)
+        paged = self._paged(read[0, start:], read, positions, causal=start == 0)
+        logits = self._last_logits(torch.tensor([token_ids], dtype=torch.long, device=self.device), paged)
         sequence.written()
         self.pool.computed_prompt_tokens += len(token_ids)
-        return out.logits[0, -1].float()
+        return logits[0]
 
     @torch.inference_mode()
     def step(self, sequences: list[Sequence], token_ids: list[int]) -> torch.Tensor:
@@ -129,11 +138,24 @@ class CausalLM:
         rows = torch.arange(len(sequences), device=self.device)
         positions = (lengths - 1).view(-1, 1)
         full_rows = bool((lengths == read.shape[1]).all())
-        paged = PagedForward(self.pool, read[rows, lengths - 1], read, positions, full_rows)
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device).view(-1, 1)
-        out = self.model(input_ids=ids, position_ids=positions, use_cache=False, paged=paged)
+        paged = self._paged(read[rows, lengths - 1], read, positions, full_rows=full_rows)
+        logits = self._last_logits(torch.tensor(token_ids, dtype=torch.long, device=self.device).view(-1, 1), paged)
         for sequence in sequences:
             sequence.written()
+        return logits
+
+    def _paged(self, write: torch.Tensor, read: torch.Tensor, positions: torch.Tensor, **flags: bool) -> PagedForward:
+        return PagedForward(self.pool, write, read, positions, decode_attention=self.decode_attention, **flags)
+
+    def _last_logits(self, input_ids: torch.Tensor, paged: PagedForward) -> torch.Tensor:
+        """One pass over `input_ids` [rows, queries]; the logits after each row's last, [rows, vocab]."""
+        if self.llama is not None:
+            hidden = self.llama(input_ids, paged, last_only=True)
+            return self.model.get_output_embeddings()(hidden)[:, -1].float()
+        # logits_to_keep=1: a prompt's logits at every position would be vocab x tokens floats for nothing.
+        out = self.model(
+            input_ids=input_ids, position_ids=paged.query_positions, use_cache=False, logits_to_keep=1, paged=paged
+        )
         return out.logits[:, -1].float()
 
     def _read_slots(self, sequences: list[Sequence]) -> torch.Tensor:

@@ -84,12 +84,13 @@ class TextModel:
         threads: int | None = None,
         grammar: CompileOptions | None = None,
         pool: KVPoolOptions = DEFAULT_KV_POOL,
+        forward: str = "auto",
     ):
         """`grammar`: how output grammars compile (the settings' defaults unless given);
-        `pool`: the KV block pool's size and prefix caching."""
+        `pool`: the KV block pool's size and prefix caching; `forward`: see CausalLM."""
         from transformers import AutoTokenizer
 
-        self.engine = CausalLM(model_dir, device, dtype, threads, pool)
+        self.engine = CausalLM(model_dir, device, dtype, threads, pool, forward)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.eos_ids = self._eos_ids()
         self.constraints = ConstraintCompiler(self.tokenizer, self.engine.vocab_size, grammar or compile_options({}))
@@ -109,6 +110,7 @@ class TextModel:
             settings.threads,
             compile_options(parameters),
             kv_pool_options(role, parameters),
+            settings.forward,
         )
         model.constraints.start()
         return model

@@ -39,6 +39,7 @@ from transformers import AttentionInterface
 from pdchat.core.errors import Unavailable
 
 if TYPE_CHECKING:
+    from pdchat.core.generation.cpu_attention import DecodeAttention
     from pdchat.core.kv_events import BlockEvents
 
 PAGED_ATTENTION = "pdchat_paged"
@@ -284,7 +285,16 @@ class PagedForward:
     query_positions: torch.Tensor
     full_rows: bool = False  # every row attends over all its columns: no mask needed without a window
     causal: bool = False  # one row whose queries are all its columns: SDPA's is_causal is the mask
+    # The C kernel for passes of one query per row (CPU, fp32), None: the torch path.
+    decode_attention: DecodeAttention | None = None
     _masks: dict | None = None
+    _lengths: torch.Tensor | None = None
+
+    def lengths(self) -> torch.Tensor:
+        """[rows] how many columns each row's last query attends over; built once per pass."""
+        if self._lengths is None:
+            self._lengths = self.query_positions[:, -1] + 1
+        return self._lengths
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """[rows, 1, queries, columns], True where a query may attend (causal, within its
@@ -327,6 +337,11 @@ def paged_attention(
     pool_keys, pool_values = paged.pool.keys[layer], paged.pool.values[layer]
     pool_keys.index_copy_(0, paged.write, key.transpose(1, 2).reshape(-1, kv_heads, head_dim))
     pool_values.index_copy_(0, paged.write, value.transpose(1, 2).reshape(-1, kv_heads, head_dim))
+    if paged.decode_attention is not None and queries == 1 and s_aux is None:
+        scale = head_dim**-0.5 if scaling is None else scaling
+        query = query.reshape(rows, -1, head_dim)
+        out = paged.decode_attention(query, pool_keys, pool_values, paged.read, paged.lengths(), scale, sliding_window)
+        return out.view(rows, 1, -1, head_dim), None
     columns = paged.read.shape[1]
     flat = paged.read.reshape(-1)
     keys = pool_keys.index_select(0, flat).view(rows, columns, kv_heads, head_dim).transpose(1, 2)

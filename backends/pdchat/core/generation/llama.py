@@ -1,0 +1,120 @@
+"""A lean forward pass for Llama-architecture models over the block pool.
+
+transformers' forward is general: per layer it calls a dozen modules through decorators
+and output-capturing hooks, projects q, k and v (and gate and up) in separate GEMMs and
+computes the rotary table on every pass. At decode's sizes (a few rows, one token each)
+that overhead is a good part of a step, and it holds the GIL, which the stage's outbox
+thread needs. This pass computes the same thing from the same weights: q, k and v in one
+GEMM, gate and up in one, `rms_norm` in one op, the rotary table once at load.
+
+NOTE: in fp32 on CPU its logits equal transformers' bit for bit for passes of two tokens or
+more (tests/unit/test_llama_forward.py): the stacked weights are the separate ones one after
+the other, the rotary table is transformers' own rotary module evaluated at every position,
+and each op is the one transformers runs, in its order. A pass of a single token agrees to
+rounding only: there torch multiplies by a vector, and that kernel's sums depend on where
+the weight lies in memory (the loaded ones are not 64-byte aligned, the stacks are). The
+model's projection modules are rebound to views of the stacks, so memory is not doubled.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional
+
+from pdchat.core.generation.paged import PagedForward, paged_attention
+
+# Rope types whose table does not depend on the sequence length (no dynamic scaling).
+_STATIC_ROPE = frozenset({"default", "linear", "llama3"})
+
+
+def supports(model: torch.nn.Module) -> bool:
+    """Whether `model` is a Llama-architecture causal LM this pass computes exactly: fp32,
+    no biases, SiLU MLP, a rotary table fixed at load."""
+    config = model.config
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    return (
+        config.model_type == "llama"
+        and model.dtype == torch.float32
+        and config.hidden_act == "silu"
+        and not config.attention_bias
+        and not config.mlp_bias
+        and getattr(config, "pretraining_tp", 1) == 1
+        and rope in _STATIC_ROPE
+    )
+
+
+class _Layer:
+    """One decoder layer's weights, q/k/v and gate/up stacked."""
+
+    def __init__(self, layer: torch.nn.Module):
+        attention, mlp = layer.self_attn, layer.mlp
+        self.module = attention  # paged_attention reads its layer_idx
+        self.input_norm = layer.input_layernorm.weight
+        self.post_norm = layer.post_attention_layernorm.weight
+        self.qkv = _stack(attention.q_proj, attention.k_proj, attention.v_proj)
+        self.out = attention.o_proj.weight
+        self.gate_up = _stack(mlp.gate_proj, mlp.up_proj)
+        self.down = mlp.down_proj.weight
+
+
+def _stack(*linears: torch.nn.Linear) -> torch.Tensor:
+    """The linears' weights stacked into one, each linear rebound to its rows (a view)."""
+    stacked = torch.cat([linear.weight.detach() for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = torch.nn.Parameter(stacked[start : start + rows], requires_grad=False)
+        start += rows
+    return stacked
+
+
+class LlamaForward:
+    """The decoder of a model `supports` accepts, over the block pool."""
+
+    def __init__(self, model: torch.nn.Module):
+        config, decoder = model.config, model.model
+        self.embedding = decoder.embed_tokens.weight
+        self.eps = config.rms_norm_eps
+        self.q_heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.q_heads
+        self.intermediate = config.intermediate_size
+        self.scaling = self.head_dim**-0.5
+        self.layers = [_Layer(layer) for layer in decoder.layers[: config.num_hidden_layers]]
+        self.final_norm = decoder.norm.weight
+        positions = torch.arange(config.max_position_embeddings, device=self.embedding.device).view(1, -1)
+        with torch.inference_mode():
+            cos, sin = decoder.rotary_emb(self.embedding, positions)
+        self.cos, self.sin = cos[0], sin[0]  # [positions, head_dim]
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, paged: PagedForward, last_only: bool) -> torch.Tensor:
+        """The final hidden states of `input_ids` [rows, queries] at `paged.query_positions`,
+        their KV written to the pool: [rows, queries, hidden], or [rows, 1, hidden] of each
+        row's last query when `last_only`."""
+        rows, queries = input_ids.shape
+        hidden = functional.embedding(input_ids, self.embedding)
+        width = (hidden.shape[-1],)
+        cos = self.cos[paged.query_positions].unsqueeze(2)  # [rows, queries, 1, head_dim]
+        sin = self.sin[paged.query_positions].unsqueeze(2)
+        q_size, kv_size, half = self.q_heads * self.head_dim, self.kv_heads * self.head_dim, self.head_dim // 2
+        for layer in self.layers:
+            qkv = functional.linear(functional.rms_norm(hidden, width, layer.input_norm, self.eps), layer.qkv)
+            qk = qkv[..., : q_size + kv_size].view(rows, queries, self.q_heads + self.kv_heads, self.head_dim)
+            qk = (qk * cos) + (torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin)  # rotary
+            value = qkv[..., q_size + kv_size :].view(rows, queries, self.kv_heads, self.head_dim)
+            attended, _ = paged_attention(
+                layer.module,
+                qk[:, :, : self.q_heads].transpose(1, 2),
+                qk[:, :, self.q_heads :].transpose(1, 2),
+                value.transpose(1, 2),
+                None,
+                scaling=self.scaling,
+                paged=paged,
+            )
+            hidden = hidden + functional.linear(attended.reshape(rows, queries, -1), layer.out)
+            gate_up = functional.linear(functional.rms_norm(hidden, width, layer.post_norm, self.eps), layer.gate_up)
+            activated = functional.silu(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :]
+            hidden = hidden + functional.linear(activated, layer.down)
+        if last_only:
+            hidden = hidden[:, -1:]
+        return functional.rms_norm(hidden, width, self.final_norm, self.eps)

@@ -1,0 +1,73 @@
+"""pdchat's own Llama forward pass computes transformers' numbers bit for bit (fp32, CPU)
+for passes of two tokens or more, prompts in one pass or in chunks and ragged decode rows
+alike, from the same weights; a one-token pass to rounding, the same greedy token."""
+
+import torch
+
+from pdchat import embedded, registry
+from pdchat.core.generation import llama
+from pdchat.core.generation.engine import CausalLM, DecodeBatch
+from pdchat.core.settings import KVPoolOptions
+
+MIB = 1 << 20
+
+
+def _engines(model_dir):
+    """The transformers forward and ours, both on torch attention (the C kernel is tested alone)."""
+    pool = KVPoolOptions(8 * MIB, 16, False)
+    theirs = CausalLM(model_dir, "cpu", pool=pool, forward="transformers")
+    ours = CausalLM(model_dir, "cpu", pool=pool)
+    ours.decode_attention = None
+    assert theirs.llama is None and ours.llama is not None
+    return theirs, ours
+
+
+def test_prefill_chunks_and_ragged_decode_steps_equal_transformers_bit_for_bit(tiny_model_dir):
+    theirs, ours = _engines(tiny_model_dir)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, ours.vocab_size, (n,), generator=generator).tolist() for n in (2, 9, 70, 33)]
+    batches, last = {}, {}
+    for name, engine in (("theirs", theirs), ("ours", ours)):
+        batch, tokens = DecodeBatch(engine), []
+        for prompt in prompts[:-1]:
+            logits, sequence = engine.prefill(prompt)
+            batch.join(sequence)
+            tokens.append(logits)
+        chunked = engine.sequence()  # the last prompt in chunks of 10, as decode's local prefill goes
+        for start in range(0, len(prompts[-1]), 10):
+            logits = engine.prefill_chunk(chunked, prompts[-1][start : start + 10])
+        batch.join(chunked)
+        tokens.append(logits)
+        steps = [torch.stack(tokens)]
+        for _ in range(5):
+            steps.append(batch.step([int(row.argmax()) for row in steps[-1]]))
+        batches[name], last[name] = batch, steps
+    for step, (a, b) in enumerate(zip(last["theirs"], last["ours"], strict=True)):
+        assert torch.equal(a, b), f"step {step}: logits differ by {(a - b).abs().max().item():.3g}"
+
+
+def test_a_one_token_pass_agrees_to_rounding(tiny_model_dir):
+    theirs, ours = _engines(tiny_model_dir)
+    for token in (1, 77, 4000):
+        (a, _), (b, _) = theirs.prefill([token]), ours.prefill([token])
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+        assert int(a.argmax()) == int(b.argmax())
+
+
+def test_the_stacked_weights_are_the_models_own():
+    """The q/k/v and gate/up projections are views of the stacks: no second copy, and
+    transformers' forward of the same model reads the same numbers."""
+    engine = CausalLM(embedded.ensure_model(registry.TINY), "cpu")
+    layer, ours = engine.model.model.layers[0], engine.llama.layers[0]
+    for projection in (layer.self_attn.q_proj, layer.self_attn.v_proj, layer.mlp.up_proj):
+        assert projection.weight.untyped_storage().data_ptr() in (
+            ours.qkv.untyped_storage().data_ptr(),
+            ours.gate_up.untyped_storage().data_ptr(),
+        )
+
+
+def test_only_what_it_computes_exactly_takes_it():
+    gpt_oss = CausalLM(embedded.ensure_model(registry.TINY_GPTOSS), "cpu")
+    assert gpt_oss.llama is None and not llama.supports(gpt_oss.model)
+    bf16 = CausalLM(embedded.ensure_model(registry.TINY), "cpu", "bfloat16")
+    assert bf16.llama is None and bf16.decode_attention is None
