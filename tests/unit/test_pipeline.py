@@ -337,10 +337,12 @@ TWO_CALLS = (
 class Scripted:
     """A token chooser that says a given answer, whatever the model's logits."""
 
+    greedy = False  # not the logits' argmax
+
     def __init__(self, token_ids):
         self._token_ids, self._position = token_ids, 0
 
-    def choose(self, logits):
+    def choose(self, logits, argmax=None):
         self.replay(self._token_ids[self._position])
         return Choice(self._token_ids[self._position - 1])
 

@@ -166,3 +166,20 @@ def test_chooser_logprobs_ignore_temperature_penalties_and_biases_and_state_foll
     assert chooser.choose(LOGITS) == replayed.choose(LOGITS)  # position and penalties continue alike
     plain = GenerationParams(max_tokens=8, temperature=0.0)
     assert TokenChooser(plain, LogitsShaper(plain, [0], VOCAB, frozenset()), None).choose(LOGITS).logprobs is None
+
+
+def test_only_a_plain_greedy_chooser_takes_the_batchs_argmax():
+    """A batched step hands each row the argmax it computed once; a chooser with anything
+    more to do (bias, logprobs, sampling) ignores it and chooses as it would alone."""
+
+    def chooser(**options):
+        params = GenerationParams(max_tokens=8, **options)
+        return TokenChooser(params, LogitsShaper(params, [0], VOCAB, frozenset({EOS})), None)
+
+    batch_argmax = int(LOGITS.argmax())
+    plain = chooser(temperature=0.0)
+    assert plain.greedy and plain.choose(LOGITS, batch_argmax) == chooser(temperature=0.0).choose(LOGITS)
+    for options in ({"logit_bias": {"3": 100.0}}, {"logprobs": True}, {"temperature": 1.0, "seed": 5}):
+        busy = chooser(**{"temperature": 0.0, **options})
+        assert not busy.greedy
+        assert busy.choose(LOGITS, batch_argmax) == chooser(**{"temperature": 0.0, **options}).choose(LOGITS)

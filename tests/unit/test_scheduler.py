@@ -32,7 +32,10 @@ class CountingGeneration:
         self.finished = self.step == self.length
         return Delta(f"{self.name}{self.step}", [self.step], "length" if self.finished else None)
 
-    def accept(self, logits):
+    greedy = False  # the batch's rows here are not tensors: no argmax over them
+
+    def accept(self, logits, argmax=None):
+        assert argmax is None
         assert logits == (self.name, self.step), "the batch handed this row another row's logits"
 
     def drop(self):

@@ -3,7 +3,12 @@
 Why: on CPU the torch path gathers every row's keys and values out of the pool into a
 padded batch, then SDPA reads that copy; at decode's single query per row both are
 bandwidth-bound, so the copy is about half the attention's time. `decode_attention.c`
-reads each row's slots where they lie, once, and leaves the GIL while it runs (ctypes).
+reads each row's slots where they lie, once.
+
+It is called holding the GIL (ctypes.PyDLL): a call lasts a fraction of a millisecond, and
+a thread that lets the GIL go mid-step waits, to take it back, for whatever Python the
+stage's outbox thread runs meanwhile (up to the interpreter's switch interval). Served at
+concurrency 4 and 16 that made steps slower than holding it.
 
 The kernel is compiled on first use with the host's C compiler (`cc`, or `$CC`) for this
 CPU (-march=native) into the cache directory, keyed by its source, flags, compiler and the
@@ -44,7 +49,7 @@ _loaded: dict[Path, DecodeAttention | None] = {}
 class DecodeAttention:
     """The loaded kernel (see the module docstring for its contract)."""
 
-    def __init__(self, library: ctypes.CDLL):
+    def __init__(self, library: ctypes.PyDLL):
         self._kernel = getattr(library, _SYMBOL)
         self._kernel.restype = ctypes.c_int
         pointer, size = ctypes.c_void_p, ctypes.c_int64
@@ -105,7 +110,7 @@ def _build_and_load(cache_dir: Path) -> DecodeAttention | None:
         library = cache_dir / f"decode_attention-{_build_key(compiler)}.so"
         if not library.is_file():
             _compile(compiler, library)
-        return DecodeAttention(ctypes.CDLL(str(library)))
+        return DecodeAttention(ctypes.PyDLL(str(library)))
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("decode attention kernel unavailable, taking the torch path: %s", exc)
         return None

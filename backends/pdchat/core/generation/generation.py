@@ -343,9 +343,15 @@ class Generation:
     def last_token_id(self) -> int:
         return self.output_token_ids[-1]
 
-    def accept(self, logits) -> None:
-        """Choose the next token from the logits that followed the last emitted one."""
-        self._pending = self._chooser.choose(logits)
+    @property
+    def greedy(self) -> bool:
+        """Whether its next token is its logits' argmax and nothing more (TokenChooser.greedy)."""
+        return self._chooser.greedy
+
+    def accept(self, logits, argmax: int | None = None) -> None:
+        """Choose the next token from the logits that followed the last emitted one
+        (`argmax`: theirs, when the caller has it; see TokenChooser.choose)."""
+        self._pending = self._chooser.choose(logits, argmax)
 
     def drop(self) -> None:
         """Give the KV this request holds back to the pool (idempotent)."""

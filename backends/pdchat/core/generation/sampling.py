@@ -171,7 +171,19 @@ class TokenChooser:
         self._shaper = shaper
         self._grammar = grammar
 
-    def choose(self, logits: torch.Tensor) -> Choice:
+    @property
+    def greedy(self) -> bool:
+        """Whether the choice is the logits' argmax and nothing more: temperature 0, no
+        grammar, no shaping, no logprobs."""
+        params = self._params
+        return params.temperature == 0.0 and self._grammar is None and not params.logprobs and not self._shaper.active
+
+    def choose(self, logits: torch.Tensor, argmax: int | None = None) -> Choice:
+        """The next token from `logits`; `argmax`, when given, is theirs (a batched step
+        computes it once for all its rows), and a `greedy` chooser takes it as is."""
+        if argmax is not None and self.greedy:
+            self.replay(argmax)
+            return Choice(argmax)
         params = self._params
         raw = logits.float().cpu()
         shaped = self._shaper.shape(raw if self._grammar is None else self._grammar.mask(raw))

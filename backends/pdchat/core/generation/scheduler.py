@@ -45,11 +45,14 @@ class Decoding(Protocol):
     @property
     def last_token_id(self) -> int: ...
 
+    @property
+    def greedy(self) -> bool: ...
+
     def prefill_step(self) -> bool: ...
 
     def emit(self) -> Delta: ...
 
-    def accept(self, logits: Any) -> None: ...
+    def accept(self, logits: Any, argmax: int | None = None) -> None: ...
 
     def drop(self) -> None: ...
 
@@ -299,10 +302,12 @@ class DecodeScheduler:
                 entry.job.fail(exc)
             self._leave(list(range(len(self._running))))
             return
+        # One argmax over the batch for its greedy rows, not one per row.
+        argmax = logits.argmax(-1).tolist() if any(e.decoding.greedy for e in self._running) else None
         failed = []
         for row, (entry, row_logits) in enumerate(zip(self._running, logits, strict=True)):
             try:
-                entry.decoding.accept(row_logits)
+                entry.decoding.accept(row_logits, None if argmax is None else argmax[row])
             except Exception as exc:  # noqa: BLE001
                 entry.job.fail(exc)
                 failed.append(row)
