@@ -6,7 +6,7 @@
     python -m pdchat.clients.bench soak     # N streams at concurrency C through a P/D pair
     python -m pdchat.clients.bench batching # throughput and latency by concurrency (batched decode)
     python -m pdchat.clients.bench batching --kv-events  # decode's step alone, KV events off and on
-    python -m pdchat.clients.bench batching --step-only  # decode's step alone, beside transformers' nn.Linear head
+    python -m pdchat.clients.bench batching --step-only  # decode's step alone, beside the steps before it
     python -m pdchat.clients.bench e2e      # TTFT with and without forwarded ids, by prompt length (clients/e2e.py)
     python -m pdchat.clients.bench vllm-router  # 2 prefill x 2 decode behind vllm-router, one decode killed
                                                 # (clients/scaleout.py)
@@ -385,31 +385,47 @@ def bench_batching(args: argparse.Namespace) -> None:
     )
 
 
+# decode's step alone, side by side: what each part of pdchat's step gives.
+STEP_VARIANTS = {
+    "ms_per_step": "pdchat's step: its own forward pass, C decode attention (where they apply)",
+    "ms_per_step_torch_attention": "its own forward pass, torch attention",
+    "ms_per_step_transformers": "transformers' forward, torch attention (the step before both)",
+    "ms_per_step_nn_linear": "transformers' forward and its nn.Linear vocabulary projection",
+}
+
+
 def _forward_alone(
     model_dir, prompt_tokens: int, row_counts: list[int], device: str, dtype: str, steps: int = 20, rounds: int = 3
 ) -> dict[int, dict[str, float]]:
     """decode's batched forward pass timed in this process, on the torch threads a stage
     model gets: what a server's steps would cost with nothing else on the CPU (the best
     of `rounds` rounds of `steps` steps, against a noisy neighbour's share). Each round
-    also times the step with transformers' own nn.Linear vocabulary projection in place of
-    the engine's (`ms_per_step_nn_linear`), so the two are compared side by side."""
+    times the STEP_VARIANTS one after the other, so they are compared side by side."""
     import torch
 
-    engine = _stage_engine(model_dir, device, dtype)
-    ours = engine.model.get_output_embeddings()
-    stock = torch.nn.Linear(ours.weight.shape[1], ours.weight.shape[0], bias=ours.bias is not None)
-    stock.weight, stock.bias = ours.weight, ours.bias
-    heads = {"ms_per_step": ours, "ms_per_step_nn_linear": stock}
+    ours = _stage_engine(model_dir, device, dtype)
+    theirs = _stage_engine(model_dir, device, dtype, forward="transformers")
+    kernel, head = ours.decode_attention, theirs.model.get_output_embeddings()
+    stock = torch.nn.Linear(head.weight.shape[1], head.weight.shape[0], bias=head.bias is not None)
+    stock.weight, stock.bias = head.weight, head.bias
+    variants = {
+        "ms_per_step": (ours, lambda: setattr(ours, "decode_attention", kernel)),
+        "ms_per_step_torch_attention": (ours, lambda: setattr(ours, "decode_attention", None)),
+        "ms_per_step_transformers": (theirs, lambda: theirs.model.set_output_embeddings(head)),
+        "ms_per_step_nn_linear": (theirs, lambda: theirs.model.set_output_embeddings(stock)),
+    }
     timed = {}
     for rows in row_counts:
-        batch = _decoding(engine, prompt_tokens, rows)
-        best = dict.fromkeys(heads, float("inf"))
+        batches = {engine: _decoding(engine, prompt_tokens, rows) for engine in (ours, theirs)}
+        best = dict.fromkeys(variants, float("inf"))
         for _ in range(rounds):
-            for name, head in heads.items():
-                engine.model.set_output_embeddings(head)
-                best[name] = min(best[name], _step_time(batch, rows, steps))
-        engine.model.set_output_embeddings(ours)
-        batch.leave(list(range(rows)))
+            for name, (engine, set_up) in variants.items():
+                set_up()
+                best[name] = min(best[name], _step_time(batches[engine], rows, steps))
+        ours.decode_attention = kernel
+        theirs.model.set_output_embeddings(head)
+        for batch in batches.values():
+            batch.leave(list(range(rows)))
         timed[rows] = {
             **{name: 1000 * seconds for name, seconds in best.items()},
             "output_tokens_per_s": rows / best["ms_per_step"],
@@ -418,26 +434,28 @@ def _forward_alone(
 
 
 def _print_forward_alone(engine_alone: dict[int, dict[str, float]]) -> None:
-    print("\nDecode's forward pass alone (in this process, no server: the ceiling of the rows above):")
+    print("\nDecode's forward pass alone (in this process, no server: the ceiling of the rows above), ms per step:")
+    for name, meaning in STEP_VARIANTS.items():
+        print(f"  {name}: {meaning}")
     print(
         table(
-            ["rows", "ms per step", "output tokens/s", "ms per step, nn.Linear head", "nn.Linear / pdchat"],
+            ["rows", *STEP_VARIANTS, "output tokens/s", "transformers / pdchat"],
             [
-                [rows, r["ms_per_step"], r["output_tokens_per_s"], r["ms_per_step_nn_linear"]]
-                + [r["ms_per_step_nn_linear"] / r["ms_per_step"]]
+                [rows, *(r[name] for name in STEP_VARIANTS), r["output_tokens_per_s"]]
+                + [r["ms_per_step_transformers"] / r["ms_per_step"]]
                 for rows, r in engine_alone.items()
             ],
         )
     )
 
 
-def _stage_engine(model_dir, device: str, dtype: str):
+def _stage_engine(model_dir, device: str, dtype: str, forward: str = "auto"):
     """The engine a decode stage model runs, on the torch threads and KV pool it gets."""
     from pdchat.core.generation.engine import CausalLM
     from pdchat.core.settings import DECODE_KV_MB, MIB, KVPoolOptions, torch_threads
 
     pool = KVPoolOptions(bytes=int(DECODE_KV_MB.default) * MIB)
-    return CausalLM(model_dir, device, dtype, threads=torch_threads({}, {}), pool=pool)
+    return CausalLM(model_dir, device, dtype, threads=torch_threads({}, {}), pool=pool, forward=forward)
 
 
 def _decoding(engine, prompt_tokens: int, rows: int):
@@ -612,7 +630,7 @@ def main(argv: list[str] | None = None) -> None:
     batching.add_argument(
         "--step-only",
         action="store_true",
-        help="only decode's step alone (in this process, no server), its vocabulary projection beside nn.Linear's",
+        help="only decode's step alone (in this process, no server), beside transformers' forward and nn.Linear head",
     )
     e2e.add_arguments(commands.add_parser("e2e"))
     scaleout.add_arguments(commands.add_parser("vllm-router"))

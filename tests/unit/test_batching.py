@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pdchat.core.errors import Unavailable
+from pdchat.core.generation import cpu_attention
 from pdchat.core.generation.engine import CausalLM, DecodeBatch
 from pdchat.core.settings import KVPoolOptions
 
@@ -40,9 +41,17 @@ def prompts_of(lengths, vocab_size, seed=0):
     return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize(("block_tokens", "prefix_caching"), [(16, True), (3, False)])
-def test_joining_and_leaving_rows_decode_what_each_would_alone(tiny_model_dir, reference, block_tokens, prefix_caching):
+@pytest.mark.parametrize(
+    ("block_tokens", "prefix_caching", "c_attention"), [(16, True, False), (3, False, False), (16, True, True)]
+)
+def test_joining_and_leaving_rows_decode_what_each_would_alone(
+    tiny_model_dir, reference, block_tokens, prefix_caching, c_attention, tmp_path
+):
     engine = CausalLM(tiny_model_dir, "cpu", pool=KVPoolOptions(8 * MIB, block_tokens, prefix_caching))
+    # The C decode attention, which a stage model with one torch thread runs, in place of SDPA.
+    engine.decode_attention = cpu_attention.load(tmp_path) if c_attention else None
+    if c_attention and engine.decode_attention is None:
+        pytest.skip("no C compiler on this host")
     prompts = prompts_of((5, 40, 17, 300, 2, 90, 64, 11), engine.vocab_size)
     prompts.append(prompts[3][:150] + prompts[0])  # shares 150 tokens with another prompt
     expected = [alone(reference, p) for p in prompts]

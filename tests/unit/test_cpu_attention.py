@@ -2,6 +2,9 @@
 whatever the batch, sliding windows and grouped heads included; without a compiler the
 engine takes the torch path."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -81,3 +84,28 @@ def test_a_build_is_reused_from_the_cache(tmp_path):
     cpu_attention._loaded.clear()  # as a new process would start
     assert cpu_attention.load(tmp_path) is not None
     assert library.stat().st_mtime_ns == built_at and list(tmp_path.glob("*.so")) == [library]
+
+
+def test_tensors_it_does_not_compute_are_refused_not_read(kernel):
+    query, keys, values, read, lengths = _case([4, 9])
+    scale = DIM**-0.5
+    for bad in (
+        (query.double(), keys, values, read, lengths),  # another dtype
+        (query, keys, values, read.int(), lengths),  # int32 slots
+        (query, keys.transpose(0, 1), values, read, lengths),  # not [slots, kv_heads, dim]
+        (query[:, :5], keys, values, read, lengths),  # 5 query heads over 2 kv heads
+    ):
+        with pytest.raises(ValueError, match="decode attention"):
+            kernel(*bad, scale, None)
+
+
+def test_a_damaged_cached_build_is_built_again(tmp_path):
+    if cpu_attention.load(tmp_path) is None:
+        pytest.skip("no C compiler on this host")
+    (library,) = tmp_path.glob("decode_attention-*.so")
+    library.unlink()  # a new file: this process still maps the old one
+    library.write_bytes(b"not a shared object")
+    loads = "import sys, pathlib; from pdchat.core.generation import cpu_attention as c; "
+    loads += "sys.exit(c.load(pathlib.Path(sys.argv[1])) is None)"
+    subprocess.run([sys.executable, "-c", loads, str(tmp_path)], check=True, timeout=120)  # as a new process would
+    assert library.read_bytes()[:4] == b"\x7fELF"

@@ -221,10 +221,11 @@ FORWARD = Setting(
     "auto",
     choice("auto", "transformers"),
     ("prefill", "decode"),
-    "Which forward pass runs the model. auto: pdchat's own for Llama-architecture models in float32 (the same "
-    "numbers as transformers', in fewer ops) and, on CPU in float32, decode attention in C, built on first use "
-    "with the host's C compiler into cache_dir (the torch path where none is found); transformers: transformers' "
-    "forward with torch attention, for every model (docs/architecture.md#the-forward-pass).",
+    "Which forward pass runs the model. auto: pdchat's own for Llama-architecture models in float32 (transformers' "
+    "numbers, in fewer ops) and, on CPU in float32 with one torch thread, decode attention in C (the same to "
+    "rounding), built on first use with the host's C compiler into cache_dir (the torch path where none is "
+    "found); transformers: transformers' forward with torch attention, for every model "
+    "(docs/architecture.md#the-forward-pass).",
 )
 TORCH_THREADS = Setting(
     "torch_threads",
@@ -264,7 +265,7 @@ CACHE_DIR = Setting(
     PATH,
     ("chat", "renderer", "prefill", "decode", "pdchat"),
     "Root of generated artefacts: embedded models, the assembled backend directory, each server's stage key, "
-    "launcher logs.",
+    "launcher logs, the decode attention kernel (kernels/).",
 )
 
 # chat: the gate, the handoff, its calls to the stage models.

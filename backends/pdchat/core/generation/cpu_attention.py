@@ -10,6 +10,10 @@ a thread that lets the GIL go mid-step waits, to take it back, for whatever Pyth
 stage's outbox thread runs meanwhile (up to the interpreter's switch interval). Served at
 concurrency 4 and 16 that made steps slower than holding it.
 
+It computes on one thread: the engine uses it when torch runs one thread per stage model
+(torch_threads; half the cores, so hosts of up to 3), and leaves attention to SDPA, which
+spreads over torch's threads, otherwise.
+
 The kernel is compiled on first use with the host's C compiler (`cc`, or `$CC`) for this
 CPU (-march=native) into the cache directory, keyed by its source, flags, compiler and the
 CPU's feature flags, so a shared home directory never hands a host another CPU's build.
@@ -29,6 +33,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -71,6 +76,20 @@ class DecodeAttention:
         Returns [rows, q_heads, dim]."""
         query, read, lengths = query.contiguous(), read.contiguous(), lengths.contiguous()
         rows, q_heads, dim = query.shape
+        kv_heads = keys.shape[1]
+        # NOTE: what the C code takes on trust; a wrong call must raise here, not corrupt memory.
+        if not (
+            all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (query, keys, values))
+            and read.dtype == lengths.dtype == torch.int64
+            and keys.is_contiguous()
+            and values.is_contiguous()
+            and keys.shape == values.shape
+            and keys.shape[2] == dim
+            and 0 < kv_heads <= q_heads
+            and q_heads % kv_heads == 0
+            and read.shape[0] == lengths.shape[0] == rows
+        ):
+            raise ValueError("decode attention got tensors of another layout, dtype or device than it computes")
         out = torch.empty_like(query)
         failed = self._kernel(
             query.data_ptr(),
@@ -81,7 +100,7 @@ class DecodeAttention:
             rows,
             read.shape[1],
             q_heads,
-            keys.shape[1],
+            kv_heads,
             dim,
             scale,
             window or 0,
@@ -102,23 +121,27 @@ def load(cache_dir: Path) -> DecodeAttention | None:
 
 
 def _build_and_load(cache_dir: Path) -> DecodeAttention | None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not compiler[0]:
         log.warning("no C compiler (cc, gcc or $CC): decode attention takes the torch path")
         return None
     try:
         library = cache_dir / f"decode_attention-{_build_key(compiler)}.so"
-        if not library.is_file():
-            _compile(compiler, library)
+        if library.is_file():
+            try:
+                return DecodeAttention(ctypes.PyDLL(str(library)))
+            except (OSError, AttributeError) as exc:  # a damaged file in the cache: built again below
+                log.warning("rebuilding the cached decode attention kernel %s: %s", library, exc)
+        _compile(compiler, library)
         return DecodeAttention(ctypes.PyDLL(str(library)))
-    except (OSError, subprocess.SubprocessError) as exc:
+    except Exception as exc:  # noqa: BLE001 - the kernel is optional: any failure means the torch path
         log.warning("decode attention kernel unavailable, taking the torch path: %s", exc)
         return None
 
 
-def _build_key(compiler: str) -> str:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [SOURCE.read_text(), " ".join(COMPILE_FLAGS), version, platform.machine(), _cpu_flags()]
+def _build_key(compiler: list[str]) -> str:
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, errors="replace", timeout=30)
+    parts = [SOURCE.read_text(), " ".join(COMPILE_FLAGS), version.stdout, platform.machine(), _cpu_flags()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -133,17 +156,17 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _compile(compiler: str, library: Path) -> None:
+def _compile(compiler: list[str], library: Path) -> None:
     """Compile, then link without the math flags (see the module docstring), into a
     temporary file renamed into place: processes building at once never load half a file."""
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         obj, built = Path(scratch) / "kernel.o", Path(scratch) / "kernel.so"
         for command in (
-            [compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-            [compiler, "-shared", str(obj), "-o", str(built), "-lm"],
+            [*compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+            [*compiler, "-shared", str(obj), "-o", str(built), "-lm"],
         ):
-            done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=120)
             if done.returncode != 0:
                 raise subprocess.SubprocessError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
         os.replace(built, library)

@@ -46,9 +46,9 @@ class CausalLM:
     """One causal LM over one block pool: prefill a prompt, step rows, move KV in and out.
 
     `forward` (setting FORWARD): `auto` runs pdchat's own forward pass for Llama-architecture
-    models in fp32 (core.generation.llama) and, on CPU in fp32, decode attention in C
-    (core.generation.cpu_attention, when this host can build it); `transformers` runs
-    transformers' forward with torch attention for every model."""
+    models in fp32 (core.generation.llama) and, on CPU in fp32 with one torch thread, decode
+    attention in C (core.generation.cpu_attention, when this host can build it);
+    `transformers` runs transformers' forward with torch attention for every model."""
 
     def __init__(
         self,
@@ -73,8 +73,9 @@ class CausalLM:
             _project_vocab_by_rows(self.model)
         own = forward == "auto"
         self.llama = llama.LlamaForward(self.model) if own and llama.supports(self.model) else None
-        fp32_cpu = self.device == "cpu" and self.dtype == torch.float32
-        self.decode_attention = cpu_attention.load(cache_dir() / "kernels") if own and fp32_cpu else None
+        # The kernel runs on one thread; with more, SDPA spreads attention over them.
+        one_cpu_thread = self.device == "cpu" and self.dtype == torch.float32 and torch.get_num_threads() == 1
+        self.decode_attention = cpu_attention.load(cache_dir() / "kernels") if own and one_cpu_thread else None
         config = self.model.config
         self.context_length = int(config.max_position_embeddings)
         self.vocab_size = int(config.vocab_size)

@@ -29,17 +29,32 @@ _STATIC_ROPE = frozenset({"default", "linear", "llama3"})
 
 def supports(model: torch.nn.Module) -> bool:
     """Whether `model` is a Llama-architecture causal LM this pass computes exactly: fp32,
-    no biases, SiLU MLP, a rotary table fixed at load."""
+    no biases, SiLU MLP, a rotary table fixed at load, every projection a plain nn.Linear
+    (not quantized)."""
     config = model.config
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     return (
         config.model_type == "llama"
+        and getattr(config, "quantization_config", None) is None
         and model.dtype == torch.float32
         and config.hidden_act == "silu"
         and not config.attention_bias
         and not config.mlp_bias
         and getattr(config, "pretraining_tp", 1) == 1
         and rope in _STATIC_ROPE
+        and all(_plain(layer) for layer in model.model.layers)
+    )
+
+
+def _plain(layer: torch.nn.Module) -> bool:
+    attention, mlp = layer.self_attn, layer.mlp
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
+    projections += (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    return all(
+        type(linear) is torch.nn.Linear
+        and type(linear.weight.data) is torch.Tensor
+        and linear.weight.dtype == torch.float32
+        for linear in projections
     )
 
 

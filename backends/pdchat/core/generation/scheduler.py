@@ -296,14 +296,14 @@ class DecodeScheduler:
             return
         try:
             logits = self._batch.step([e.decoding.last_token_id for e in self._running])
+            # One argmax over the batch for its greedy rows, not one per row.
+            argmax = logits.argmax(-1).tolist() if any(e.decoding.greedy for e in self._running) else None
         except Exception as exc:  # noqa: BLE001 - the whole batch failed: each client hears it
             log.exception("batched decode step failed")
             for entry in self._running:
                 entry.job.fail(exc)
             self._leave(list(range(len(self._running))))
             return
-        # One argmax over the batch for its greedy rows, not one per row.
-        argmax = logits.argmax(-1).tolist() if any(e.decoding.greedy for e in self._running) else None
         failed = []
         for row, (entry, row_logits) in enumerate(zip(self._running, logits, strict=True)):
             try:
