@@ -106,12 +106,12 @@ class System:
             self._stops.append(service.stop)
             self.groups = [service.process.pid]
         elif self.name in MONOLITHIC:
-            placed = MONOLITHIC[self.name]
-            env = {MODEL.env: self.model, SERVED_MODEL_NAME.env: SERVED_NAME, **placed}
+            variant = MONOLITHIC[self.name]
+            env = {MODEL.env: self.model, SERVED_MODEL_NAME.env: SERVED_NAME, **variant}
             server = TritonServer(env=env, log_path=self.log_dir / f"{self.name}.log").start()
             try:
                 front_log = self.log_dir / f"{self.name}-front.log"  # the front keeps off decode's CPU too
-                front, self.url = start_front(server.grpc_url, front_log, (SERVED_NAME,), env=placed)
+                front, self.url = start_front(server.grpc_url, front_log, (SERVED_NAME,), env=variant)
             except BaseException:
                 server.stop()
                 raise
