@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pdchat.core.errors import Unavailable
-from pdchat.core.generation import cpu_attention
+from pdchat.core.generation import cpu_kernels
 from pdchat.core.generation.engine import CausalLM, DecodeBatch
 from pdchat.core.settings import KVPoolOptions
 
@@ -42,15 +42,15 @@ def prompts_of(lengths, vocab_size, seed=0):
 
 
 @pytest.mark.parametrize(
-    ("block_tokens", "prefix_caching", "c_attention"), [(16, True, False), (3, False, False), (16, True, True)]
+    ("block_tokens", "prefix_caching", "c_kernels"), [(16, True, False), (3, False, False), (16, True, True)]
 )
 def test_joining_and_leaving_rows_decode_what_each_would_alone(
-    tiny_model_dir, reference, block_tokens, prefix_caching, c_attention, tmp_path
+    tiny_model_dir, reference, block_tokens, prefix_caching, c_kernels, tmp_path
 ):
     engine = CausalLM(tiny_model_dir, "cpu", pool=KVPoolOptions(8 * MIB, block_tokens, prefix_caching))
-    # The C decode attention, which a stage model with one torch thread runs, in place of SDPA.
-    engine.decode_attention = cpu_attention.load(tmp_path) if c_attention else None
-    if c_attention and engine.decode_attention is None:
+    # The C decode kernels, which a stage model with one torch thread runs, in place of torch's ops.
+    engine.decode_kernels = cpu_kernels.load(tmp_path) if c_kernels else None
+    if c_kernels and engine.decode_kernels is None:
         pytest.skip("no C compiler on this host")
     prompts = prompts_of((5, 40, 17, 300, 2, 90, 64, 11), engine.vocab_size)
     prompts.append(prompts[3][:150] + prompts[0])  # shares 150 tokens with another prompt
@@ -67,8 +67,9 @@ def test_joining_and_leaving_rows_decode_what_each_would_alone(
         batch.leave(done)
         rows = [r for row, r in enumerate(rows) if row not in done]
         if rows:
-            for (_, tokens), logits in zip(rows, batch.step([tokens[-1] for _, tokens in rows]), strict=True):
-                tokens.append(int(logits.argmax()))
+            chosen = batch.argmax(batch.step([tokens[-1] for _, tokens in rows]))  # as the scheduler takes them
+            for (_, tokens), token in zip(rows, chosen, strict=True):
+                tokens.append(token)
         turn += 1
     for index in range(len(prompts)):
         assert results[index] == expected[index][: len(results[index])], f"prompt {index} diverged in the batch"

@@ -2,10 +2,11 @@
 for passes of two tokens or more, prompts in one pass or in chunks and ragged decode rows
 alike, from the same weights; a one-token pass to rounding, the same greedy token."""
 
+import pytest
 import torch
 
 from pdchat import embedded, registry
-from pdchat.core.generation import llama
+from pdchat.core.generation import cpu_kernels, llama
 from pdchat.core.generation.engine import CausalLM, DecodeBatch
 from pdchat.core.settings import KVPoolOptions
 
@@ -13,11 +14,11 @@ MIB = 1 << 20
 
 
 def _engines(model_dir):
-    """The transformers forward and ours, both on torch attention (the C kernel is tested alone)."""
+    """The transformers forward and ours, both on torch ops (the C kernels below, and alone)."""
     pool = KVPoolOptions(8 * MIB, 16, False)
     theirs = CausalLM(model_dir, "cpu", pool=pool, forward="transformers")
     ours = CausalLM(model_dir, "cpu", pool=pool)
-    ours.decode_attention = None
+    ours.decode_kernels = None
     assert theirs.llama is None and ours.llama is not None
     return theirs, ours
 
@@ -54,6 +55,34 @@ def test_a_one_token_pass_agrees_to_rounding(tiny_model_dir):
         assert int(a.argmax()) == int(b.argmax())
 
 
+def test_decode_steps_with_the_c_kernels_agree_to_rounding_and_pick_the_same_tokens(tiny_model_dir, tmp_path):
+    """Ragged rows stepped with the C kernels between the GEMMs, beside the same rows on torch ops."""
+    kernels = cpu_kernels.load(tmp_path)
+    if kernels is None:
+        pytest.skip("no C compiler on this host: the kernels are optional")
+    _, ours = _engines(tiny_model_dir)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, ours.vocab_size, (n,), generator=generator).tolist() for n in (3, 40, 17, 129)]
+    steps = {}
+    for name, chosen in (("torch", None), ("c", kernels)):
+        ours.decode_kernels = None  # the prompts' passes are the torch path's in both
+        batch, first = DecodeBatch(ours), []
+        for prompt in prompts:
+            logits, sequence = ours.prefill(prompt)
+            batch.join(sequence)
+            first.append(int(logits.argmax()))
+        ours.decode_kernels, tokens, logits_seen = chosen, [first], []
+        for _ in range(6):
+            logits = batch.step(tokens[-1])
+            logits_seen.append(logits)
+            tokens.append(batch.argmax(logits))
+        batch.leave(list(range(len(prompts))))
+        steps[name] = tokens, logits_seen
+    assert steps["c"][0] == steps["torch"][0]
+    for a, b in zip(steps["torch"][1], steps["c"][1], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
 def test_the_stacked_weights_are_the_models_own():
     """The q/k/v and gate/up projections are views of the stacks: no second copy, and
     transformers' forward of the same model reads the same numbers."""
@@ -70,4 +99,4 @@ def test_only_what_it_computes_exactly_takes_it():
     gpt_oss = CausalLM(embedded.ensure_model(registry.TINY_GPTOSS), "cpu")
     assert gpt_oss.llama is None and not llama.supports(gpt_oss.model)
     bf16 = CausalLM(embedded.ensure_model(registry.TINY), "cpu", "bfloat16")
-    assert bf16.llama is None and bf16.decode_attention is None
+    assert bf16.llama is None and bf16.decode_kernels is None

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from pdchat.core.errors import InvalidRequest, Unavailable
-from pdchat.core.generation import cpu_attention, llama
+from pdchat.core.generation import cpu_kernels, llama
 from pdchat.core.generation.paged import NULL_BLOCK, PAGED_ATTENTION, BlockPool, PagedForward, Sequence, root_hash
 from pdchat.core.kv.base import KV_TOKEN_AXIS, KV_WIRE_TYPES, kv_dtype_name
 from pdchat.core.settings import DEFAULT_KV_POOL, DTYPE, KVPoolOptions, cache_dir
@@ -46,8 +46,9 @@ class CausalLM:
     """One causal LM over one block pool: prefill a prompt, step rows, move KV in and out.
 
     `forward` (setting FORWARD): `auto` runs pdchat's own forward pass for Llama-architecture
-    models in fp32 (core.generation.llama) and, on CPU in fp32 with one torch thread, decode
-    attention in C (core.generation.cpu_attention, when this host can build it);
+    models in fp32 (core.generation.llama) and, on CPU in fp32 with one torch thread, decode's
+    work between its GEMMs and its greedy argmax in C (core.generation.cpu_kernels, when this
+    host can build them);
     `transformers` runs transformers' forward with torch attention for every model."""
 
     def __init__(
@@ -73,9 +74,9 @@ class CausalLM:
             _project_vocab_by_rows(self.model)
         own = forward == "auto"
         self.llama = llama.LlamaForward(self.model) if own and llama.supports(self.model) else None
-        # The kernel runs on one thread; with more, SDPA spreads attention over them.
+        # The kernels run on one thread; with more, torch spreads the step over them.
         one_cpu_thread = self.device == "cpu" and self.dtype == torch.float32 and torch.get_num_threads() == 1
-        self.decode_attention = cpu_attention.load(cache_dir() / "kernels") if own and one_cpu_thread else None
+        self.decode_kernels = cpu_kernels.load(cache_dir() / "kernels") if own and one_cpu_thread else None
         config = self.model.config
         self.context_length = int(config.max_position_embeddings)
         self.vocab_size = int(config.vocab_size)
@@ -146,7 +147,7 @@ class CausalLM:
         return logits
 
     def _paged(self, write: torch.Tensor, read: torch.Tensor, positions: torch.Tensor, **flags: bool) -> PagedForward:
-        return PagedForward(self.pool, write, read, positions, decode_attention=self.decode_attention, **flags)
+        return PagedForward(self.pool, write, read, positions, decode_kernels=self.decode_kernels, **flags)
 
     def _last_logits(self, input_ids: torch.Tensor, paged: PagedForward) -> torch.Tensor:
         """One pass over `input_ids` [rows, queries]; the logits after each row's last, [rows, vocab]."""
@@ -158,6 +159,12 @@ class CausalLM:
             input_ids=input_ids, position_ids=paged.query_positions, use_cache=False, logits_to_keep=1, paged=paged
         )
         return out.logits[:, -1].float()
+
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """Each row's greedy token of `logits` [rows, vocab] (the first on a tie)."""
+        if self.decode_kernels is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+            return self.decode_kernels.argmax(logits)
+        return logits.argmax(-1).tolist()
 
     def _read_slots(self, sequences: list[Sequence]) -> torch.Tensor:
         """[rows, longest] the slots of each sequence's positions, the null slot past its end."""
@@ -341,6 +348,10 @@ class DecodeBatch:
     def step(self, token_ids: list[int]) -> torch.Tensor:
         """Feed one token per row; the next token's logits per row, [rows, vocab]."""
         return self.engine.step(self._sequences, token_ids)
+
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """Each row's greedy token of a step's `logits`."""
+        return self.engine.argmax(logits)
 
 
 def _project_vocab_by_rows(model: torch.nn.Module) -> None:

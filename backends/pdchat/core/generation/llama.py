@@ -14,6 +14,11 @@ and each op is the one transformers runs, in its order. A pass of a single token
 rounding only: there torch multiplies by a vector, and that kernel's sums depend on where
 the weight lies in memory (the loaded ones are not 64-byte aligned, the stacks are). The
 model's projection modules are rebound to views of the stacks, so memory is not doubled.
+
+Decode's passes (one token per row) with the C kernels (`PagedForward.decode_kernels`,
+core.generation.cpu_kernels) run everything between the GEMMs in C: per layer four GEMMs
+and four kernel calls (RMSNorm with the residual add before it, rotary with the KV store,
+attention, SwiGLU) instead of some forty torch ops. Equal to the torch path to rounding.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional
 
+from pdchat.core.generation.cpu_kernels import DecodeKernels
 from pdchat.core.generation.paged import PagedForward, paged_attention
 
 # Rope types whose table does not depend on the sequence length (no dynamic scaling).
@@ -70,6 +76,29 @@ class _Layer:
         self.out = attention.o_proj.weight
         self.gate_up = _stack(mlp.gate_proj, mlp.up_proj)
         self.down = mlp.down_proj.weight
+        # The same projections for decode's passes with the C kernels.
+        self.decode_qkv, self.decode_out = _DecodeProjection(self.qkv), _DecodeProjection(self.out)
+        self.decode_gate_up, self.decode_down = _DecodeProjection(self.gate_up), _DecodeProjection(self.down)
+
+
+class _DecodeProjection:
+    """x [rows, in] @ W^T for decode's passes: for more than one row by oneDNN over its
+    blocked layout of W, which at a few rows runs up to twice as fast as torch's GEMM on the
+    plain weight (docs/benchmarks.md#the-kernels-between-the-gemms); one row keeps torch's.
+
+    NOTE: blocked on first use, so a stage that never runs a batched decode pass (prefill)
+    never holds the second copy of the weight it costs."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self._blocked: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return functional.linear(x, self.weight)
+        if self._blocked is None:
+            self._blocked = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)
+        return torch.ops.mkldnn._linear_pointwise(x, self._blocked, None, "none", [None], "")
 
 
 def _stack(*linears: torch.nn.Linear) -> torch.Tensor:
@@ -99,7 +128,7 @@ class LlamaForward:
         positions = torch.arange(config.max_position_embeddings, device=self.embedding.device).view(1, -1)
         with torch.inference_mode():
             cos, sin = decoder.rotary_emb(self.embedding, positions)
-        self.cos, self.sin = cos[0], sin[0]  # [positions, head_dim]
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [positions, head_dim]
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, paged: PagedForward, last_only: bool) -> torch.Tensor:
@@ -107,6 +136,8 @@ class LlamaForward:
         their KV written to the pool: [rows, queries, hidden], or [rows, 1, hidden] of each
         row's last query when `last_only`."""
         rows, queries = input_ids.shape
+        if queries == 1 and paged.decode_kernels is not None:
+            return self._decode(input_ids, paged, paged.decode_kernels)
         hidden = functional.embedding(input_ids, self.embedding)
         width = (hidden.shape[-1],)
         cos = self.cos[paged.query_positions].unsqueeze(2)  # [rows, queries, 1, head_dim]
@@ -133,3 +164,22 @@ class LlamaForward:
         if last_only:
             hidden = hidden[:, -1:]
         return functional.rms_norm(hidden, width, self.final_norm, self.eps)
+
+    def _decode(self, input_ids: torch.Tensor, paged: PagedForward, kernels: DecodeKernels) -> torch.Tensor:
+        """One token per row, with the C kernels between the GEMMs: [rows, 1, hidden]."""
+        rows = input_ids.shape[0]
+        hidden = functional.embedding(input_ids.reshape(-1), self.embedding)  # the residual stream, added into
+        positions, write, lengths = paged.query_positions.reshape(-1), paged.write.reshape(-1), paged.lengths()
+        q_size = self.q_heads * self.head_dim
+        normed = kernels.rms_norm(hidden, self.layers[0].input_norm, self.eps)
+        for index, layer in enumerate(self.layers):
+            keys, values = paged.pool.keys[layer.module.layer_idx], paged.pool.values[layer.module.layer_idx]
+            qkv = layer.decode_qkv(normed)
+            kernels.rope_store(qkv, self.cos, self.sin, positions, write, keys, values, self.q_heads)
+            query = qkv[:, :q_size].view(rows, self.q_heads, self.head_dim)
+            attended = kernels.attention(query, keys, values, paged.read, lengths, self.scaling, None)
+            kernels.add_rms_norm(hidden, layer.decode_out(attended.view(rows, -1)), layer.post_norm, self.eps, normed)
+            activated = kernels.silu_mul(layer.decode_gate_up(normed))
+            following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
+            kernels.add_rms_norm(hidden, layer.decode_down(activated), following, self.eps, normed)
+        return normed.view(rows, 1, -1)

@@ -39,7 +39,7 @@ from transformers import AttentionInterface
 from pdchat.core.errors import Unavailable
 
 if TYPE_CHECKING:
-    from pdchat.core.generation.cpu_attention import DecodeAttention
+    from pdchat.core.generation.cpu_kernels import DecodeKernels
     from pdchat.core.kv_events import BlockEvents
 
 PAGED_ATTENTION = "pdchat_paged"
@@ -285,8 +285,8 @@ class PagedForward:
     query_positions: torch.Tensor
     full_rows: bool = False  # every row attends over all its columns: no mask needed without a window
     causal: bool = False  # one row whose queries are all its columns: SDPA's is_causal is the mask
-    # The C kernel for passes of one query per row (CPU, fp32), None: the torch path.
-    decode_attention: DecodeAttention | None = None
+    # The C kernels for passes of one query per row (CPU, fp32), None: the torch path.
+    decode_kernels: DecodeKernels | None = None
     _masks: dict | None = None
     _lengths: torch.Tensor | None = None
 
@@ -341,10 +341,12 @@ def paged_attention(
     pool_keys, pool_values = paged.pool.keys[layer], paged.pool.values[layer]
     pool_keys.index_copy_(0, paged.write, key.transpose(1, 2).reshape(-1, kv_heads, head_dim))
     pool_values.index_copy_(0, paged.write, value.transpose(1, 2).reshape(-1, kv_heads, head_dim))
-    if paged.decode_attention is not None and queries == 1 and s_aux is None:
+    if paged.decode_kernels is not None and queries == 1 and s_aux is None:
         scale = head_dim**-0.5 if scaling is None else scaling
         query = query.reshape(rows, -1, head_dim)
-        out = paged.decode_attention(query, pool_keys, pool_values, paged.read, paged.lengths(), scale, sliding_window)
+        out = paged.decode_kernels.attention(
+            query, pool_keys, pool_values, paged.read, paged.lengths(), scale, sliding_window
+        )
         return out.view(rows, 1, -1, head_dim), None
     columns = paged.read.shape[1]
     flat = paged.read.reshape(-1)

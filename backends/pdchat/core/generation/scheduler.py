@@ -297,7 +297,7 @@ class DecodeScheduler:
         try:
             logits = self._batch.step([e.decoding.last_token_id for e in self._running])
             # One argmax over the batch for its greedy rows, not one per row.
-            argmax = logits.argmax(-1).tolist() if any(e.decoding.greedy for e in self._running) else None
+            argmax = self._batch.argmax(logits) if any(e.decoding.greedy for e in self._running) else None
         except Exception as exc:  # noqa: BLE001 - the whole batch failed: each client hears it
             log.exception("batched decode step failed")
             for entry in self._running:

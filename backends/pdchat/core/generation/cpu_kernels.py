@@ -1,0 +1,284 @@
+"""A decode step's work between its GEMMs, on CPU in C (`decode_kernels.c`).
+
+What: for one query token per row (decode's steps), fp32 on CPU,
+- `attention`: single-query paged attention, each row's K/V read where they lie in the pool;
+- `rope_store`: the rotary embedding of q and k, in place, and k/v stored at their slots;
+- `rms_norm` / `add_rms_norm`: RMSNorm, the second with the residual add before it;
+- `silu_mul`: the SwiGLU activation of a fused gate/up projection;
+- `argmax`: each row's greedy token.
+
+Why: at decode's sizes each of these is a handful of torch ops of a few microseconds of
+work and more of dispatch each (rotary alone is six), and attention on the torch path
+first gathers every row's keys and values out of the pool into a padded copy. Here each
+is one call that reads its inputs once.
+
+Every call is checked in Python first (devices, dtypes, shapes, contiguity): the C code
+takes its arguments on trust, so a wrong call raises ValueError here instead of
+corrupting memory. Calls hold the GIL (ctypes.PyDLL): each lasts microseconds to a
+fraction of a millisecond, and a thread that lets the GIL go mid-step waits, to take it
+back, for whatever Python the stage's outbox thread runs meanwhile (up to the
+interpreter's switch interval); served at concurrency 4 and 16 that made steps slower.
+
+They compute on one thread: the engine uses them when torch runs one thread per stage
+model (torch_threads; half the cores, so hosts of up to 3), and leaves the step to torch,
+which spreads over its threads, otherwise.
+
+The library is compiled on first use with the host's C compiler (`cc`, or `$CC`) for this
+CPU (-march=native) into the cache directory, keyed by its source, flags, compiler and the
+CPU's feature flags, so a shared home directory never hands a host another CPU's build.
+Without a compiler, or when the build fails, `load()` says why once in the log and returns
+None; callers then take the torch path. Math flags: the source is compiled with
+-ffast-math (it vectorizes `expf` through glibc's libmvec) and linked without it, which
+keeps gcc's crtfastmath (flush-to-zero for the whole process) out of the library.
+
+NOTE: results equal the torch path's to float rounding, not bit for bit; every row is
+computed alone in a fixed order, so a row's result does not depend on the batch around it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_kernels.c")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11")
+_lock = threading.Lock()
+_loaded: dict[Path, DecodeKernels | None] = {}
+_P, _N, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+# Each C function's argument types, by its name after the `pdchat_` prefix.
+_SIGNATURES = {
+    "decode_attention": ([_P, _N, _P, _P, _P, _P] + [_N] * 5 + [_F, _N, _P], ctypes.c_int),
+    "rope_store": ([_P] * 7 + [_N] * 4, None),
+    "rms_norm": ([_P, _P, _N, _N, _F, _P], None),
+    "add_rms_norm": ([_P, _P, _P, _N, _N, _F, _P], None),
+    "silu_mul": ([_P, _N, _N, _P], None),
+    "argmax": ([_P, _N, _N, _P], None),
+}
+
+
+class DecodeKernels:
+    """The loaded library (see the module docstring for its contract)."""
+
+    def __init__(self, library: ctypes.PyDLL):
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            function = getattr(library, f"pdchat_{name}")
+            function.argtypes, function.restype = argtypes, restype
+            setattr(self, f"_{name}", function)
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        read: torch.Tensor,
+        lengths: torch.Tensor,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        """query [rows, q_heads, dim] (its rows may be strided, as q's columns of a fused
+        qkv projection are); keys, values one layer's pool [slots, kv_heads, dim]; read
+        [rows, cols] int64 slots; lengths [rows] int64: how many of a row's columns it
+        attends over (the last `window` of them when a window is given). Returns
+        [rows, q_heads, dim]."""
+        rows, q_heads, dim = query.shape
+        kv_heads = keys.shape[1]
+        _check(
+            _fp32_cpu(query, keys, values)
+            and query.stride(2) == 1
+            and query.stride(1) == dim
+            and read.dtype == lengths.dtype == torch.int64
+            and _contiguous(keys, values, read, lengths)
+            and keys.shape == values.shape
+            and keys.shape[2] == dim
+            and 0 < kv_heads <= q_heads
+            and q_heads % kv_heads == 0
+            and read.shape[0] == lengths.shape[0] == rows
+        )
+        out = torch.empty(rows, q_heads, dim)
+        failed = self._decode_attention(
+            query.data_ptr(),
+            query.stride(0),
+            keys.data_ptr(),
+            values.data_ptr(),
+            read.data_ptr(),
+            lengths.data_ptr(),
+            rows,
+            read.shape[1],
+            q_heads,
+            kv_heads,
+            dim,
+            scale,
+            window or 0,
+            out.data_ptr(),
+        )
+        if failed:
+            raise MemoryError("decode attention could not allocate its scores")
+        return out
+
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        write: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        q_heads: int,
+    ) -> None:
+        """In place: q and k of qkv [rows, (q_heads + 2 kv_heads) * dim] rotated by the
+        tables cos, sin [positions, dim] at positions [rows] (int64), then each row's k and
+        v stored at slot write[row] of keys, values [slots, kv_heads, dim]."""
+        slots, kv_heads, dim = keys.shape
+        rows = qkv.shape[0]
+        _check(
+            _fp32_cpu(qkv, cos, sin, keys, values)
+            and _contiguous(qkv, cos, sin, positions, write, keys, values)
+            and positions.dtype == write.dtype == torch.int64
+            and keys.shape == values.shape
+            and qkv.shape == (rows, (q_heads + 2 * kv_heads) * dim)
+            and cos.shape == sin.shape
+            and cos.shape[1] == dim
+            and dim % 2 == 0
+            and positions.shape == write.shape == (rows,)
+            and (rows == 0 or (0 <= int(positions.min()) and int(positions.max()) < cos.shape[0]))
+            and (rows == 0 or (0 <= int(write.min()) and int(write.max()) < slots))
+        )
+        self._rope_store(
+            qkv.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            positions.data_ptr(),
+            write.data_ptr(),
+            keys.data_ptr(),
+            values.data_ptr(),
+            rows,
+            q_heads,
+            kv_heads,
+            dim,
+        )
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm(x) * weight, x [rows, width]."""
+        _check(_fp32_cpu(x, weight) and _contiguous(x, weight) and x.dim() == 2 and weight.shape == x.shape[1:])
+        out = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr())
+        return out
+
+    def add_rms_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
+    ) -> None:
+        """hidden += delta, then out = RMSNorm(hidden) * weight; all [rows, width] but weight."""
+        _check(
+            _fp32_cpu(hidden, delta, weight, out)
+            and _contiguous(hidden, delta, weight, out)
+            and hidden.dim() == 2
+            and hidden.shape == delta.shape == out.shape
+            and weight.shape == hidden.shape[1:]
+        )
+        rows, width = hidden.shape
+        self._add_rms_norm(hidden.data_ptr(), delta.data_ptr(), weight.data_ptr(), rows, width, eps, out.data_ptr())
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of gate_up [rows, 2 * inter] (gate, then up): [rows, inter]."""
+        _check(_fp32_cpu(gate_up) and _contiguous(gate_up) and gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0)
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, inter)
+        self._silu_mul(gate_up.data_ptr(), rows, inter, out.data_ptr())
+        return out
+
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """Each row's index of its largest logit (the first on a tie), logits [rows, vocab]."""
+        _check(_fp32_cpu(logits) and _contiguous(logits) and logits.dim() == 2 and logits.shape[1] > 0)
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._argmax(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
+        return out.tolist()
+
+
+def _fp32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def _contiguous(*tensors: torch.Tensor) -> bool:
+    return all(t.is_contiguous() for t in tensors)
+
+
+def _check(valid: bool) -> None:
+    # NOTE: what the C code takes on trust; a wrong call must raise here, not corrupt memory.
+    if not valid:
+        raise ValueError("a decode kernel got tensors of another layout, dtype, shape or device than it computes")
+
+
+def load(cache_dir: Path) -> DecodeKernels | None:
+    """The kernels, built into `cache_dir` if no build for this host is there yet; None
+    when it cannot be built here (logged once per process and directory)."""
+    with _lock:
+        if cache_dir not in _loaded:
+            _loaded[cache_dir] = _build_and_load(cache_dir)
+        return _loaded[cache_dir]
+
+
+def _build_and_load(cache_dir: Path) -> DecodeKernels | None:
+    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not compiler[0]:
+        log.warning("no C compiler (cc, gcc or $CC): the decode step takes the torch path")
+        return None
+    try:
+        library = cache_dir / f"decode_kernels-{_build_key(compiler)}.so"
+        if library.is_file():
+            try:
+                return DecodeKernels(ctypes.PyDLL(str(library)))
+            except (OSError, AttributeError) as exc:  # a damaged file in the cache: built again below
+                log.warning("rebuilding the cached decode kernels %s: %s", library, exc)
+        _compile(compiler, library)
+        return DecodeKernels(ctypes.PyDLL(str(library)))
+    except Exception as exc:  # noqa: BLE001 - the kernel is optional: any failure means the torch path
+        log.warning("decode kernels unavailable, taking the torch path: %s", exc)
+        return None
+
+
+def _build_key(compiler: list[str]) -> str:
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, errors="replace", timeout=30)
+    parts = [SOURCE.read_text(), " ".join(COMPILE_FLAGS), version.stdout, platform.machine(), _cpu_flags()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (what -march=native compiles for), as /proc/cpuinfo lists them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compile(compiler: list[str], library: Path) -> None:
+    """Compile, then link without the math flags (see the module docstring), into a
+    temporary file renamed into place: processes building at once never load half a file."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+        obj, built = Path(scratch) / "kernel.o", Path(scratch) / "kernel.so"
+        for command in (
+            [*compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+            [*compiler, "-shared", str(obj), "-o", str(built), "-lm"],
+        ):
+            done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=120)
+            if done.returncode != 0:
+                raise subprocess.SubprocessError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(built, library)
+    log.info("built the decode kernels: %s", library)
