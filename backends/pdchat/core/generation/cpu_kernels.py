@@ -12,12 +12,13 @@ work and more of dispatch each (rotary alone is six), and attention on the torch
 first gathers every row's keys and values out of the pool into a padded copy. Here each
 is one call that reads its inputs once.
 
-Every call is checked in Python first (devices, dtypes, shapes, contiguity): the C code
-takes its arguments on trust, so a wrong call raises ValueError here instead of
-corrupting memory. Calls hold the GIL (ctypes.PyDLL): each lasts microseconds to a
-fraction of a millisecond, and a thread that lets the GIL go mid-step waits, to take it
-back, for whatever Python the stage's outbox thread runs meanwhile (up to the
-interpreter's switch interval); served at concurrency 4 and 16 that made steps slower.
+Every call is checked in Python first (devices, dtypes, shapes, contiguity, the ranges of
+positions and write slots; attention's read slots and lengths are checked once per pass,
+by PagedForward.lengths): the C code takes its arguments on trust, so a wrong call raises
+ValueError here instead of corrupting memory. Calls hold the GIL (ctypes.PyDLL): each
+lasts microseconds to a fraction of a millisecond, and a thread that lets the GIL go
+mid-step waits, to take it back, for whatever Python the stage's outbox thread runs
+meanwhile (docs/architecture.md#the-forward-pass).
 
 They compute on one thread: the engine uses them when torch runs one thread per stage
 model (torch_threads; half the cores, so hosts of up to 3), and leaves the step to torch,
