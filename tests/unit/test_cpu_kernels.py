@@ -117,11 +117,11 @@ def test_a_query_read_in_place_from_a_fused_projection_gives_the_same_result(ker
     query, keys, values, read, lengths = _case([7, 30])
     fused = torch.cat([query.reshape(2, -1), torch.randn(2, 2 * KV_HEADS * DIM)], dim=1)  # q, then k and v
     strided = fused[:, : Q_HEADS * DIM].view(2, Q_HEADS, DIM)
-    assert not strided.is_contiguous()
-    assert torch.equal(
-        kernels.attention(strided, keys, values, read, lengths, 0.125, None),
-        kernels.attention(query, keys, values, read, lengths, 0.125, None),
-    )
+    heads_apart = query.transpose(0, 1).contiguous().transpose(0, 1)  # another layout: copied, not misread
+    assert not strided.is_contiguous() and not heads_apart.is_contiguous()
+    expected = kernels.attention(query, keys, values, read, lengths, 0.125, None)
+    assert torch.equal(kernels.attention(strided, keys, values, read, lengths, 0.125, None), expected)
+    assert torch.equal(kernels.attention(heads_apart, keys, values, read, lengths, 0.125, None), expected)
 
 
 def _rms_norm(x, weight, eps=1e-5):

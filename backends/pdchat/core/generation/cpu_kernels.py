@@ -89,17 +89,17 @@ class DecodeKernels:
         scale: float,
         window: int | None,
     ) -> torch.Tensor:
-        """query [rows, q_heads, dim] (its rows may be strided, as q's columns of a fused
-        qkv projection are); keys, values one layer's pool [slots, kv_heads, dim]; read
-        [rows, cols] int64 slots; lengths [rows] int64: how many of a row's columns it
-        attends over (the last `window` of them when a window is given). Returns
-        [rows, q_heads, dim]."""
+        """query [rows, q_heads, dim] (read in place when only its rows are strided, as q's
+        columns of a fused qkv projection are; copied otherwise); keys, values one layer's
+        pool [slots, kv_heads, dim]; read [rows, cols] int64 slots; lengths [rows] int64:
+        how many of a row's columns it attends over (the last `window` of them when a
+        window is given). Returns [rows, q_heads, dim]."""
         rows, q_heads, dim = query.shape
         kv_heads = keys.shape[1]
+        if not (query.stride(2) == 1 and query.stride(1) == dim and query.stride(0) >= q_heads * dim):
+            query = query.contiguous()  # rows apart is all the C code can stride over
         _check(
             _fp32_cpu(query, keys, values)
-            and query.stride(2) == 1
-            and query.stride(1) == dim
             and read.dtype == lengths.dtype == torch.int64
             and _contiguous(keys, values, read, lengths)
             and keys.shape == values.shape
