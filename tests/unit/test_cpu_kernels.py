@@ -94,8 +94,11 @@ def test_tensors_attention_does_not_compute_are_refused_not_read(kernels):
     for bad in (
         (query.double(), keys, values, read, lengths),  # another dtype
         (query, keys, values, read.int(), lengths),  # int32 slots
+        (query, keys, values, read.to("meta"), lengths),  # slots that are not in this process's memory
         (query, keys.transpose(0, 1), values, read, lengths),  # not [slots, kv_heads, dim]
         (query[:, :5], keys, values, read, lengths),  # 5 query heads over 2 kv heads
+        (query, keys, values, read, lengths + 1),  # a row attending past its columns
+        (query, keys, values, read + SLOTS, lengths),  # slots outside the pool
     ):
         with pytest.raises(ValueError, match="decode kernel"):
             kernels.attention(*bad, scale, None)
@@ -141,6 +144,7 @@ def test_rms_norm_and_the_residual_add_before_it(kernels):
 
 def test_silu_mul_is_swiglu_of_a_fused_gate_up(kernels):
     gate_up = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(2)) * 4
+    gate_up[0, :16] = torch.tensor([-200.0, -100, -89, -88, -50, 0, 50, 100] * 2)  # exp overflows past ~88.7
     expected = torch.nn.functional.silu(gate_up[:, :40]) * gate_up[:, 40:]
     torch.testing.assert_close(kernels.silu_mul(gate_up), expected)
 

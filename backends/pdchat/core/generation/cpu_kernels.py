@@ -12,9 +12,8 @@ work and more of dispatch each (rotary alone is six), and attention on the torch
 first gathers every row's keys and values out of the pool into a padded copy. Here each
 is one call that reads its inputs once.
 
-Every call is checked in Python first (devices, dtypes, shapes, contiguity, the ranges of
-positions and write slots; attention's read slots and lengths are checked once per pass,
-by PagedForward.lengths): the C code takes its arguments on trust, so a wrong call raises
+Every call is checked in Python first (devices, dtypes, shapes, contiguity, and the ranges
+of the slots, positions and lengths it indexes by): the C code takes its arguments on trust, so a wrong call raises
 ValueError here instead of corrupting memory. Calls hold the GIL (ctypes.PyDLL): each
 lasts microseconds to a fraction of a millisecond, and a thread that lets the GIL go
 mid-step waits, to take it back, for whatever Python the stage's outbox thread runs
@@ -100,13 +99,18 @@ class DecodeKernels:
             query = query.contiguous()  # rows apart is all the C code can stride over
         _check(
             _fp32_cpu(query, keys, values)
-            and read.dtype == lengths.dtype == torch.int64
+            and _int64_cpu(read, lengths)
             and _contiguous(keys, values, read, lengths)
+            and keys.dim() == 3
             and keys.shape == values.shape
             and keys.shape[2] == dim
             and 0 < kv_heads <= q_heads
             and q_heads % kv_heads == 0
-            and read.shape[0] == lengths.shape[0] == rows
+            and read.dim() == 2
+            and lengths.shape == (rows,)
+            and read.shape[0] == rows
+            and _within(lengths, 0, read.shape[1] + 1)
+            and _within(read, 0, keys.shape[0])
         )
         out = torch.empty(rows, q_heads, dim)
         failed = self._decode_attention(
@@ -147,16 +151,17 @@ class DecodeKernels:
         rows = qkv.shape[0]
         _check(
             _fp32_cpu(qkv, cos, sin, keys, values)
+            and _int64_cpu(positions, write)
             and _contiguous(qkv, cos, sin, positions, write, keys, values)
-            and positions.dtype == write.dtype == torch.int64
             and keys.shape == values.shape
             and qkv.shape == (rows, (q_heads + 2 * kv_heads) * dim)
+            and cos.dim() == 2
             and cos.shape == sin.shape
             and cos.shape[1] == dim
             and dim % 2 == 0
             and positions.shape == write.shape == (rows,)
-            and (rows == 0 or (0 <= int(positions.min()) and int(positions.max()) < cos.shape[0]))
-            and (rows == 0 or (0 <= int(write.min()) and int(write.max()) < slots))
+            and _within(positions, 0, cos.shape[0])
+            and _within(write, 0, slots)
         )
         self._rope_store(
             qkv.data_ptr(),
@@ -211,6 +216,15 @@ class DecodeKernels:
 
 def _fp32_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def _int64_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.int64 for t in tensors)
+
+
+def _within(values: torch.Tensor, low: int, high: int) -> bool:
+    """Every value in [low, high) (an empty tensor is)."""
+    return values.numel() == 0 or (low <= int(values.min()) and int(values.max()) < high)
 
 
 def _contiguous(*tensors: torch.Tensor) -> bool:

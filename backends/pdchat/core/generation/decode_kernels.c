@@ -99,12 +99,14 @@ void pdchat_add_rms_norm(float *restrict hidden, const float *restrict delta, co
     }
 }
 
-/* out [rows, inter] = silu(gate) * up, gate_up [rows, 2 * inter] holding gate then up. */
+/* out [rows, inter] = silu(gate) * up, gate_up [rows, 2 * inter] holding gate then up.
+ * NOTE: exp's argument is capped at 80: past about 88.7 expf overflows to inf, and
+ * -ffast-math's reciprocal turns gate / inf into NaN (silu there is -0 to float precision). */
 void pdchat_silu_mul(const float *restrict gate_up, int64_t rows, int64_t inter, float *restrict out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
         float *o = out + r * inter;
-        for (int64_t i = 0; i < inter; i++) o[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+        for (int64_t i = 0; i < inter; i++) o[i] = gate[i] / (1.f + expf(fminf(-gate[i], 80.f))) * up[i];
     }
 }
 
