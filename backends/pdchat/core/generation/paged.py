@@ -291,13 +291,10 @@ class PagedForward:
     _lengths: torch.Tensor | None = None
 
     def lengths(self) -> torch.Tensor:
-        """[rows] how many columns each row's last query attends over; built (and checked
-        to lie within `read`) once per pass."""
+        """[rows] how many columns each row's last query attends over; built once per pass
+        (the C attention checks them against `read`)."""
         if self._lengths is None:
-            lengths = self.query_positions[:, -1] + 1
-            if int(lengths.max()) > self.read.shape[1]:
-                raise ValueError(f"a row attends over {int(lengths.max())} columns of {self.read.shape[1]}")
-            self._lengths = lengths
+            self._lengths = self.query_positions[:, -1] + 1
         return self._lengths
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
