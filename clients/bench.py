@@ -302,9 +302,17 @@ def bench_batching(args: argparse.Namespace) -> None:
     engine_alone = _forward_alone(model_dir, prompt_tokens, args.concurrency, args.device, args.dtype)
     if args.step_only:
         _print_forward_alone(engine_alone)
+        print(f"prefill's forward pass alone, in this process: {PREFILL_TOKENS} tokens", file=sys.stderr, flush=True)
+        prefill_alone = _prefill_alone(model_dir, PREFILL_TOKENS, args.device, args.dtype)
+        _print_prefill_alone(prefill_alone)
         write_results(
             f"{results_name}_step-{args.model}",
-            {"model": args.model, "prompt_tokens": prompt_tokens, "forward_pass_alone": engine_alone},
+            {
+                "model": args.model,
+                "prompt_tokens": prompt_tokens,
+                "forward_pass_alone": engine_alone,
+                "prefill_alone": prefill_alone,
+            },
         )
         return
     results: dict[str, dict[int, dict[str, float]]] = {}
@@ -445,6 +453,63 @@ def _print_forward_alone(engine_alone: dict[int, dict[str, float]]) -> None:
                 + [r["ms_per_step_transformers"] / r["ms_per_step"]]
                 for rows, r in engine_alone.items()
             ],
+        )
+    )
+
+
+# prefill's pass alone, side by side: what pdchat's GEMMs give a prompt.
+PREFILL_TOKENS = [64, 256, 1024]
+PREFILL_VARIANTS = {
+    "ms_per_prefill": "pdchat's prefill: its own forward pass, oneDNN's GEMMs over blocked weights",
+    "ms_per_prefill_torch_gemms": "its own forward pass, torch's GEMMs on the plain weights",
+    "ms_per_prefill_transformers": "transformers' forward",
+}
+
+
+def _prefill_alone(
+    model_dir, token_counts: list[int], device: str, dtype: str, prompts: int = 3, rounds: int = 3
+) -> dict[int, dict[str, float]]:
+    """A prompt's whole prefill (one pass, its first token's logits) timed in this process on
+    a stage's torch threads, each PREFILL_VARIANTS in turn per round; the best of `rounds`
+    rounds of the mean of `prompts` prompts. Every prompt is new (no cached prefix)."""
+    from pdchat.core.generation import llama
+
+    ours = _stage_engine(model_dir, device, dtype)
+    theirs = _stage_engine(model_dir, device, dtype, forward="transformers")
+    variants = {"ms_per_prefill_transformers": (theirs, theirs.llama)}
+    if ours.llama is not None:  # a model pdchat's own pass takes
+        plain = llama.LlamaForward(ours.model, blocked_gemms=False)
+        variants = {"ms_per_prefill": (ours, ours.llama), "ms_per_prefill_torch_gemms": (ours, plain), **variants}
+    fresh = iter(range(1, 1 << 30))
+
+    def mean_prefill(engine, tokens: int) -> float:
+        started = time.perf_counter()
+        for _ in range(prompts):
+            first = next(fresh)
+            engine.prefill([(first + 7 * i) % engine.vocab_size for i in range(tokens)])[1].release()
+        return (time.perf_counter() - started) / prompts
+
+    timed = {}
+    for tokens in token_counts:
+        best = dict.fromkeys(variants, float("inf"))
+        for round_index in range(rounds + 1):
+            for name, (engine, forward) in variants.items():
+                engine.llama = forward
+                seconds = mean_prefill(engine, tokens)
+                if round_index:  # the first round warms each variant up
+                    best[name] = min(best[name], seconds)
+        timed[tokens] = {name: 1000 * seconds for name, seconds in best.items()}
+    return timed
+
+
+def _print_prefill_alone(prefill_alone: dict[int, dict[str, float]]) -> None:
+    print("\nPrefill's forward pass alone (in this process, no server), ms per prompt:")
+    names = [name for name in PREFILL_VARIANTS if name in next(iter(prefill_alone.values()))]
+    for name in names:
+        print(f"  {name}: {PREFILL_VARIANTS[name]}")
+    print(
+        table(
+            ["prompt tokens", *names], [[tokens, *(r[name] for name in names)] for tokens, r in prefill_alone.items()]
         )
     )
 

@@ -1,6 +1,7 @@
-"""pdchat's own Llama forward pass computes transformers' numbers bit for bit (fp32, CPU)
-for passes of two tokens or more, prompts in one pass or in chunks and ragged decode rows
-alike, from the same weights; a one-token pass to rounding, the same greedy token."""
+"""pdchat's own Llama forward pass computes transformers' numbers bit for bit (fp32, CPU, on
+torch's GEMMs) for passes of two tokens or more, prompts in one pass or in chunks and ragged
+decode rows alike, from the same weights; a one-token pass to rounding, the same greedy
+token. On oneDNN's blocked weights (the default) it agrees to rounding, same tokens."""
 
 import pytest
 import torch
@@ -13,22 +14,24 @@ from pdchat.core.settings import KVPoolOptions
 MIB = 1 << 20
 
 
-def _engines(model_dir):
-    """The transformers forward and ours, both on torch ops (the C kernels below, and alone)."""
+def _engines(model_dir, blocked_gemms: bool = False):
+    """The transformers forward and ours, both on torch ops (the C kernels below, and alone);
+    ours on torch's GEMMs unless `blocked_gemms`."""
     pool = KVPoolOptions(8 * MIB, 16, False)
     theirs = CausalLM(model_dir, "cpu", pool=pool, forward="transformers")
     ours = CausalLM(model_dir, "cpu", pool=pool)
     ours.decode_kernels = None
     assert theirs.llama is None and ours.llama is not None
+    if not blocked_gemms:
+        ours.llama = llama.LlamaForward(ours.model, blocked_gemms=False)
     return theirs, ours
 
 
-def test_prefill_chunks_and_ragged_decode_steps_equal_transformers_bit_for_bit(tiny_model_dir):
-    theirs, ours = _engines(tiny_model_dir)
-    generator = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, ours.vocab_size, (n,), generator=generator).tolist() for n in (2, 9, 70, 33)]
-    batches, last = {}, {}
-    for name, engine in (("theirs", theirs), ("ours", ours)):
+def _prefills_and_steps(engines: dict, prompts: list[list[int]]) -> dict[str, list[torch.Tensor]]:
+    """Each engine's logits: the prompts prefilled (the last in chunks of 10, as decode's
+    local prefill goes), then five greedy steps of them all as one ragged batch."""
+    last = {}
+    for name, engine in engines.items():
         batch, tokens = DecodeBatch(engine), []
         for prompt in prompts[:-1]:
             logits, sequence = engine.prefill(prompt)
@@ -42,9 +45,32 @@ def test_prefill_chunks_and_ragged_decode_steps_equal_transformers_bit_for_bit(t
         steps = [torch.stack(tokens)]
         for _ in range(5):
             steps.append(batch.step([int(row.argmax()) for row in steps[-1]]))
-        batches[name], last[name] = batch, steps
+        batch.leave(list(range(len(prompts))))
+        last[name] = steps
+    return last
+
+
+def _prompts(vocab_size: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in (2, 9, 70, 33)]
+
+
+def test_prefill_chunks_and_ragged_decode_steps_equal_transformers_bit_for_bit(tiny_model_dir):
+    theirs, ours = _engines(tiny_model_dir)
+    last = _prefills_and_steps({"theirs": theirs, "ours": ours}, _prompts(ours.vocab_size, 3))
     for step, (a, b) in enumerate(zip(last["theirs"], last["ours"], strict=True)):
         assert torch.equal(a, b), f"step {step}: logits differ by {(a - b).abs().max().item():.3g}"
+
+
+def test_on_blocked_weights_prefills_and_steps_agree_to_rounding_and_pick_the_same_tokens(tiny_model_dir):
+    """oneDNN's GEMMs over the blocked weights, for prompts and batched steps, beside torch's."""
+    plain, blocked = _engines(tiny_model_dir)[1], _engines(tiny_model_dir, blocked_gemms=True)[1]
+    assert all(gemm.blocked for layer in blocked.llama.layers for gemm in (layer.qkv, layer.gate_up))
+    last = _prefills_and_steps({"plain": plain, "blocked": blocked}, _prompts(plain.vocab_size, 4))
+    for a, b in zip(last["plain"], last["blocked"], strict=True):
+        assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+        assert not torch.equal(a, b)  # the other GEMM ran: its sums round differently
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
 def test_a_one_token_pass_agrees_to_rounding(tiny_model_dir):
@@ -90,8 +116,8 @@ def test_the_stacked_weights_are_the_models_own():
     layer, ours = engine.model.model.layers[0], engine.llama.layers[0]
     for projection in (layer.self_attn.q_proj, layer.self_attn.v_proj, layer.mlp.up_proj):
         assert projection.weight.untyped_storage().data_ptr() in (
-            ours.qkv.untyped_storage().data_ptr(),
-            ours.gate_up.untyped_storage().data_ptr(),
+            ours.qkv.weight.untyped_storage().data_ptr(),
+            ours.gate_up.weight.untyped_storage().data_ptr(),
         )
 
 

@@ -21,6 +21,7 @@ import torch
 from pdchat.core.errors import InvalidRequest, Unavailable
 from pdchat.core.generation import cpu_kernels, llama
 from pdchat.core.generation.paged import NULL_BLOCK, PAGED_ATTENTION, BlockPool, PagedForward, Sequence, root_hash
+from pdchat.core.generation.projection import RowGemm
 from pdchat.core.kv.base import KV_TOKEN_AXIS, KV_WIRE_TYPES, kv_dtype_name
 from pdchat.core.settings import DEFAULT_KV_POOL, DTYPE, KVPoolOptions, cache_dir
 
@@ -355,39 +356,25 @@ class DecodeBatch:
 
 
 def _project_vocab_by_rows(model: torch.nn.Module) -> None:
-    """Give a CPU model an output projection that picks its GEMM by row count.
-
-    Why: nn.Linear multiplies by its [vocab, hidden] weight transposed, which MKL's fp32
-    GEMM does slowly for the few rows a decode step has. For one row `x @ W^T` with W^T
-    stored is fastest; for more, oneDNN with the weight reordered once into its blocked
-    layout (as vLLM's CPU backend does for its linear layers), which skips the layout
-    conversion a plain call pays each time. The smaller linear layers keep nn.Linear:
-    oneDNN's per-call overhead outweighs its gain there (docs/architecture.md; the step
-    with and without it: `bench batching --step-only`). W^T and the reordered weight each
-    cost the projection's size again."""
+    """Give a CPU model an output projection that picks its GEMM by row count
+    (core.generation.projection): MKL's fp32 GEMM in `nn.Linear`'s layout made the
+    projection most of a decode step. `bench batching --step-only` times the step with it
+    and with transformers' `nn.Linear` side by side."""
     head = model.get_output_embeddings()
     if type(head) is torch.nn.Linear:
         model.set_output_embeddings(_VocabProjection(head))
 
 
 class _VocabProjection(torch.nn.Module):
-    """nn.Linear's result, by whichever GEMM is fastest for this many rows."""
+    """nn.Linear's result, by whichever GEMM is fastest for this many rows; W^T is stored
+    for one row (the weight is shared with tied input embeddings)."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
-        self.weight = linear.weight  # [vocab, hidden], shared with tied input embeddings
-        self.weight_t = torch.nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
+        self.weight = linear.weight
         self.bias = linear.bias
-        # oneDNN's blocked layout of the weight, reordered once for batches of about 16 rows
-        # (fp32 only: its bf16 and fp16 paths need AVX-512 or AVX-NE-CONVERT).
-        fp32 = linear.weight.dtype == torch.float32
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 16) if fp32 else None
+        self.gemm = RowGemm(linear.weight, transposed_for_one_row=True)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        rows = hidden.reshape(-1, hidden.shape[-1])
-        if rows.shape[0] == 1 or self.packed is None:
-            out = rows @ self.weight_t
-            out = out if self.bias is None else out + self.bias
-        else:
-            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [None], "")
-        return out.reshape(*hidden.shape[:-1], -1)
+        out = self.gemm(hidden)
+        return out if self.bias is None else out + self.bias

@@ -7,13 +7,16 @@ that overhead is a good part of a step, and it holds the GIL, which the stage's 
 thread needs. This pass computes the same thing from the same weights: q, k and v in one
 GEMM, gate and up in one, `rms_norm` in one op, the rotary table once at load.
 
-NOTE: in fp32 on CPU its logits equal transformers' bit for bit for passes of two tokens or
-more (tests/unit/test_llama_forward.py): the stacked weights are the separate ones one after
-the other, the rotary table is transformers' own rotary module evaluated at every position,
-and each op is the one transformers runs, in its order. A pass of a single token agrees to
-rounding only: there torch multiplies by a vector, and that kernel's sums depend on where
-the weight lies in memory (the loaded ones are not 64-byte aligned, the stacks are). The
-model's projection modules are rebound to views of the stacks, so memory is not doubled.
+NOTE: with `blocked_gemms` off, in fp32 on CPU its logits equal transformers' bit for bit for
+passes of two tokens or more (tests/unit/test_llama_forward.py): the stacked weights are the
+separate ones one after the other, the rotary table is transformers' own rotary module
+evaluated at every position, and each op is the one transformers runs, in its order. A pass
+of a single token agrees to rounding only: there torch multiplies by a vector, and that
+kernel's sums depend on where the weight lies in memory (the loaded ones are not 64-byte
+aligned, the stacks are). The model's projection modules are rebound to views of the
+stacks, so memory is not doubled. With `blocked_gemms` on (the default), passes of more
+than one row (a prompt's tokens, a batch's rows) multiply by oneDNN's blocked layout of
+each weight, which holds it once more, and agree to rounding, with the same greedy tokens.
 
 Decode's passes (one token per row) with the C kernels (`PagedForward.decode_kernels`,
 core.generation.cpu_kernels) run everything between the GEMMs in C: per layer four GEMMs
@@ -28,6 +31,7 @@ from torch.nn import functional
 
 from pdchat.core.generation.cpu_kernels import DecodeKernels
 from pdchat.core.generation.paged import PagedForward, paged_attention
+from pdchat.core.generation.projection import RowGemm
 
 # Rope types whose table does not depend on the sequence length (no dynamic scaling).
 _STATIC_ROPE = frozenset({"default", "linear", "llama3"})
@@ -65,40 +69,17 @@ def _plain(layer: torch.nn.Module) -> bool:
 
 
 class _Layer:
-    """One decoder layer's weights, q/k/v and gate/up stacked."""
+    """One decoder layer's weights, q/k/v and gate/up stacked, each projection a RowGemm."""
 
-    def __init__(self, layer: torch.nn.Module):
+    def __init__(self, layer: torch.nn.Module, blocked: bool):
         attention, mlp = layer.self_attn, layer.mlp
         self.module = attention  # paged_attention reads its layer_idx
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
-        self.qkv = _stack(attention.q_proj, attention.k_proj, attention.v_proj)
-        self.out = attention.o_proj.weight
-        self.gate_up = _stack(mlp.gate_proj, mlp.up_proj)
-        self.down = mlp.down_proj.weight
-        # The same projections for decode's passes with the C kernels.
-        self.decode_qkv, self.decode_out = _DecodeProjection(self.qkv), _DecodeProjection(self.out)
-        self.decode_gate_up, self.decode_down = _DecodeProjection(self.gate_up), _DecodeProjection(self.down)
-
-
-class _DecodeProjection:
-    """x [rows, in] @ W^T for decode's passes: for more than one row by oneDNN over its
-    blocked layout of W, which at a few rows runs up to twice as fast as torch's GEMM on the
-    plain weight (docs/benchmarks.md#the-kernels-between-the-gemms); one row keeps torch's.
-
-    NOTE: blocked on first use, so a stage that never runs a batched decode pass (prefill)
-    never holds the second copy of the weight it costs."""
-
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight
-        self._blocked: torch.Tensor | None = None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1:
-            return functional.linear(x, self.weight)
-        if self._blocked is None:
-            self._blocked = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)
-        return torch.ops.mkldnn._linear_pointwise(x, self._blocked, None, "none", [None], "")
+        self.qkv = RowGemm(_stack(attention.q_proj, attention.k_proj, attention.v_proj), blocked=blocked)
+        self.out = RowGemm(attention.o_proj.weight, blocked=blocked)
+        self.gate_up = RowGemm(_stack(mlp.gate_proj, mlp.up_proj), blocked=blocked)
+        self.down = RowGemm(mlp.down_proj.weight, blocked=blocked)
 
 
 def _stack(*linears: torch.nn.Linear) -> torch.Tensor:
@@ -113,9 +94,12 @@ def _stack(*linears: torch.nn.Linear) -> torch.Tensor:
 
 
 class LlamaForward:
-    """The decoder of a model `supports` accepts, over the block pool."""
+    """The decoder of a model `supports` accepts, over the block pool. `blocked_gemms`: its
+    projections of more than one row by oneDNN over blocked weights on CPU
+    (core.generation.projection); off, every GEMM is torch's on the plain weight, as in
+    transformers."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, blocked_gemms: bool = True):
         config, decoder = model.config, model.model
         self.embedding = decoder.embed_tokens.weight
         self.eps = config.rms_norm_eps
@@ -123,7 +107,7 @@ class LlamaForward:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.q_heads
         self.intermediate = config.intermediate_size
         self.scaling = self.head_dim**-0.5
-        self.layers = [_Layer(layer) for layer in decoder.layers[: config.num_hidden_layers]]
+        self.layers = [_Layer(layer, blocked_gemms) for layer in decoder.layers[: config.num_hidden_layers]]
         self.final_norm = decoder.norm.weight
         positions = torch.arange(config.max_position_embeddings, device=self.embedding.device).view(1, -1)
         with torch.inference_mode():
@@ -144,7 +128,7 @@ class LlamaForward:
         sin = self.sin[paged.query_positions].unsqueeze(2)
         q_size, kv_size, half = self.q_heads * self.head_dim, self.kv_heads * self.head_dim, self.head_dim // 2
         for layer in self.layers:
-            qkv = functional.linear(functional.rms_norm(hidden, width, layer.input_norm, self.eps), layer.qkv)
+            qkv = layer.qkv(functional.rms_norm(hidden, width, layer.input_norm, self.eps))
             qk = qkv[..., : q_size + kv_size].view(rows, queries, self.q_heads + self.kv_heads, self.head_dim)
             qk = (qk * cos) + (torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin)  # rotary
             value = qkv[..., q_size + kv_size :].view(rows, queries, self.kv_heads, self.head_dim)
@@ -157,10 +141,10 @@ class LlamaForward:
                 scaling=self.scaling,
                 paged=paged,
             )
-            hidden = hidden + functional.linear(attended.reshape(rows, queries, -1), layer.out)
-            gate_up = functional.linear(functional.rms_norm(hidden, width, layer.post_norm, self.eps), layer.gate_up)
+            hidden = hidden + layer.out(attended.reshape(rows, queries, -1))
+            gate_up = layer.gate_up(functional.rms_norm(hidden, width, layer.post_norm, self.eps))
             activated = functional.silu(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :]
-            hidden = hidden + functional.linear(activated, layer.down)
+            hidden = hidden + layer.down(activated)
         if last_only:
             hidden = hidden[:, -1:]
         return functional.rms_norm(hidden, width, self.final_norm, self.eps)
@@ -174,12 +158,12 @@ class LlamaForward:
         normed = kernels.rms_norm(hidden, self.layers[0].input_norm, self.eps)
         for index, layer in enumerate(self.layers):
             keys, values = paged.pool.keys[layer.module.layer_idx], paged.pool.values[layer.module.layer_idx]
-            qkv = layer.decode_qkv(normed)
+            qkv = layer.qkv(normed)
             kernels.rope_store(qkv, self.cos, self.sin, positions, write, keys, values, self.q_heads)
             query = qkv[:, :q_size].view(rows, self.q_heads, self.head_dim)
             attended = kernels.attention(query, keys, values, paged.read, lengths, self.scaling, None)
-            kernels.add_rms_norm(hidden, layer.decode_out(attended.view(rows, -1)), layer.post_norm, self.eps, normed)
-            activated = kernels.silu_mul(layer.decode_gate_up(normed))
+            kernels.add_rms_norm(hidden, layer.out(attended.view(rows, -1)), layer.post_norm, self.eps, normed)
+            activated = kernels.silu_mul(layer.gate_up(normed))
             following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
-            kernels.add_rms_norm(hidden, layer.decode_down(activated), following, self.eps, normed)
+            kernels.add_rms_norm(hidden, layer.down(activated), following, self.eps, normed)
         return normed.view(rows, 1, -1)

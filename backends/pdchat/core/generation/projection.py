@@ -1,0 +1,45 @@
+"""`x @ W^T` on CPU by the GEMM that is fastest for x's number of rows.
+
+torch's fp32 GEMM multiplies by `nn.Linear`'s [out, in] weight transposed, and converts its
+layout on every call. oneDNN over the weight reordered once into its blocked layout (what
+vLLM's CPU backend does for its linear layers) skips that: at prefill's rows (a prompt's
+tokens) it runs 1.1-1.5x as fast, at a decode step's few rows up to 2x
+(docs/benchmarks.md#the-forward-pass). At one row torch's GEMM is the faster, so it keeps it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional
+
+
+class RowGemm:
+    """`x @ W^T` for x [..., in], W [out, in]: [..., out].
+
+    - one row: torch's GEMM on W, or on a stored W^T when `transposed_for_one_row` (MKL
+      multiplies a vector by [in, out] faster than by [out, in] transposed: the
+      vocabulary's tall projection);
+    - more rows, with `blocked`: oneDNN over its blocked layout of W, made on the first such
+      pass. fp32 on CPU only: oneDNN's bf16 and fp16 paths need AVX-512 or AVX-NE-CONVERT.
+
+    NOTE: the blocked layout and W^T each cost W's size again; the blocked one only once a
+    pass of more than one row ran. The results of the two GEMMs agree to rounding (about
+    1e-5 relative), not bit for bit."""
+
+    def __init__(self, weight: torch.Tensor, *, blocked: bool = True, transposed_for_one_row: bool = False):
+        self.weight = weight.detach()
+        self.blocked = blocked and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32
+        self._transposed = self.weight.t().contiguous() if transposed_for_one_row else None
+        self._layout: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] > 1 and self.blocked:
+            if self._layout is None:
+                self._layout = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)
+            out = torch.ops.mkldnn._linear_pointwise(rows, self._layout, None, "none", [None], "")
+        elif self._transposed is not None:
+            out = rows @ self._transposed
+        else:
+            return functional.linear(x, self.weight)
+        return out.view(*x.shape[:-1], -1)

@@ -1,0 +1,44 @@
+"""RowGemm: torch's GEMM for one row, oneDNN's over the blocked weight for more, the same
+numbers to rounding either way, the blocked layout made once and only when needed."""
+
+import torch
+from torch.nn import functional
+
+from pdchat.core.generation.projection import RowGemm
+
+
+def _weight_and_rows(rows: int, out: int = 96, inputs: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(rows)
+    return torch.randn(out, inputs, generator=generator), torch.randn(rows, inputs, generator=generator)
+
+
+def test_one_row_is_torchs_gemm_and_makes_no_blocked_layout():
+    weight, x = _weight_and_rows(1)
+    gemm = RowGemm(weight)
+    assert torch.equal(gemm(x), functional.linear(x, weight))
+    assert gemm._layout is None  # a stage that only ever projects one row holds no second copy
+
+
+def test_more_rows_run_on_the_blocked_layout_made_once_and_agree_to_rounding():
+    weight, x = _weight_and_rows(37)
+    gemm = RowGemm(weight)
+    first = gemm(x.view(1, 37, -1))  # any leading shape: [rows, queries, in] as prefill passes it
+    layout = gemm._layout
+    assert layout is not None and first.shape == (1, 37, 96)
+    torch.testing.assert_close(first[0], functional.linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert torch.equal(gemm(x), first[0]) and gemm._layout is layout
+
+
+def test_unblocked_and_non_fp32_weights_keep_torchs_gemm():
+    weight, x = _weight_and_rows(5)
+    assert torch.equal(RowGemm(weight, blocked=False)(x), functional.linear(x, weight))
+    half = RowGemm(weight.bfloat16())
+    assert not half.blocked
+    assert torch.equal(half(x.bfloat16()), functional.linear(x.bfloat16(), weight.bfloat16()))
+
+
+def test_the_stored_transpose_serves_one_row():
+    weight, x = _weight_and_rows(1)
+    gemm = RowGemm(weight, transposed_for_one_row=True)
+    assert torch.equal(gemm(x), x @ weight.t().contiguous())
+    assert gemm(x.view(1, 1, -1)).shape == (1, 1, 96)
