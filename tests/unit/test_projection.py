@@ -1,5 +1,6 @@
 """RowGemm: torch's GEMM for one row, oneDNN's over the blocked weight for more, the same
-numbers to rounding either way, the blocked layout made once and only when needed."""
+numbers to rounding either way, the blocked layout made once: at construction, or on the
+first pass of more than one row when lazy."""
 
 import torch
 from torch.nn import functional
@@ -12,16 +13,17 @@ def _weight_and_rows(rows: int, out: int = 96, inputs: int = 64) -> tuple[torch.
     return torch.randn(out, inputs, generator=generator), torch.randn(rows, inputs, generator=generator)
 
 
-def test_one_row_is_torchs_gemm_and_makes_no_blocked_layout():
+def test_one_row_is_torchs_gemm_and_a_lazy_one_makes_no_blocked_layout():
     weight, x = _weight_and_rows(1)
-    gemm = RowGemm(weight)
+    gemm = RowGemm(weight, lazy=True)
     assert torch.equal(gemm(x), functional.linear(x, weight))
     assert gemm._layout is None  # a stage that only ever projects one row holds no second copy
+    assert RowGemm(weight)._layout is not None  # not lazy: made with it, the memory taken at load
 
 
 def test_more_rows_run_on_the_blocked_layout_made_once_and_agree_to_rounding():
     weight, x = _weight_and_rows(37)
-    gemm = RowGemm(weight)
+    gemm = RowGemm(weight, lazy=True)
     first = gemm(x.view(1, 37, -1))  # any leading shape: [rows, queries, in] as prefill passes it
     layout = gemm._layout
     assert layout is not None and first.shape == (1, 37, 96)
@@ -42,3 +44,11 @@ def test_the_stored_transpose_serves_one_row():
     gemm = RowGemm(weight, transposed_for_one_row=True)
     assert torch.equal(gemm(x), x @ weight.t().contiguous())
     assert gemm(x.view(1, 1, -1)).shape == (1, 1, 96)
+
+
+def test_strided_inputs_project_like_contiguous_ones():
+    weight, x = _weight_and_rows(12)
+    half = torch.cat((x, x), dim=1)[:, :64]  # a slice with a row stride of 128, as a stacked output is read
+    gemm = RowGemm(weight)
+    torch.testing.assert_close(gemm(half), gemm(x), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gemm(half), functional.linear(x, weight), rtol=1e-5, atol=1e-5)

@@ -222,9 +222,10 @@ FORWARD = Setting(
     choice("auto", "transformers"),
     ("prefill", "decode"),
     "Which forward pass runs the model. auto: pdchat's own for Llama-architecture models in float32 (transformers' "
-    "numbers, in fewer ops) and, on CPU in float32 with one torch thread, decode's work between its GEMMs and "
-    "its greedy argmax in C (the same to rounding), built on first use with the host's C compiler into cache_dir "
-    "(the torch path where none is found); transformers: transformers' forward with torch attention, for every model "
+    "numbers to rounding, in fewer ops, its projections of many rows on oneDNN's blocked weights) and, on CPU in "
+    "float32 with one torch thread, decode's work between its GEMMs and its greedy argmax in C (the same to "
+    "rounding), built on first use with the host's C compiler into cache_dir (the torch path where none is found); "
+    "transformers: transformers' forward with torch attention, for every model "
     "(docs/architecture.md#the-forward-pass).",
 )
 TORCH_THREADS = Setting(

@@ -366,14 +366,15 @@ def _project_vocab_by_rows(model: torch.nn.Module) -> None:
 
 
 class _VocabProjection(torch.nn.Module):
-    """nn.Linear's result, by whichever GEMM is fastest for this many rows; W^T is stored
-    for one row (the weight is shared with tied input embeddings)."""
+    """nn.Linear's result, by whichever GEMM is fastest for this many rows (the weight is
+    shared with tied input embeddings). Its blocked layout waits for a pass of more than one
+    row: prefill projects only each prompt's last token, and never needs it."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.weight = linear.weight
         self.bias = linear.bias
-        self.gemm = RowGemm(linear.weight, transposed_for_one_row=True)
+        self.gemm = RowGemm(linear.weight, lazy=True, transposed_for_one_row=True)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.gemm(hidden)

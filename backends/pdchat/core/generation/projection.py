@@ -18,28 +18,33 @@ class RowGemm:
 
     - one row: torch's GEMM on W, or on a stored W^T when `transposed_for_one_row` (MKL
       multiplies a vector by [in, out] faster than by [out, in] transposed: the
-      vocabulary's tall projection);
-    - more rows, with `blocked`: oneDNN over its blocked layout of W, made on the first such
-      pass. fp32 on CPU only: oneDNN's bf16 and fp16 paths need AVX-512 or AVX-NE-CONVERT.
+      vocabulary's tall projection; where oneDNN does not run, W^T serves every row);
+    - more rows, with `blocked`: oneDNN over its blocked layout of W, made here, or on the
+      first such pass when `lazy`. fp32 on CPU only: oneDNN's bf16 and fp16 paths need
+      AVX-512 or AVX-NE-CONVERT.
 
-    NOTE: the blocked layout and W^T each cost W's size again; the blocked one only once a
-    pass of more than one row ran. The results of the two GEMMs agree to rounding (about
-    1e-5 relative), not bit for bit."""
+    NOTE: the blocked layout and W^T each cost W's size again. The results of the two GEMMs
+    agree to rounding (about 1e-5 relative), not bit for bit."""
 
-    def __init__(self, weight: torch.Tensor, *, blocked: bool = True, transposed_for_one_row: bool = False):
+    def __init__(
+        self, weight: torch.Tensor, *, blocked: bool = True, lazy: bool = False, transposed_for_one_row: bool = False
+    ):
         self.weight = weight.detach()
         self.blocked = blocked and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32
         self._transposed = self.weight.t().contiguous() if transposed_for_one_row else None
-        self._layout: torch.Tensor | None = None
+        self._layout = self._blocked_layout() if self.blocked and not lazy else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] > 1 and self.blocked:
+        rows = x.numel() // x.shape[-1]
+        if rows > 1 and self.blocked:
             if self._layout is None:
-                self._layout = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)
-            out = torch.ops.mkldnn._linear_pointwise(rows, self._layout, None, "none", [None], "")
+                self._layout = self._blocked_layout()
+            out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), self._layout, None, "none", [None], "")
         elif self._transposed is not None:
-            out = rows @ self._transposed
+            out = x.reshape(rows, -1) @ self._transposed
         else:
             return functional.linear(x, self.weight)
         return out.view(*x.shape[:-1], -1)
+
+    def _blocked_layout(self) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)
