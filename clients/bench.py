@@ -460,8 +460,8 @@ def _print_forward_alone(engine_alone: dict[int, dict[str, float]]) -> None:
 # prefill's pass alone, side by side: what pdchat's GEMMs give a prompt.
 PREFILL_TOKENS = [64, 256, 1024]
 PREFILL_VARIANTS = {
-    "ms_per_prefill": "pdchat's prefill: its own forward pass, oneDNN's GEMMs over blocked weights",
-    "ms_per_prefill_torch_gemms": "its own forward pass, torch's GEMMs on the plain weights",
+    "ms_per_prefill": "pdchat's prefill: its own pass, GEMMs on oneDNN's blocked weights, norms and SwiGLU in C",
+    "ms_per_prefill_torch_gemms": "its own forward pass on torch's GEMMs (plain weights) and ops: the build before",
     "ms_per_prefill_transformers": "transformers' forward",
 }
 

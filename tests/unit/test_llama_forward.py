@@ -110,6 +110,20 @@ def test_decode_steps_with_the_c_kernels_agree_to_rounding_and_pick_the_same_tok
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
+def test_prompts_with_the_c_kernels_agree_to_rounding_and_pick_the_same_tokens(tiny_model_dir, tmp_path):
+    """Prompts' passes (whole and in chunks) take their norms and SwiGLU from the kernels,
+    then batched steps all of theirs, beside the same passes on torch ops."""
+    kernels = cpu_kernels.load(tmp_path)
+    if kernels is None:
+        pytest.skip("no C compiler on this host: the kernels are optional")
+    on_torch, on_kernels = (_engines(tiny_model_dir, blocked_gemms=True)[1] for _ in range(2))
+    on_kernels.decode_kernels = kernels
+    last = _prefills_and_steps({"torch": on_torch, "c": on_kernels}, _prompts(on_torch.vocab_size, 6))
+    for a, b in zip(last["torch"], last["c"], strict=True):
+        assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
 def test_the_stacked_weights_are_the_models_own():
     """The q/k/v and gate/up projections are views of the stacks: no second copy, and
     transformers' forward of the same model reads the same numbers."""

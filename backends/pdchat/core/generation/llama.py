@@ -21,7 +21,9 @@ each weight, which holds it once more, and agree to rounding, with the same gree
 Decode's passes (one token per row) with the C kernels (`PagedForward.decode_kernels`,
 core.generation.cpu_kernels) run everything between the GEMMs in C: per layer four GEMMs
 and four kernel calls (RMSNorm with the residual add before it, rotary with the KV store,
-attention, SwiGLU) instead of some forty torch ops. Equal to the torch path to rounding.
+attention, SwiGLU) instead of some forty torch ops. Passes of a prompt's tokens with the
+kernels take the row-wise ones (the RMSNorms with their residual adds, SwiGLU); rotary and
+attention stay torch's. Equal to the torch path to rounding.
 """
 
 from __future__ import annotations
@@ -120,18 +122,19 @@ class LlamaForward:
         their KV written to the pool: [rows, queries, hidden], or [rows, 1, hidden] of each
         row's last query when `last_only`."""
         rows, queries = input_ids.shape
-        if queries == 1 and paged.decode_kernels is not None:
-            return self._decode(input_ids, paged, paged.decode_kernels)
-        hidden = functional.embedding(input_ids, self.embedding)
-        width = (hidden.shape[-1],)
+        kernels = paged.decode_kernels  # on prompts too: the row-wise ones (the norms, SwiGLU)
+        if queries == 1 and kernels is not None:
+            return self._decode(input_ids, paged, kernels)
+        hidden = functional.embedding(input_ids.reshape(-1), self.embedding)  # the residual stream, added into
         cos = self.cos[paged.query_positions].unsqueeze(2)  # [rows, queries, 1, head_dim]
         sin = self.sin[paged.query_positions].unsqueeze(2)
         q_size, kv_size, half = self.q_heads * self.head_dim, self.kv_heads * self.head_dim, self.head_dim // 2
-        for layer in self.layers:
-            qkv = layer.qkv(functional.rms_norm(hidden, width, layer.input_norm, self.eps))
-            qk = qkv[..., : q_size + kv_size].view(rows, queries, self.q_heads + self.kv_heads, self.head_dim)
+        normed = self._rms_norm(kernels, hidden, self.layers[0].input_norm)
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(normed)
+            qk = qkv[:, : q_size + kv_size].view(rows, queries, self.q_heads + self.kv_heads, self.head_dim)
             qk = (qk * cos) + (torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin)  # rotary
-            value = qkv[..., q_size + kv_size :].view(rows, queries, self.kv_heads, self.head_dim)
+            value = qkv[:, q_size + kv_size :].view(rows, queries, self.kv_heads, self.head_dim)
             attended, _ = paged_attention(
                 layer.module,
                 qk[:, :, : self.q_heads].transpose(1, 2),
@@ -141,13 +144,41 @@ class LlamaForward:
                 scaling=self.scaling,
                 paged=paged,
             )
-            hidden = hidden + layer.out(attended.reshape(rows, queries, -1))
-            gate_up = layer.gate_up(functional.rms_norm(hidden, width, layer.post_norm, self.eps))
-            activated = functional.silu(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :]
-            hidden = hidden + layer.down(activated)
-        if last_only:
-            hidden = hidden[:, -1:]
-        return functional.rms_norm(hidden, width, self.final_norm, self.eps)
+            delta = layer.out(attended.reshape(rows * queries, -1))
+            normed = self._add_rms_norm(kernels, hidden, delta, layer.post_norm, normed)
+            activated = self._swiglu(kernels, layer.gate_up(normed))
+            normed = self._add_rms_norm(kernels, hidden, layer.down(activated), self._norm_after(index), normed)
+        out = normed.view(rows, queries, -1)
+        return out[:, -1:] if last_only else out
+
+    def _norm_after(self, index: int) -> torch.Tensor:
+        """The weight of the RMSNorm after layer `index`: the next layer's input norm, or the final one."""
+        return self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
+
+    def _rms_norm(self, kernels: DecodeKernels | None, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if kernels is not None:
+            return kernels.rms_norm(x, weight, self.eps)
+        return functional.rms_norm(x, x.shape[-1:], weight, self.eps)
+
+    def _add_rms_norm(
+        self,
+        kernels: DecodeKernels | None,
+        hidden: torch.Tensor,
+        delta: torch.Tensor,
+        weight: torch.Tensor,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """hidden += delta; RMSNorm(hidden) * weight (into `out` with the kernels)."""
+        if kernels is not None:
+            kernels.add_rms_norm(hidden, delta, weight, self.eps, out)
+            return out
+        hidden += delta
+        return functional.rms_norm(hidden, hidden.shape[-1:], weight, self.eps)
+
+    def _swiglu(self, kernels: DecodeKernels | None, gate_up: torch.Tensor) -> torch.Tensor:
+        if kernels is not None:
+            return kernels.silu_mul(gate_up)
+        return functional.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
 
     def _decode(self, input_ids: torch.Tensor, paged: PagedForward, kernels: DecodeKernels) -> torch.Tensor:
         """One token per row, with the C kernels between the GEMMs: [rows, 1, hidden]."""
@@ -164,6 +195,5 @@ class LlamaForward:
             attended = kernels.attention(query, keys, values, paged.read, lengths, self.scaling, None)
             kernels.add_rms_norm(hidden, layer.out(attended.view(rows, -1)), layer.post_norm, self.eps, normed)
             activated = kernels.silu_mul(layer.gate_up(normed))
-            following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
-            kernels.add_rms_norm(hidden, layer.down(activated), following, self.eps, normed)
+            kernels.add_rms_norm(hidden, layer.down(activated), self._norm_after(index), self.eps, normed)
         return normed.view(rows, 1, -1)
