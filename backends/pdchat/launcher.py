@@ -457,12 +457,15 @@ def _read_from(path: Path | None, offset: int, limit: int = 4 << 20) -> str:
 
 
 def process_group(pgid: int) -> list[int]:
-    """Live (not zombie) processes of a process group: a server's are tritonserver and its stubs."""
+    """Live (not zombie) processes of a process group: a server's are tritonserver and its stubs.
+
+    NOTE: /proc is listed, not globbed for `*/stat`: pathlib's glob stats each match, and a
+    process that exits in between makes that stat raise ProcessLookupError, not "missing"."""
     pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        fields = _stat_fields(int(stat.parent.name))
+    for name in os.listdir("/proc"):
+        fields = _stat_fields(int(name)) if name.isdigit() else None
         if fields is not None and int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
+            pids.append(int(name))
     return pids
 
 
