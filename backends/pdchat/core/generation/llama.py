@@ -28,6 +28,8 @@ attention stay torch's. Equal to the torch path to rounding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.nn import functional
 
@@ -122,16 +124,28 @@ class LlamaForward:
         their KV written to the pool: [rows, queries, hidden], or [rows, 1, hidden] of each
         row's last query when `last_only`."""
         rows, queries = input_ids.shape
-        kernels = paged.decode_kernels  # on prompts too: the row-wise ones (the norms, SwiGLU)
+        kernels = paged.decode_kernels  # prompts take the row-wise ones (the norms, SwiGLU)
         if queries == 1 and kernels is not None:
-            return self._decode(input_ids, paged, kernels)
+            attend = self._attention_in_c(paged, kernels, rows)
+        else:
+            attend = self._attention_on_torch(paged, rows, queries)
         hidden = functional.embedding(input_ids.reshape(-1), self.embedding)  # the residual stream, added into
+        normed = self._rms_norm(kernels, hidden, self.layers[0].input_norm)
+        for index, layer in enumerate(self.layers):
+            attended = attend(layer, layer.qkv(normed))  # [rows * queries, q_heads * head_dim]
+            normed = self._add_rms_norm(kernels, hidden, layer.out(attended), layer.post_norm, normed)
+            activated = self._swiglu(kernels, layer.gate_up(normed))
+            normed = self._add_rms_norm(kernels, hidden, layer.down(activated), self._norm_after(index), normed)
+        out = normed.view(rows, queries, -1)
+        return out[:, -1:] if last_only else out
+
+    def _attention_on_torch(self, paged: PagedForward, rows: int, queries: int) -> Callable:
+        """Rotary on torch's ops, then the pool's attention (its KV store, SDPA), per layer."""
         cos = self.cos[paged.query_positions].unsqueeze(2)  # [rows, queries, 1, head_dim]
         sin = self.sin[paged.query_positions].unsqueeze(2)
         q_size, kv_size, half = self.q_heads * self.head_dim, self.kv_heads * self.head_dim, self.head_dim // 2
-        normed = self._rms_norm(kernels, hidden, self.layers[0].input_norm)
-        for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(normed)
+
+        def attend(layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
             qk = qkv[:, : q_size + kv_size].view(rows, queries, self.q_heads + self.kv_heads, self.head_dim)
             qk = (qk * cos) + (torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin)  # rotary
             value = qkv[:, q_size + kv_size :].view(rows, queries, self.kv_heads, self.head_dim)
@@ -144,12 +158,22 @@ class LlamaForward:
                 scaling=self.scaling,
                 paged=paged,
             )
-            delta = layer.out(attended.reshape(rows * queries, -1))
-            normed = self._add_rms_norm(kernels, hidden, delta, layer.post_norm, normed)
-            activated = self._swiglu(kernels, layer.gate_up(normed))
-            normed = self._add_rms_norm(kernels, hidden, layer.down(activated), self._norm_after(index), normed)
-        out = normed.view(rows, queries, -1)
-        return out[:, -1:] if last_only else out
+            return attended.reshape(rows * queries, -1)
+
+        return attend
+
+    def _attention_in_c(self, paged: PagedForward, kernels: DecodeKernels, rows: int) -> Callable:
+        """One query per row: rotary with the KV store, then attention over the pool, in C."""
+        positions, write, lengths = paged.query_positions.reshape(-1), paged.write.reshape(-1), paged.lengths()
+        q_size = self.q_heads * self.head_dim
+
+        def attend(layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
+            keys, values = paged.pool.keys[layer.module.layer_idx], paged.pool.values[layer.module.layer_idx]
+            kernels.rope_store(qkv, self.cos, self.sin, positions, write, keys, values, self.q_heads)
+            query = qkv[:, :q_size].view(rows, self.q_heads, self.head_dim)
+            return kernels.attention(query, keys, values, paged.read, lengths, self.scaling, None).view(rows, -1)
+
+        return attend
 
     def _norm_after(self, index: int) -> torch.Tensor:
         """The weight of the RMSNorm after layer `index`: the next layer's input norm, or the final one."""
@@ -179,21 +203,3 @@ class LlamaForward:
         if kernels is not None:
             return kernels.silu_mul(gate_up)
         return functional.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-
-    def _decode(self, input_ids: torch.Tensor, paged: PagedForward, kernels: DecodeKernels) -> torch.Tensor:
-        """One token per row, with the C kernels between the GEMMs: [rows, 1, hidden]."""
-        rows = input_ids.shape[0]
-        hidden = functional.embedding(input_ids.reshape(-1), self.embedding)  # the residual stream, added into
-        positions, write, lengths = paged.query_positions.reshape(-1), paged.write.reshape(-1), paged.lengths()
-        q_size = self.q_heads * self.head_dim
-        normed = kernels.rms_norm(hidden, self.layers[0].input_norm, self.eps)
-        for index, layer in enumerate(self.layers):
-            keys, values = paged.pool.keys[layer.module.layer_idx], paged.pool.values[layer.module.layer_idx]
-            qkv = layer.qkv(normed)
-            kernels.rope_store(qkv, self.cos, self.sin, positions, write, keys, values, self.q_heads)
-            query = qkv[:, :q_size].view(rows, self.q_heads, self.head_dim)
-            attended = kernels.attention(query, keys, values, paged.read, lengths, self.scaling, None)
-            kernels.add_rms_norm(hidden, layer.out(attended.view(rows, -1)), layer.post_norm, self.eps, normed)
-            activated = kernels.silu_mul(layer.gate_up(normed))
-            kernels.add_rms_norm(hidden, layer.down(activated), self._norm_after(index), self.eps, normed)
-        return normed.view(rows, 1, -1)
