@@ -12,7 +12,7 @@ import json
 import queue
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -162,19 +162,39 @@ class Waiting(enum.Enum):
 class GrpcChat:
     """gRPC streaming: works for streamed and whole answers of decoupled models.
     `timeout_s`: the longest wait for a response (the first, or the next); `outputs`: the
-    outputs a stream requests (None: all; absent ones read as empty)."""
+    outputs a stream requests (None: all; absent ones read as empty).
+
+    `decode_direct` (model `chat` only): ask chat for a ticket (tensors.DECODE_TICKET) and
+    stream the answer from `decode` itself, on the same gRPC stream; a route that answers
+    without decode (a prefill leg) answers as it always does."""
 
     def __init__(
-        self, url: str, model: str = DEFAULT_MODEL, timeout_s: float = TIMEOUT_S, outputs: tuple[str, ...] | None = None
+        self,
+        url: str,
+        model: str = DEFAULT_MODEL,
+        timeout_s: float = TIMEOUT_S,
+        outputs: tuple[str, ...] | None = None,
+        decode_direct: bool = False,
     ):
         import tritonclient.grpc as grpcclient
 
+        if decode_direct and model != DEFAULT_MODEL:
+            raise ValueError(f"decode_direct takes tickets from model {DEFAULT_MODEL!r}, not {model!r}")
         self._grpc = grpcclient
         self.client = grpcclient.InferenceServerClient(url)
         self.url = url
         self.model = model
         self.timeout_s = timeout_s
-        self._outputs = None if outputs is None else [grpcclient.InferRequestedOutput(name) for name in outputs]
+        self.decode_direct = decode_direct
+        wanted = outputs
+        if outputs is not None and decode_direct:  # chat's answer may be a ticket
+            wanted = tuple(dict.fromkeys(outputs + tensors.DECODE_TICKET_OUTPUTS))
+        self._outputs = None if wanted is None else [grpcclient.InferRequestedOutput(name) for name in wanted]
+        self._decode_outputs = None  # None: every output of decode (all client outputs)
+        if outputs is not None:
+            self._decode_outputs = [
+                grpcclient.InferRequestedOutput(name) for name in outputs if name in tensors.CLIENT_OUTPUTS
+            ]
         # Called on the stream's reader thread after each response (or error) arrives.
         self.on_arrival: Callable[[], None] | None = None
         self._responses: queue.Queue | None = None  # the running stream's, as they arrived
@@ -185,30 +205,16 @@ class GrpcChat:
         self._responses, self._ending = responses, False
         self.client.start_stream(callback=functools.partial(self._arrived, responses))
         finished = False
+        # A whole answer comes at its end: empty responses meanwhile keep it inside timeout_s.
+        heartbeats = {tensors.HEARTBEAT_MS: max(1, round(1000 * self.timeout_s / 3))}
+        ticketed = False  # chat answered with a ticket: the responses from here on are decode's
         try:
-            infer_inputs = []
-            for name, array in inputs.items():
-                tensor = self._grpc.InferInput(name, list(array.shape), _triton_dtype(array))
-                tensor.set_data_from_numpy(array)
-                infer_inputs.append(tensor)
             try:
-                self.client.async_stream_infer(
-                    self.model,
-                    infer_inputs,
-                    outputs=self._outputs,
-                    request_id=request_id,
-                    enable_empty_final_response=True,
-                    # A whole answer comes at its end: empty responses meanwhile keep it inside timeout_s.
-                    parameters={tensors.HEARTBEAT_MS: max(1, round(1000 * self.timeout_s / 3))},
-                )
+                parameters = {**heartbeats, tensors.DECODE_TICKET: True} if self.decode_direct else heartbeats
+                self._send(self.model, _infer_inputs(self._grpc, inputs.items()), self._outputs, request_id, parameters)
             except Exception as exc:  # noqa: BLE001 - tritonclient raises several kinds
                 finished = True
-                # A stream that broke at once reports why (with its status) through the callback.
-                try:
-                    _, error = responses.get(timeout=1.0)
-                except queue.Empty:
-                    error = None
-                raise _grpc_error(error or exc) from exc
+                raise self._broken(responses, exc) from exc
             while True:
                 try:
                     result, error = responses.get(timeout=self.timeout_s)
@@ -219,6 +225,16 @@ class GrpcChat:
                     raise _grpc_error(error)
                 response = result.get_response()
                 final = response.parameters["triton_final_response"].bool_param
+                if self.decode_direct and not ticketed and result.as_numpy(tensors.STAGE_SEAL) is not None:
+                    ticketed = True
+                    ticket = ((name, result.as_numpy(name)) for name in tensors.DECODE_TICKET_OUTPUTS)
+                    decode_inputs = _infer_inputs(self._grpc, ((n, a) for n, a in ticket if a is not None))
+                    try:
+                        self._send(tensors.DECODE, decode_inputs, self._decode_outputs, request_id, heartbeats)
+                    except Exception as exc:  # noqa: BLE001 - tritonclient raises several kinds
+                        finished = True
+                        raise self._broken(responses, exc) from exc
+                    continue
                 self._ending = final
                 if response.outputs:  # not a heartbeat, nor the bare final flag
                     yield _to_output(result.as_numpy)
@@ -230,6 +246,29 @@ class GrpcChat:
             # finished one would race its completion, so only unfinished ones are cancelled.
             self._responses = None
             self._stop_stream(cancel=not finished)
+
+    def _send(
+        self, model: str, inputs: list[Any], outputs: list[Any] | None, request_id: str, parameters: dict[str, Any]
+    ) -> None:
+        """One request on the running stream."""
+        self.client.async_stream_infer(
+            model,
+            inputs,
+            outputs=outputs,
+            request_id=request_id,
+            enable_empty_final_response=True,
+            parameters=parameters,
+        )
+
+    @staticmethod
+    def _broken(responses: queue.Queue, exc: Exception) -> ChatError:
+        """Why a request could not be sent: a stream that broke at once reports it (with its
+        status) through the callback."""
+        try:
+            _, error = responses.get(timeout=1.0)
+        except queue.Empty:
+            error = None
+        return _grpc_error(error or exc)
 
     def waiting(self) -> Waiting:
         """What the running stream's `next` would take now (heartbeats skipped): OUTPUT, an
@@ -371,6 +410,16 @@ def _json_value(array: np.ndarray) -> Any:
         return array.tolist()
     value = array[0]
     return value.decode() if isinstance(value, bytes) else value.item()
+
+
+def _infer_inputs(grpcclient: Any, arrays: Iterable[tuple[str, np.ndarray]]) -> list[Any]:
+    """tritonclient gRPC inputs of these arrays, by name."""
+    infer_inputs = []
+    for name, array in arrays:
+        tensor = grpcclient.InferInput(name, list(array.shape), _triton_dtype(array))
+        tensor.set_data_from_numpy(array)
+        infer_inputs.append(tensor)
+    return infer_inputs
 
 
 def _triton_dtype(array: np.ndarray) -> str:

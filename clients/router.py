@@ -44,14 +44,13 @@ from pdchat.core.request.protocol import (
     utf8_json,
 )
 from pdchat.core.request.tokenize import parse_detokenize, parse_tokenize
-from pdchat.core.settings import KV_BLOCK_TOKENS, STALL_TIMEOUT_S
+from pdchat.core.settings import DECODE_DIRECT, KV_BLOCK_TOKENS, STALL_TIMEOUT_S
 
 if TYPE_CHECKING:
     import numpy as np
 
 log = logging.getLogger("pdchat.router")
 PROBE_TIMEOUT_S = 2.0
-RENDERER = "renderer"  # the Triton model that answers /tokenize and /detokenize
 # The `chat` input a body travels as (chat completions, completions), and how the front
 # validates it first (without the grammar compiler: the router has no torch).
 BODY_VALIDATORS = {
@@ -150,6 +149,7 @@ class Backend:
     url: str
     stall_timeout_s: float = STALL_TIMEOUT_S.default_value  # its clients' longest wait for a response
     outputs: tuple[str, ...] | None = None  # what its streams request (None: every output)
+    decode_direct: bool = False  # its streams take tickets and stream from decode (GrpcChat)
     in_flight: int = 0
     idle: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     healthy: bool = True
@@ -160,7 +160,9 @@ class Backend:
         try:
             chat = self.idle.get_nowait()
         except queue.Empty:
-            chat = GrpcChat(self.url, timeout_s=self.stall_timeout_s, outputs=self.outputs)
+            chat = GrpcChat(
+                self.url, timeout_s=self.stall_timeout_s, outputs=self.outputs, decode_direct=self.decode_direct
+            )
         try:
             yield chat
         except BaseException:
@@ -181,7 +183,8 @@ class BackendPool:
       ready once it answers; `/health` probes every server.
 
     NOTE: no request waits for a probe: a request that finds no server ready is refused at
-    once (`none_ready`)."""
+    once (`none_ready`). `decode_direct`: the streams stream from decode itself (setting
+    DECODE_DIRECT; GrpcChat)."""
 
     def __init__(
         self,
@@ -190,11 +193,12 @@ class BackendPool:
         reprobe_s: float = 1.0,
         stall_timeout_s: float | None = None,
         outputs: tuple[str, ...] | None = None,
+        decode_direct: bool = False,
     ):
         if not urls:
             raise ValueError("a pool needs at least one server")
         self.stall_timeout_s = STALL_TIMEOUT_S.get() if stall_timeout_s is None else stall_timeout_s
-        self.backends = [Backend(u, self.stall_timeout_s, outputs) for u in urls]
+        self.backends = [Backend(u, self.stall_timeout_s, outputs, decode_direct) for u in urls]
         self.role = role
         self.reprobe_s = reprobe_s
         self.aborted: str | None = None  # why `abort` ended the streams; no new one starts then
@@ -463,7 +467,7 @@ class ChatFront:
         pool = next((p for p in self.renderer_pools if p.any_healthy()), self.renderer_pools[0])
         with pool.pick() as backend, backend.client() as client:
             try:
-                return client.answer(RENDERER, name, text, request_id or f"pdchat-{uuid.uuid4().hex}")
+                return client.answer(tensors.RENDERER, name, text, request_id or f"pdchat-{uuid.uuid4().hex}")
             except ChatError as exc:
                 error = pool._failure(backend, exc)
                 if error is exc:
@@ -491,7 +495,8 @@ class ChatFront:
 class ServerFront(ChatFront):
     """One pdchat server's `chat` behind the OpenAI front, as vLLM serves one engine: for a
     router of its own (vllm-router, production-stack) that drives P/D itself. The body goes
-    as is, `kv_transfer_params` included; a prefill answer carries them back in its JSON."""
+    as is, `kv_transfer_params` included; a prefill answer carries them back in its JSON.
+    `decode_direct`: answers stream from the server's decode model itself (None: setting DECODE_DIRECT)."""
 
     def __init__(
         self,
@@ -500,8 +505,10 @@ class ServerFront(ChatFront):
         stall_timeout_s: float | None = None,
         served_model_names: Sequence[str] = (),
         outputs: tuple[str, ...] | None = None,
+        decode_direct: bool | None = None,
     ):
-        pool = BackendPool([url], role, stall_timeout_s=stall_timeout_s, outputs=outputs)
+        direct = DECODE_DIRECT.get() if decode_direct is None else decode_direct
+        pool = BackendPool([url], role, stall_timeout_s=stall_timeout_s, outputs=outputs, decode_direct=direct)
         super().__init__(pool, served_model_names)
 
     def chat(
@@ -527,8 +534,9 @@ class PDRouter(ChatFront):
     each on a subscriber thread of its own, so what a server evicted no longer draws a
     conversation there (clients/kv_index.py); blocks of `kv_event_block_size` tokens (None:
     setting KV_BLOCK_TOKENS, as the servers read it). `outputs`: what its streams request of
-    chat (None: every output; the HTTP fronts request tensors.FRONT_OUTPUTS). Call close() to
-    stop the subscribers."""
+    chat (None: every output; the HTTP fronts request tensors.FRONT_OUTPUTS); `decode_direct`:
+    decode servers' answers stream from their decode model itself (None: setting DECODE_DIRECT).
+    Call close() to stop the subscribers."""
 
     POLICIES = ("prefix", "least-loaded")
 
@@ -543,6 +551,7 @@ class PDRouter(ChatFront):
         kv_events: dict[str, KVEventSource] | None = None,
         kv_event_block_size: int | None = None,
         outputs: tuple[str, ...] | None = None,
+        decode_direct: bool | None = None,
     ):
         if policy not in self.POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(self.POLICIES)}, got {policy!r}")
@@ -551,9 +560,11 @@ class PDRouter(ChatFront):
             raise ValueError("KV events feed the prefix policy: they need policy prefix")
         if unknown := sorted(set(kv_events) - set(prefill_urls)):
             raise ValueError(f"KV events of {', '.join(unknown)}, which is no prefill server here")
-        super().__init__(
-            BackendPool(decode_urls, "decode", stall_timeout_s=stall_timeout_s, outputs=outputs), served_model_names
+        direct = DECODE_DIRECT.get() if decode_direct is None else decode_direct
+        decode = BackendPool(
+            decode_urls, "decode", stall_timeout_s=stall_timeout_s, outputs=outputs, decode_direct=direct
         )
+        super().__init__(decode, served_model_names)
         self.prefill = BackendPool(prefill_urls, "prefill", stall_timeout_s=stall_timeout_s, outputs=outputs)
         self.decode = self.serving
         self.forward_ids = forward_ids

@@ -11,6 +11,10 @@ stage models. `model_repository/chat` serves it with BLS calls (`pdchat.triton.c
 - RENDER_VERIFIED: renderer, then decode with the transferred KV once the rendered ids
   pass the gate.
 
+A client may ask for a ticket (tensors.DECODE_TICKET): where a route would relay decode's
+stream, it answers once with decode's sealed inputs, and the client streams from decode
+itself, so no response of decode passes through `chat`.
+
 NOTE: everything a stage receives is sealed (`pdchat.ensemble.seal`): this flow seals what
 the gate admitted, and passes on the seals the renderer and prefill made.
 """
@@ -121,6 +125,15 @@ class ChatStages(Protocol):
 
     def answer(self, output: ClientOutput, kv_transfer_params: str) -> None:
         """The one, final response of a prefill leg (REMOTE_PREFILL)."""
+        ...
+
+    def wants_ticket(self) -> bool:
+        """True if the client asked for a ticket (tensors.DECODE_TICKET) instead of decode's stream."""
+        ...
+
+    def ticket(self, call: DecodeCall) -> None:
+        """The one, final response of a ticketed request: `call`, decode's sealed inputs, for
+        the client to send decode itself."""
         ...
 
     def close(self) -> None:
@@ -239,13 +252,19 @@ class ChatFlow:
 
     async def _relay(self, stages: ChatStages, call: DecodeCall, taken: Callable[[], None] | None = None) -> None:
         """Forward decode's stream to the client, to its end; `taken` is called on decode's
-        first response unless that is a refusal (decode took the request).
+        first response unless that is a refusal (decode took the request). A client that
+        asked for a ticket gets `call` instead, and `taken` is called once it is sent.
 
         Past `stall_timeout_s` without a response from decode (before its first, or between
         two), decode is told to cancel and the request ends Unavailable, naming the wait.
 
         NOTE: once the client left, decode is told to cancel and its stream is drained, not
         dropped: the stream ends when decode ends it, so nothing of it outlives the request."""
+        if stages.wants_ticket():
+            stages.ticket(call)
+            if taken is not None:
+                taken()  # NOTE: the seal on `call` opens decode once: the ticket cannot spend it twice
+            return
         closed = cancelled = False
         polled_at = float("-inf")
         # NOTE: a whole answer has no response until its end: decode's empty ones keep it inside the deadline.

@@ -107,6 +107,8 @@ class LocalStages:
         self.outputs: list[ClientOutput] = []
         self.kv_transfer_params: str | None = None
         self.closed = False
+        self.ticketed = False  # True: the client asks for tickets (tensors.DECODE_TICKET)
+        self.tickets: list[DecodeCall] = []
 
     def routed(self, route: Route) -> None:
         self.route = route
@@ -148,6 +150,12 @@ class LocalStages:
     def answer(self, output: ClientOutput, kv_transfer_params: str) -> None:
         self.outputs.append(output)
         self.kv_transfer_params = kv_transfer_params
+
+    def wants_ticket(self) -> bool:
+        return self.ticketed
+
+    def ticket(self, call: DecodeCall) -> None:
+        self.tickets.append(call)
 
     def close(self) -> None:
         self.closed = True

@@ -615,7 +615,7 @@ class PDStack:
             self.decode.grpc_url,
             *(["--served-model-name", *self.served_model_names] if self.served_model_names else []),
         ]
-        self.front = Service("router", command, f"{self.router_url}/health", log_path).start(timeout)
+        self.front = Service("router", command, f"{self.router_url}/health", log_path, env=self.env).start(timeout)
 
     def processes(self) -> dict[str, subprocess.Popen]:
         return {"prefill": self.prefill.process, "decode": self.decode.process, "router": self.router}

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+# The stage models' names, as chat calls them (and a ticket's caller calls decode).
+RENDERER, PREFILL, DECODE = "renderer", "prefill", "decode"
+
 # Client contract, inputs (chat_ensemble, and chat later).
 REQUEST = "request"
 # chat only: an OpenAI completions body (a raw prompt, text or token ids; no chat template).
@@ -36,6 +39,11 @@ FINISH_REASON = "finish_reason"
 # Triton's parameters are bool, int or string) without one. decode sends them; chat asks decode
 # for them and forwards them to a client that asked too.
 HEARTBEAT_MS = "heartbeat_ms"
+# Request parameter of chat (a bool): where chat would relay decode's stream, it answers once with
+# decode's sealed inputs instead (DECODE_TICKET_OUTPUTS, a ticket), and the caller streams the answer
+# from `decode` on the same server itself, sending it those outputs as inputs (the OpenAI fronts do,
+# setting decode_direct). A ticket opens decode once, within stage_seal_ttl_s.
+DECODE_TICKET = "decode_ticket"
 
 # Between stages: renderer -> prefill -> decode.
 GENERATION_PARAMS = "generation_params"  # JSON of core.request.protocol.GenerationParams
@@ -69,6 +77,8 @@ CLIENT_INPUTS = (REQUEST, TEXT_INPUT, *SCALAR_INPUTS)
 CLIENT_OUTPUTS = (TEXT_OUTPUT, RESPONSE, PROMPT_TOKEN_IDS, OUTPUT_TOKEN_IDS, FINISH_REASON)
 # What the router and the OpenAI fronts read of chat's outputs (the JSON carries the text and ids).
 FRONT_OUTPUTS = (RESPONSE, PROMPT_TOKEN_IDS, FINISH_REASON, KV_TRANSFER_PARAMS)
+# A ticket (DECODE_TICKET): the sealed inputs of decode, as chat's outputs of the same names.
+DECODE_TICKET_OUTPUTS = (PROMPT_TOKEN_IDS, GENERATION_PARAMS, KV_HANDLE, STAGE_SEAL)
 
 
 class TensorSpec(NamedTuple):
@@ -96,4 +106,8 @@ CHAT_OUTPUTS = (
     TensorSpec(OUTPUT_TOKEN_IDS, "TYPE_INT32", (-1,)),
     TensorSpec(FINISH_REASON, "TYPE_STRING"),
     TensorSpec(KV_TRANSFER_PARAMS, "TYPE_STRING"),
+    # A ticket's (DECODE_TICKET_OUTPUTS, with PROMPT_TOKEN_IDS above).
+    TensorSpec(GENERATION_PARAMS, "TYPE_STRING"),
+    TensorSpec(KV_HANDLE, "TYPE_STRING"),
+    TensorSpec(STAGE_SEAL, "TYPE_STRING"),
 )

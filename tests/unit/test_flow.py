@@ -248,3 +248,28 @@ def test_a_handoff_in_flight_is_refused_to_a_second_request(prefill_server, deco
     assert asyncio.run(twice()).outputs[-1].finish_reason == "length"
     with pytest.raises(ForwardedIdsRejected, match="this handoff was used already"):
         asyncio.run(decode_server.flow.serve(inputs, LocalStages(decode_server, handoff=True)))
+
+
+async def _decoded(stages: LocalStages, call: DecodeCall) -> list[ClientOutput]:
+    return [output async for output in stages.decode(call)]
+
+
+@pytest.mark.parametrize("forwarded", [False, True], ids=["render", "reuse"])
+def test_a_ticket_is_the_decode_call_chat_would_relay(prefill_server, decode_server, forwarded):
+    """A client asking for a ticket gets decode's sealed call, no output; decoding it gives
+    the answer chat relays; a forwarded handoff is spent by the ticket."""
+    inputs = ChatInputs(chat())
+    if forwarded:
+        answer, kv_transfer_params = remote_prefill(prefill_server)
+        inputs = ChatInputs(chat(), np.asarray(answer.prompt_token_ids, dtype=np.int32), kv_transfer_params)
+    ticketed = LocalStages(decode_server, handoff=True)
+    ticketed.ticketed = True
+    asyncio.run(decode_server.flow.serve(inputs, ticketed))
+    assert ticketed.route is (Route.REUSE if forwarded else Route.RENDER)
+    [call] = ticketed.tickets
+    assert ticketed.outputs == [] and not ticketed.closed and call.heartbeat_s is None
+    outputs = asyncio.run(_decoded(LocalStages(decode_server, handoff=True), call))
+    assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in decode_server.run(chat())]
+    if forwarded:
+        with pytest.raises(ForwardedIdsRejected, match="this handoff was used already"):
+            asyncio.run(decode_server.flow.serve(inputs, LocalStages(decode_server, handoff=True)))

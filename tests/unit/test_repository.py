@@ -56,13 +56,23 @@ def test_chat_configs_leave_the_contract_to_tensors_py(role):
     assert config.parameters[settings.FORWARDED_IDS.param].string_value == policy
 
 
-def test_chat_is_the_ensemble_contract_plus_completions_and_forwarded_ids():
+def test_chat_is_the_ensemble_contract_plus_completions_forwarded_ids_and_tickets():
     ensemble = load("chat_ensemble")
     chat_only = [tensors.COMPLETION_REQUEST, tensors.PROMPT_TOKEN_IDS, tensors.KV_TRANSFER_PARAMS]
     assert list(tensors.CHAT_INPUTS) == specs(ensemble.input) + [s for s in tensors.CHAT_INPUTS if s.name in chat_only]
+    ticket_only = [tensors.KV_TRANSFER_PARAMS, tensors.GENERATION_PARAMS, tensors.KV_HANDLE, tensors.STAGE_SEAL]
     assert list(tensors.CHAT_OUTPUTS) == specs(ensemble.output) + [
-        s for s in tensors.CHAT_OUTPUTS if s.name == tensors.KV_TRANSFER_PARAMS
+        s for s in tensors.CHAT_OUTPUTS if s.name in ticket_only
     ]
+
+
+def test_a_ticket_is_decodes_inputs_as_chat_outputs():
+    decode_inputs = {entry.name: entry for entry in load("decode").input}
+    chat_outputs = {spec.name: spec for spec in tensors.CHAT_OUTPUTS}
+    for name in tensors.DECODE_TICKET_OUTPUTS:
+        assert chat_outputs[name].data_type == model_config_pb2.DataType.Name(decode_inputs[name].data_type)
+        assert list(chat_outputs[name].dims) == list(decode_inputs[name].dims)
+    assert set(tensors.DECODE_TICKET_OUTPUTS) == set(decode_inputs) - {tensors.CANCEL_REQUEST_ID}
 
 
 def test_client_contract_is_the_same_on_renderer_and_ensemble():

@@ -20,10 +20,10 @@ from pdchat.core.errors import ErrorCode, PdchatError, parse_tag
 from pdchat.core.output.responses import FAILED, ClientOutput
 from pdchat.ensemble.flow import DecodeCall, Prefilled, Rendered
 from pdchat.ensemble.routing import Route
+from pdchat.tensors import DECODE, PREFILL, RENDERER
 from pdchat.triton import io
 from pdchat.triton.event_loop import ModelEventLoop
 
-RENDERER, PREFILL, DECODE = "renderer", "prefill", "decode"
 STAGES = "stages"  # the pool of lanes for blocking BLS calls to renderer and prefill (settings.stage_lanes)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -48,6 +48,7 @@ class BLSStages:
         self.loop = loop
         self.lanes = lanes
         self.heartbeat_s = io.heartbeat_s(request)  # the client's, if it asked for heartbeats
+        self.ticketed = io.ticket_requested(request)
 
     def routed(self, route: Route) -> None:
         pb_utils.Logger.log_info(f"chat request {self.request.request_id() or '-'}: route {route.value}")
@@ -98,6 +99,13 @@ class BLSStages:
     def answer(self, output: ClientOutput, kv_transfer_params: str) -> None:
         kv_tensor = io.string_tensor(tensors.KV_TRANSFER_PARAMS, kv_transfer_params)
         io.send_tensors(self.sender, io.client_tensors(output) + [kv_tensor], flags=FINAL)
+
+    def wants_ticket(self) -> bool:
+        return self.ticketed
+
+    def ticket(self, call: DecodeCall) -> None:
+        inputs = io.stage_inputs(call.prompt_token_ids, call.params_text, call.seal, call.kv_handle)
+        io.send_tensors(self.sender, inputs, flags=FINAL)
 
     def close(self) -> None:
         self.sender.send(flags=FINAL)

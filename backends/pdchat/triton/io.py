@@ -187,12 +187,26 @@ def client_tensors(output: ClientOutput, wanted: frozenset[str] | None = None) -
 def heartbeat_s(request) -> float | None:
     """The seconds between empty responses `request`'s caller asked for (None: it asked for
     none); InvalidRequest for a value that is not a positive integer."""
-    value = json.loads(request.parameters() or "{}").get(tensors.HEARTBEAT_MS)
+    value = _parameters(request).get(tensors.HEARTBEAT_MS)
     if value is None:
         return None
     if type(value) is not int or value <= 0:
         raise InvalidRequest(f"request parameter '{tensors.HEARTBEAT_MS}' must be a positive integer, got {value!r}")
     return value / 1000
+
+
+def ticket_requested(request) -> bool:
+    """Whether `request`'s caller asked chat for a ticket (tensors.DECODE_TICKET); InvalidRequest
+    for a value that is not a bool."""
+    value = _parameters(request).get(tensors.DECODE_TICKET, False)
+    if type(value) is not bool:
+        raise InvalidRequest(f"request parameter '{tensors.DECODE_TICKET}' must be a bool, got {value!r}")
+    return value
+
+
+def _parameters(request) -> dict[str, Any]:
+    """The request parameters a caller sent (Triton's parameters, as JSON)."""
+    return json.loads(request.parameters() or "{}")
 
 
 def heartbeat() -> pb_utils.InferenceResponse:

@@ -1,0 +1,140 @@
+"""Tickets (tensors.DECODE_TICKET): chat routes a request and hands its caller decode's sealed
+inputs; the caller streams the answer from decode itself, and it is the answer chat relays.
+
+A ticket is a seal like every other stage input: it opens decode once, for exactly the ids,
+params and KV handle chat sealed, within stage_seal_ttl_s.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from pdchat import tensors
+from pdchat.clients.chat import ChatError, GrpcChat, chat_inputs, collect
+from pdchat.clients.router import ServerFront
+from pdchat.core.errors import ErrorCode
+from tests.conversations import PARITY_CASES, chat_body
+
+
+def stream_raw(server, model, arrays, parameters=None, outputs=None):
+    """Every response (or error) of one request on a gRPC stream, to its final one."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    arrived: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: arrived.put((result, error)))
+    inputs = []
+    for name, array in arrays.items():
+        dtype = "INT32" if array.dtype == np.int32 else "BYTES"
+        entry = grpcclient.InferInput(name, list(array.shape), dtype)
+        entry.set_data_from_numpy(array)
+        inputs.append(entry)
+    requested = None if outputs is None else [grpcclient.InferRequestedOutput(name) for name in outputs]
+    client.async_stream_infer(
+        model, inputs, outputs=requested, parameters=parameters or {}, enable_empty_final_response=True
+    )
+    responses = []
+    try:
+        while True:
+            result, error = arrived.get(timeout=60)
+            responses.append((result, error))
+            if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+                return responses
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def ticket_of(server, body) -> dict[str, np.ndarray]:
+    """chat's one answer to `body` asked with a ticket: decode's inputs, by name."""
+    [(result, error)] = stream_raw(
+        server, "chat", chat_inputs(body), {tensors.DECODE_TICKET: True}, tensors.DECODE_TICKET_OUTPUTS
+    )
+    assert error is None, error
+    return {name: array for name in tensors.DECODE_TICKET_OUTPUTS if (array := result.as_numpy(name)) is not None}
+
+
+def decoded(server, ticket) -> list[dict]:
+    """decode's streamed answer to a ticket, as OpenAI chunks."""
+    responses = stream_raw(server, "decode", ticket)
+    errors = [error for _, error in responses if error is not None]
+    if errors:
+        raise errors[0]
+    return [
+        json.loads(result.as_numpy(tensors.RESPONSE)[0]) for result, _ in responses if result.get_response().outputs
+    ]
+
+
+BODY = chat_body("single_turn", max_tokens=6, temperature=0, stream=True)
+
+
+def test_a_ticket_opens_decode_with_the_answer_chat_relays(server):
+    ticket = ticket_of(server, BODY)
+    assert set(ticket) == {tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.STAGE_SEAL, tensors.KV_HANDLE}
+    chunks = decoded(server, ticket)
+    relayed = collect(GrpcChat(server.grpc_url).stream(chat_inputs(BODY)))
+    assert [c["choices"][0]["delta"].get("content", "") for c in chunks] == [o.text for o in relayed.outputs]
+    assert chunks[-1]["choices"][0]["finish_reason"] == relayed.finish_reason == "length"
+
+
+def test_a_ticket_opens_decode_once(server):
+    ticket = ticket_of(server, BODY)
+    assert decoded(server, ticket)
+    with pytest.raises(Exception, match=r"replayed: this seal opened a stage already"):
+        decoded(server, ticket)
+
+
+def test_a_ticket_opens_decode_for_its_own_ids_only(server):
+    ticket = ticket_of(server, BODY)
+    other_ids = ticket[tensors.PROMPT_TOKEN_IDS].copy()
+    other_ids[-2] = (other_ids[-2] + 1) % 1000
+    with pytest.raises(Exception, match=r"refused \(altered: the seal does not match this input\)"):
+        decoded(server, {**ticket, tensors.PROMPT_TOKEN_IDS: other_ids})
+
+
+def test_a_ticket_request_that_is_no_bool_is_refused_naming_it(server):
+    [(_, error)] = stream_raw(server, "chat", chat_inputs(BODY), {tensors.DECODE_TICKET: "yes"})
+    assert error is not None and f"request parameter '{tensors.DECODE_TICKET}' must be a bool" in error.message()
+
+
+def answers(server, body, form=tensors.REQUEST):
+    """What a front reads of one answer, relayed by chat and streamed from decode directly."""
+    seen = []
+    for direct in (False, True):
+        client = GrpcChat(server.grpc_url, outputs=tensors.FRONT_OUTPUTS, decode_direct=direct)
+        result = collect(client.stream(chat_inputs(body, form=form)))
+        seen.append([(o.response.get("choices"), o.finish_reason, o.prompt_token_ids) for o in result.outputs])
+    return seen
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("case", ["tool_required", "json_schema", "reasoning_open", "stop_strings"])
+def test_direct_streams_answer_as_relayed_ones(server, case, stream):
+    """decode_direct changes where the answer comes from, not what it says."""
+    body = {**PARITY_CASES[case], "max_tokens": 24, "temperature": 0, "stream": stream}
+    relayed, direct = answers(server, body)
+    assert relayed == direct and relayed[-1][1]
+
+
+def test_direct_completions_answer_as_relayed_ones(server):
+    relayed, direct = answers(
+        server, {"prompt": "Once upon", "max_tokens": 8, "temperature": 0}, tensors.COMPLETION_REQUEST
+    )
+    assert relayed == direct and relayed[-1][1] == "length"
+
+
+def test_a_front_with_decode_direct_off_relays_through_chat(server):
+    body = chat_body("single_turn", max_tokens=6, temperature=0)
+    direct = [o.response["choices"] for o in ServerFront(server.grpc_url, decode_direct=True).chat(body)]
+    relayed = [o.response["choices"] for o in ServerFront(server.grpc_url, decode_direct=False).chat(body)]
+    assert direct == relayed and direct[0][0]["message"]["content"]
+
+
+def test_a_refusal_of_chat_reaches_a_direct_client_as_chat_s_error(server):
+    client = GrpcChat(server.grpc_url, decode_direct=True)
+    with pytest.raises(ChatError) as info:
+        collect(client.stream(chat_inputs({**BODY, "max_tokens": 10**6})))
+    assert info.value.code is ErrorCode.INVALID_ARG and "max_tokens" in str(info.value)
