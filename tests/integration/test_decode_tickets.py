@@ -95,6 +95,31 @@ def test_a_ticket_opens_decode_for_its_own_ids_only(server):
         decoded(server, {**ticket, tensors.PROMPT_TOKEN_IDS: other_ids})
 
 
+@pytest.mark.parametrize("part", [tensors.GENERATION_PARAMS, tensors.KV_HANDLE])
+def test_a_ticket_opens_decode_for_its_own_params_and_kv_only(server, part):
+    ticket, other = ticket_of(server, BODY), ticket_of(server, chat_body("single_turn", max_tokens=3, temperature=0))
+    assert ticket[part].tobytes() != other[part].tobytes()
+    with pytest.raises(Exception, match=r"refused \(altered: the seal does not match this input\)"):
+        decoded(server, {**ticket, part: other[part]})
+    assert decoded(server, ticket), "a refused alteration leaves the ticket good"
+    assert decoded(server, other)
+
+
+def test_a_ticket_opens_only_the_server_that_issued_it(server, decode_server):
+    ticket = ticket_of(server, BODY)
+    with pytest.raises(Exception, match=r"refused \(not this server's: sealed by another server"):
+        decoded(decode_server, ticket)
+    assert decoded(server, ticket)
+
+
+def test_forwarded_ids_the_gate_refuses_get_no_ticket(decode_server):
+    injected = chat_inputs(BODY, prompt_token_ids=[1, 2, 3, 4])
+    [(_, error)] = stream_raw(
+        decode_server, "chat", injected, {tensors.DECODE_TICKET: True}, tensors.DECODE_TICKET_OUTPUTS
+    )
+    assert error is not None and "forwarded prompt token ids refused (unsigned)" in error.message()
+
+
 def test_a_ticket_request_that_is_no_bool_is_refused_naming_it(server):
     [(_, error)] = stream_raw(server, "chat", chat_inputs(BODY), {tensors.DECODE_TICKET: "yes"})
     assert error is not None and f"request parameter '{tensors.DECODE_TICKET}' must be a bool" in error.message()
