@@ -5,7 +5,9 @@ What: for one query token per row (decode's steps), fp32 on CPU,
 - `rope_store`: the rotary embedding of q and k, in place, and k/v stored at their slots;
 - `rms_norm` / `add_rms_norm`: RMSNorm, the second with the residual add before it;
 - `silu_mul`: the SwiGLU activation of a fused gate/up projection;
-- `argmax`: each row's greedy token.
+- `argmax`: each row's greedy token;
+- `GreedyHead`: each row's greedy token straight from the hidden state, the vocabulary
+  projection screened in bf16 and its few close candidates decided in double (below).
 
 Why: at decode's sizes each of these is a handful of torch ops of a few microseconds of
 work and more of dispatch each (rotary alone is six), and attention on the torch path
@@ -33,6 +35,17 @@ keeps gcc's crtfastmath (flush-to-zero for the whole process) out of the library
 
 NOTE: results equal the torch path's to float rounding, not bit for bit; every row is
 computed alone in a fixed order, so a row's result does not depend on the batch around it.
+
+`GreedyHead`: a greedy row needs only the argmax of its logits, and the vocabulary projection
+is most of a small model's decode step (49152 x 256 on tiny: memory-bound at one row, and
+beside it at 16). With AVX-512 BF16 the projection is screened on a bf16 copy of the weight
+(half the bytes, twice the multiply rate), with a bound on each logit's error; the tokens
+whose bound reaches the best are recomputed exactly (in double, from the fp32 weight), so
+the token is the exact argmax, not bf16's: a true tie within double's rounding aside, the
+token fp32 logits would give, and the same whatever rows are beside it. A row whose
+candidates exceed `max_candidates` comes back undecided (-1) and takes the full projection.
+Its one call releases the GIL (ctypes.CDLL): it lasts milliseconds, and the outbox thread
+sends the previous step's responses meanwhile.
 """
 
 from __future__ import annotations
@@ -66,17 +79,27 @@ _SIGNATURES = {
     "add_rms_norm": ([_P, _P, _P, _N, _N, _F, _P], None),
     "silu_mul": ([_P, _N, _N, _P], None),
     "argmax": ([_P, _N, _N, _P], None),
+    "pack_head_bf16": ([_P, _N, _N, _P], None),
 }
+# Called through a GIL-releasing handle (see GreedyHead).
+_RELEASING_SIGNATURES = {"head_argmax": ([_P, _N, _N, _P, _P, _P, _N, _F, _F, _N, _P, _P], ctypes.c_int)}
+# bf16 keeps 8 significant bits: each of x and W rounds by at most 2^-8 of itself.
+_BF16_UNIT = 2.0**-8
+_FP32_UNIT = 2.0**-24
 
 
 class DecodeKernels:
     """The loaded library (see the module docstring for its contract)."""
 
-    def __init__(self, library: ctypes.PyDLL):
-        for name, (argtypes, restype) in _SIGNATURES.items():
-            function = getattr(library, f"pdchat_{name}")
-            function.argtypes, function.restype = argtypes, restype
-            setattr(self, f"_{name}", function)
+    def __init__(self, library: Path):
+        for handle, signatures in ((ctypes.PyDLL, _SIGNATURES), (ctypes.CDLL, _RELEASING_SIGNATURES)):
+            loaded = handle(str(library))
+            for name, (argtypes, restype) in signatures.items():
+                function = getattr(loaded, f"pdchat_{name}")
+                function.argtypes, function.restype = argtypes, restype
+                setattr(self, f"_{name}", function)
+        probe = torch.empty(0, dtype=torch.int64)  # no rows: -1 only where the build lacks AVX-512 BF16
+        self.bf16_screen = self._head_argmax(*[probe.data_ptr()] * 6, 16, 0.0, 0.0, 0, probe.data_ptr(), 0) == 0
 
     def attention(
         self,
@@ -214,6 +237,72 @@ class DecodeKernels:
         return out.tolist()
 
 
+class GreedyHead:
+    """Each row's greedy token of `hidden @ weight^T` without its logits (see the module
+    docstring): `argmax(hidden)` -> a token per row, -1 where the row is undecided.
+
+    NOTE: holds a bf16 copy of the weight (half its size again), made here."""
+
+    def __init__(self, kernels: DecodeKernels, weight: torch.Tensor, max_candidates: int = 64):
+        vocab, width = weight.shape
+        self._kernels, self._weight, self._max_candidates = kernels, weight.detach().contiguous(), max_candidates
+        self._packed = torch.empty(vocab * width, dtype=torch.int16)
+        kernels._pack_head_bf16(self._weight.data_ptr(), vocab, width, self._packed.data_ptr())
+        self._norms = self._weight.double().norm(dim=1).float()
+        # The error bound, by |x| |w_v| (Cauchy-Schwarz): both roundings to bf16, then fp32's
+        # sums of `width` products (gamma_n), with 1% to spare for the norms' own rounding.
+        gamma = width * _FP32_UNIT / (1 - width * _FP32_UNIT)
+        self._slack_scale = 1.01 * ((2 * _BF16_UNIT + _BF16_UNIT**2) + gamma * (1 + _BF16_UNIT) ** 2)
+        # What flushing bf16 denormals (below 2^-126) to zero can add, per logit.
+        self._slack_floor = width * 2.0**-126 * float(self._weight.abs().max()) * 4 + 2.0**-100
+
+    @classmethod
+    def fits(cls, kernels: DecodeKernels | None, weight: torch.Tensor) -> bool:
+        """Whether a GreedyHead can serve `weight` [vocab, width] here."""
+        return (
+            kernels is not None
+            and kernels.bf16_screen
+            and _fp32_cpu(weight)
+            and weight.dim() == 2
+            and weight.shape[0] % 16 == 0
+            and weight.shape[1] % 2 == 0
+            and bool(torch.isfinite(weight).all())
+        )
+
+    def argmax(self, hidden: torch.Tensor) -> list[int]:
+        """hidden [rows, width], fp32: each row's greedy token, -1 where undecided (more
+        than `max_candidates` close to the best, or a hidden state too large to bound)."""
+        vocab, width = self._weight.shape
+        _check(_fp32_cpu(hidden) and hidden.dim() == 2 and hidden.shape[1] == width)
+        hidden = hidden.contiguous()
+        rows = hidden.shape[0]
+        if rows == 0:
+            return []
+        # NOTE: the C code is built with -ffast-math, which assumes finite values: these rows never reach it.
+        bounded = torch.isfinite(hidden).all(dim=1) & (hidden.abs().amax(dim=1) < 2.0**64)
+        if not bool(bounded.all()):
+            return [-1] * rows
+        out = torch.empty(rows, dtype=torch.int64)
+        scratch = torch.empty(rows * vocab)
+        status = self._kernels._head_argmax(
+            hidden.data_ptr(),
+            rows,
+            width,
+            self._packed.data_ptr(),
+            self._weight.data_ptr(),
+            self._norms.data_ptr(),
+            vocab,
+            self._slack_scale,
+            self._slack_floor,
+            self._max_candidates,
+            scratch.data_ptr(),
+            out.data_ptr(),
+        )
+        if status != 0:
+            raise RuntimeError(f"the bf16 screen of the vocabulary projection failed ({status})")
+        return out.tolist()
+
+
 def _fp32_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
@@ -255,11 +344,11 @@ def _build_and_load(cache_dir: Path) -> DecodeKernels | None:
         library = cache_dir / f"decode_kernels-{_build_key(compiler)}.so"
         if library.is_file():
             try:
-                return DecodeKernels(ctypes.PyDLL(str(library)))
+                return DecodeKernels(library)
             except (OSError, AttributeError) as exc:  # a damaged file in the cache: built again below
                 log.warning("rebuilding the cached decode kernels %s: %s", library, exc)
         _compile(compiler, library)
-        return DecodeKernels(ctypes.PyDLL(str(library)))
+        return DecodeKernels(library)
     except Exception as exc:  # noqa: BLE001 - the kernel is optional: any failure means the torch path
         log.warning("decode kernels unavailable, taking the torch path: %s", exc)
         return None

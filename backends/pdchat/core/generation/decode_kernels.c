@@ -154,3 +154,119 @@ void pdchat_argmax(const float *restrict x, int64_t rows, int64_t cols, int64_t 
         out[r] = at;
     }
 }
+
+/* The greedy token of a vocabulary projection, screened in bf16 and decided in double.
+ *
+ * packed: W [n, k] in bf16 (round to nearest even), as [n / 16][k / 2][16][2]: sixteen
+ * vocabulary rows' pairs of columns side by side, what AVX-512 BF16's dot product takes.
+ * pdchat_pack_head_bf16 writes it; n % 16 == 0 and k even.
+ *
+ * pdchat_head_argmax: for each row r of x [rows, k], approx[v] = x~ . w~_v (x and W in
+ * bf16, sums in fp32), bounded: |approx[v] - x . w_v| <= slack_scale * |x| * norms[v] +
+ * slack_floor, where the caller's slack covers bf16's rounding, fp32's sums and the
+ * flushing of denormals (Cauchy-Schwarz bounds sum |x_i w_vi| by |x| |w_v|). Every v
+ * whose upper bound reaches the largest lower bound is a candidate, and the true argmax
+ * is among them; each is recomputed in double from the fp32 W, and out[r] is the largest
+ * (the first on a tie). out[r] = -1 where more than max_candidates qualify: the caller
+ * then computes that row's logits in full. scratch: rows * n floats. The caller passes
+ * only finite x. Returns 0, or -1 where this build has no AVX-512 BF16 (nothing written).
+ */
+static uint16_t to_bf16(float value) {
+    union { float f; uint32_t u; } bits = {value};
+    return (uint16_t)((bits.u + 0x7FFFu + ((bits.u >> 16) & 1u)) >> 16);
+}
+
+void pdchat_pack_head_bf16(const float *restrict w, int64_t n, int64_t k, uint16_t *restrict packed) {
+    for (int64_t block = 0; block < n / 16; block++)
+        for (int64_t pair = 0; pair < k / 2; pair++)
+            for (int64_t lane = 0; lane < 16; lane++)
+                for (int64_t half = 0; half < 2; half++)
+                    packed[((block * (k / 2) + pair) * 16 + lane) * 2 + half] =
+                        to_bf16(w[(block * 16 + lane) * k + pair * 2 + half]);
+}
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+/* approx [R, n] (row stride n) of R rows of pairs [R, k / 2] (row stride k / 2). */
+#define SCREEN_TILE(R)                                                                             \
+    static void screen_tile_##R(const uint32_t *restrict pairs, int64_t half_k,                    \
+                                const uint16_t *restrict packed, int64_t n, float *restrict approx) { \
+        for (int64_t block = 0; block < n / 16; block++) {                                        \
+            const uint16_t *w = packed + block * half_k * 32;                                     \
+            __m512 acc[R];                                                                        \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();    \
+            for (int64_t j = 0; j < half_k; j++) {                                                \
+                __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * 32);                           \
+                _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) acc[r] = _mm512_dpbf16_ps(   \
+                    acc[r], (__m512bh)_mm512_set1_epi32((int)pairs[r * half_k + j]), wv);         \
+            }                                                                                     \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                  \
+                _mm512_storeu_ps(approx + r * n + block * 16, acc[r]);                            \
+        }                                                                                         \
+    }
+SCREEN_TILE(1)
+SCREEN_TILE(4)
+SCREEN_TILE(8)
+SCREEN_TILE(16)
+
+static int64_t decide_row(const float *restrict x, int64_t k, const float *restrict w, const float *restrict norms,
+                          int64_t n, const float *restrict approx, float slack_scale, float slack_floor,
+                          int64_t max_candidates) {
+    double squares = 0.0;
+    for (int64_t i = 0; i < k; i++) squares += (double)x[i] * x[i];
+    const float scale = (float)(sqrt(squares) * slack_scale);
+    float floor_ = -FLT_MAX;
+    for (int64_t v = 0; v < n; v++) {
+        float lower = approx[v] - (scale * norms[v] + slack_floor);
+        if (lower > floor_) floor_ = lower;
+    }
+    int64_t candidates = 0, best = -1;
+    double best_value = 0.0;
+    for (int64_t v = 0; v < n; v++) {
+        if (approx[v] + (scale * norms[v] + slack_floor) < floor_) continue;
+        if (++candidates > max_candidates) return -1;
+        const float *row = w + v * k;
+        double value = 0.0;
+        for (int64_t i = 0; i < k; i++) value += (double)x[i] * row[i];
+        if (best < 0 || value > best_value) {
+            best = v;
+            best_value = value;
+        }
+    }
+    return best;
+}
+#endif
+
+int pdchat_head_argmax(const float *restrict x, int64_t rows, int64_t k, const uint16_t *restrict packed,
+                       const float *restrict w, const float *restrict norms, int64_t n, float slack_scale,
+                       float slack_floor, int64_t max_candidates, float *restrict scratch, int64_t *restrict out) {
+#ifdef __AVX512BF16__
+    if (rows <= 0) return 0;
+    const int64_t half_k = k / 2;
+    uint32_t *pairs = malloc((size_t)(rows * half_k) * sizeof(uint32_t));
+    if (pairs == NULL) return -2;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < half_k; j++)
+            pairs[r * half_k + j] =
+                (uint32_t)to_bf16(x[r * k + 2 * j]) | ((uint32_t)to_bf16(x[r * k + 2 * j + 1]) << 16);
+    for (int64_t r = 0; r < rows;) {
+        const int64_t left = rows - r, tile = left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : 1;
+        const uint32_t *tile_pairs = pairs + r * half_k;
+        float *approx = scratch + r * n;
+        if (tile == 16) screen_tile_16(tile_pairs, half_k, packed, n, approx);
+        else if (tile == 8) screen_tile_8(tile_pairs, half_k, packed, n, approx);
+        else if (tile == 4) screen_tile_4(tile_pairs, half_k, packed, n, approx);
+        else screen_tile_1(tile_pairs, half_k, packed, n, approx);
+        r += tile;
+    }
+    free(pairs);
+    for (int64_t r = 0; r < rows; r++)
+        out[r] = decide_row(x + r * k, k, w, norms, n, scratch + r * n, slack_scale, slack_floor, max_candidates);
+    return 0;
+#else
+    (void)x; (void)rows; (void)k; (void)packed; (void)w; (void)norms; (void)n; (void)slack_scale;
+    (void)slack_floor; (void)max_candidates; (void)scratch; (void)out;
+    return -1;
+#endif
+}
