@@ -1,0 +1,96 @@
+"""GreedyHead: the greedy token from the hidden state through a bf16 screen of the vocabulary
+projection, decided exactly: the argmax of the exact logits on every row, whatever rows are
+beside it, the first on a tie; rows it cannot decide come back -1 and the engine's step then
+projects them in full; wrong tensors are refused before C reads them."""
+
+import pytest
+import torch
+
+from pdchat.core.generation import cpu_kernels
+from pdchat.core.generation.engine import CausalLM, DecodeBatch
+
+VOCAB, WIDTH = 4096, 96
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    loaded = cpu_kernels.load(tmp_path_factory.mktemp("kernels"))
+    if loaded is None or not loaded.bf16_screen:
+        pytest.skip("no C compiler, or a CPU without AVX-512 BF16, on this host: the screen is optional")
+    return loaded
+
+
+def _weight(seed=0, vocab=VOCAB, width=WIDTH):
+    return torch.randn(vocab, width, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def _exact_argmax(hidden, weight):
+    return (hidden.double() @ weight.double().t()).argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 16, 29])  # every tile size, and tiles side by side
+def test_the_token_is_the_exact_logits_argmax_on_every_row(kernels, rows):
+    weight = _weight()
+    hidden = torch.randn(rows, WIDTH, generator=torch.Generator().manual_seed(rows))
+    tokens = cpu_kernels.GreedyHead(kernels, weight).argmax(hidden)
+    assert tokens == _exact_argmax(hidden, weight)
+    assert tokens == (hidden @ weight.t()).argmax(-1).tolist()  # and fp32's, away from ties
+
+
+def test_a_rows_token_does_not_depend_on_the_rows_beside_it(kernels):
+    head = cpu_kernels.GreedyHead(kernels, _weight())
+    hidden = torch.randn(21, WIDTH, generator=torch.Generator().manual_seed(1))
+    assert head.argmax(hidden) == [head.argmax(hidden[row : row + 1])[0] for row in range(21)]
+
+
+def test_a_tie_closer_than_bf16_can_tell_is_decided_exactly_the_first_index_winning(kernels):
+    weight = _weight()
+    weight[700] = weight[3000]  # an exact tie, and a near one bf16 rounds to the same value
+    weight[1200] = weight[3000] * (1 - 1e-6)
+    hidden = (weight[3000] * 40).view(1, -1)
+    assert cpu_kernels.GreedyHead(kernels, weight).argmax(hidden) == [700]
+    weight[1200] = weight[3000] * (1 + 1e-6)  # now the near one is the larger, by less than bf16's step
+    assert cpu_kernels.GreedyHead(kernels, weight).argmax(hidden) == [1200]
+
+
+def test_rows_it_cannot_decide_come_back_undecided(kernels):
+    weight = _weight()
+    weight[10] = weight[20]
+    tied = (weight[20] * 40).view(1, -1)
+    assert cpu_kernels.GreedyHead(kernels, weight, max_candidates=1).argmax(tied) == [-1]  # two candidates
+    broken = torch.randn(3, WIDTH)
+    broken[1, 5] = float("nan")
+    assert cpu_kernels.GreedyHead(kernels, weight).argmax(broken) == [-1, -1, -1]  # not bounded: all go in full
+
+
+def test_tensors_it_does_not_compute_are_refused_not_read(kernels):
+    head = cpu_kernels.GreedyHead(kernels, _weight())
+    for hidden in (torch.randn(2, WIDTH + 2), torch.randn(2, WIDTH, dtype=torch.float64), torch.randn(WIDTH)):
+        with pytest.raises(ValueError):
+            head.argmax(hidden)
+    assert not cpu_kernels.GreedyHead.fits(kernels, _weight(vocab=VOCAB + 8))  # vocabulary not in blocks of 16
+    assert not cpu_kernels.GreedyHead.fits(kernels, _weight(width=WIDTH + 1))  # odd width
+    assert not cpu_kernels.GreedyHead.fits(None, _weight())
+    assert cpu_kernels.GreedyHead.fits(kernels, _weight())
+
+
+def test_a_step_of_greedy_and_sampling_rows_gives_what_a_full_step_does(tiny_model_dir, kernels):
+    engine = CausalLM(tiny_model_dir, "cpu")
+    engine.decode_kernels = kernels
+    prompts = [[5, 6, 7, 8], [9] * 30, [11, 12], list(range(100, 140))]
+    batches, firsts = [], []
+    for _ in range(2):  # the same rows twice: one stepped in full, one by rows
+        batch = DecodeBatch(engine)
+        for prompt in prompts:
+            logits, sequence = engine.prefill(prompt)
+            batch.join(sequence)
+            firsts.append(int(logits.argmax()))
+        batches.append(batch)
+    ids = firsts[: len(prompts)]
+    greedy = [True, False, True, True]
+    full = batches[0].step(ids)
+    rows, tokens = batches[1].step_rows(ids, greedy)
+    assert engine._greedy_head() is not None, "the screen serves the tiny model here"
+    assert tokens == [int(full[row].argmax()) if greedy[row] else None for row in range(len(prompts))]
+    assert rows[0] is None and rows[2] is None and rows[3] is None  # decided without their logits
+    torch.testing.assert_close(rows[1], full[1], rtol=1e-4, atol=1e-4)
