@@ -67,7 +67,7 @@ def test_joining_and_leaving_rows_decode_what_each_would_alone(
         batch.leave(done)
         rows = [r for row, r in enumerate(rows) if row not in done]
         if rows:
-            chosen = batch.argmax(batch.step([tokens[-1] for _, tokens in rows]))  # as the scheduler takes them
+            _, chosen = batch.step_rows([tokens[-1] for _, tokens in rows], [True] * len(rows))  # as the scheduler
             for (_, tokens), token in zip(rows, chosen, strict=True):
                 tokens.append(token)
         turn += 1

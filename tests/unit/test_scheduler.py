@@ -58,9 +58,9 @@ class RecordingBatch:
     def leave(self, rows):
         self.rows = [r for i, r in enumerate(self.rows) if i not in rows]
 
-    def step(self, token_ids):
+    def step_rows(self, token_ids, greedy):
         self.steps.append(list(self.rows))
-        return list(zip(self.rows, token_ids, strict=True))
+        return list(zip(self.rows, token_ids, strict=True)), [None] * len(self.rows)
 
     def kv_bytes(self):
         return 100 * len(self.rows)

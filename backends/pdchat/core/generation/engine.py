@@ -78,6 +78,7 @@ class CausalLM:
         # The kernels run on one thread; with more, torch spreads the step over them.
         one_cpu_thread = self.device == "cpu" and self.dtype == torch.float32 and torch.get_num_threads() == 1
         self.decode_kernels = cpu_kernels.load(cache_dir() / "kernels") if own and one_cpu_thread else None
+        self._greedy: cpu_kernels.GreedyHead | bool | None = None  # made on first use (False: none serves)
         config = self.model.config
         self.context_length = int(config.max_position_embeddings)
         self.vocab_size = int(config.vocab_size)
@@ -134,6 +135,46 @@ class CausalLM:
     @torch.inference_mode()
     def step(self, sequences: list[Sequence], token_ids: list[int]) -> torch.Tensor:
         """Feed one token to each sequence, all in one pass; the next token's logits, [rows, vocab]."""
+        input_ids, paged = self._step_inputs(sequences, token_ids)
+        logits = self._last_logits(input_ids, paged)
+        for sequence in sequences:
+            sequence.written()
+        return logits
+
+    @torch.inference_mode()
+    def step_rows(
+        self, sequences: list[Sequence], token_ids: list[int], greedy: list[bool]
+    ) -> tuple[list[torch.Tensor | None], list[int | None]]:
+        """step(), for rows of which those marked `greedy` need only their argmax: per row,
+        its logits [vocab] (None for a greedy row whose token the GreedyHead decided without
+        them) and its greedy token (None for rows not greedy)."""
+        input_ids, paged = self._step_inputs(sequences, token_ids)
+        head = self._greedy_head() if any(greedy) else None
+        if head is None:
+            logits = self._last_logits(input_ids, paged)
+            chosen: list[int | None] = self.argmax(logits) if any(greedy) else [None] * len(sequences)
+            rows: list[torch.Tensor | None] = list(logits)
+        else:
+            hidden = self.llama(input_ids, paged, last_only=True)[:, -1]
+            chosen, rows = [None] * len(sequences), [None] * len(sequences)
+            greedy_rows = [row for row, wanted in enumerate(greedy) if wanted]
+            for row, token in zip(greedy_rows, head.argmax(hidden[greedy_rows]), strict=True):
+                chosen[row] = token if token >= 0 else None
+            full = [row for row in range(len(sequences)) if not greedy[row] or chosen[row] is None]
+            if full:  # rows that sample, and greedy rows the screen left undecided
+                logits = self.model.get_output_embeddings()(hidden[full]).float()
+                undecided = [index for index, row in enumerate(full) if greedy[row]]
+                tokens = self.argmax(logits[undecided].contiguous()) if undecided else []
+                for index, token in zip(undecided, tokens, strict=True):
+                    chosen[full[index]] = token
+                for index, row in enumerate(full):
+                    rows[row] = logits[index]
+        for sequence in sequences:
+            sequence.written()
+        return rows, chosen
+
+    def _step_inputs(self, sequences: list[Sequence], token_ids: list[int]) -> tuple[torch.Tensor, PagedForward]:
+        """Extend each sequence by its token: the pass's input ids [rows, 1] and its paged view."""
         for sequence, token_id in zip(sequences, token_ids, strict=True):
             sequence.extend([token_id])
         lengths = torch.tensor([len(s) for s in sequences], device=self.device)
@@ -142,10 +183,26 @@ class CausalLM:
         positions = (lengths - 1).view(-1, 1)
         full_rows = bool((lengths == read.shape[1]).all())
         paged = self._paged(read[rows, lengths - 1], read, positions, full_rows=full_rows)
-        logits = self._last_logits(torch.tensor(token_ids, dtype=torch.long, device=self.device).view(-1, 1), paged)
-        for sequence in sequences:
-            sequence.written()
-        return logits
+        return torch.tensor(token_ids, dtype=torch.long, device=self.device).view(-1, 1), paged
+
+    def use_greedy_head(self, enabled: bool) -> None:
+        """Let step_rows decide greedy rows by the GreedyHead where it serves (the default), or not."""
+        self._greedy = None if enabled else False
+
+    def _greedy_head(self) -> cpu_kernels.GreedyHead | None:
+        """The vocabulary projection's GreedyHead, made on the first step with a greedy row
+        where it serves (pdchat's own forward, the C kernels with AVX-512 BF16, a projection
+        without bias); None elsewhere."""
+        if self._greedy is None:
+            head = self.model.get_output_embeddings()
+            fits = (
+                self.llama is not None
+                and isinstance(head, _VocabProjection)
+                and head.bias is None
+                and cpu_kernels.GreedyHead.fits(self.decode_kernels, head.weight)
+            )
+            self._greedy = cpu_kernels.GreedyHead(self.decode_kernels, head.weight) if fits else False
+        return self._greedy or None
 
     def _paged(self, write: torch.Tensor, read: torch.Tensor, positions: torch.Tensor, **flags: bool) -> PagedForward:
         return PagedForward(self.pool, write, read, positions, decode_kernels=self.decode_kernels, **flags)
@@ -349,6 +406,10 @@ class DecodeBatch:
     def step(self, token_ids: list[int]) -> torch.Tensor:
         """Feed one token per row; the next token's logits per row, [rows, vocab]."""
         return self.engine.step(self._sequences, token_ids)
+
+    def step_rows(self, token_ids: list[int], greedy: list[bool]) -> tuple[list[torch.Tensor | None], list[int | None]]:
+        """Feed one token per row: each row's logits and greedy token (CausalLM.step_rows)."""
+        return self.engine.step_rows(self._sequences, token_ids, greedy)
 
     def argmax(self, logits: torch.Tensor) -> list[int]:
         """Each row's greedy token of a step's `logits`."""

@@ -66,7 +66,9 @@ class Batch(Protocol):
 
     def leave(self, rows: list[int]) -> None: ...
 
-    def step(self, token_ids: list[int]) -> Sequence[Any]: ...
+    def step_rows(self, token_ids: list[int], greedy: list[bool]) -> tuple[Sequence[Any], Sequence[int | None]]:
+        """Each row's logits (None where its greedy token was had without them) and greedy token."""
+        ...
 
     def kv_bytes(self) -> int: ...
 
@@ -295,9 +297,10 @@ class DecodeScheduler:
         if not self._running:
             return
         try:
-            logits = self._batch.step([e.decoding.last_token_id for e in self._running])
-            # One argmax over the batch for its greedy rows, not one per row.
-            argmax = self._batch.argmax(logits) if any(e.decoding.greedy for e in self._running) else None
+            # The greedy rows' tokens come with the step, decided for the batch at once.
+            logits, argmax = self._batch.step_rows(
+                [e.decoding.last_token_id for e in self._running], [e.decoding.greedy for e in self._running]
+            )
         except Exception as exc:  # noqa: BLE001 - the whole batch failed: each client hears it
             log.exception("batched decode step failed")
             for entry in self._running:
@@ -305,9 +308,9 @@ class DecodeScheduler:
             self._leave(list(range(len(self._running))))
             return
         failed = []
-        for row, (entry, row_logits) in enumerate(zip(self._running, logits, strict=True)):
+        for row, (entry, row_logits, token) in enumerate(zip(self._running, logits, argmax, strict=True)):
             try:
-                entry.decoding.accept(row_logits, None if argmax is None else argmax[row])
+                entry.decoding.accept(row_logits, token)
             except Exception as exc:  # noqa: BLE001
                 entry.job.fail(exc)
                 failed.append(row)
