@@ -395,7 +395,8 @@ def bench_batching(args: argparse.Namespace) -> None:
 
 # decode's step alone, side by side: what each part of pdchat's step gives.
 STEP_VARIANTS = {
-    "ms_per_step": "pdchat's step: its own forward pass, C kernels between the GEMMs and for the argmax",
+    "ms_per_step": "pdchat's step: its own forward pass, C kernels between the GEMMs, greedy tokens by the bf16 screen",
+    "ms_per_step_full_projection": "the same, the vocabulary projected in full (fp32) and a C argmax: the step before",
     "ms_per_step_torch_ops": "its own forward pass, torch ops between the GEMMs",
     "ms_per_step_transformers": "transformers' forward, torch attention (the step before both)",
     "ms_per_step_nn_linear": "transformers' forward and its nn.Linear vocabulary projection",
@@ -417,8 +418,9 @@ def _forward_alone(
     stock = torch.nn.Linear(head.weight.shape[1], head.weight.shape[0], bias=head.bias is not None)
     stock.weight, stock.bias = head.weight, head.bias
     variants = {
-        "ms_per_step": (ours, lambda: setattr(ours, "decode_kernels", kernels)),
-        "ms_per_step_torch_ops": (ours, lambda: setattr(ours, "decode_kernels", None)),
+        "ms_per_step": (ours, lambda: _set_step(ours, kernels, greedy_head=True)),
+        "ms_per_step_full_projection": (ours, lambda: _set_step(ours, kernels, greedy_head=False)),
+        "ms_per_step_torch_ops": (ours, lambda: _set_step(ours, None, greedy_head=False)),
         "ms_per_step_transformers": (theirs, lambda: theirs.model.set_output_embeddings(head)),
         "ms_per_step_nn_linear": (theirs, lambda: theirs.model.set_output_embeddings(stock)),
     }
@@ -430,7 +432,7 @@ def _forward_alone(
             for name, (engine, set_up) in variants.items():
                 set_up()
                 best[name] = min(best[name], _step_time(batches[engine], rows, steps))
-        ours.decode_kernels = kernels
+        _set_step(ours, kernels, greedy_head=True)
         theirs.model.set_output_embeddings(head)
         for batch in batches.values():
             batch.leave(list(range(rows)))
@@ -439,6 +441,11 @@ def _forward_alone(
             "output_tokens_per_s": rows / best["ms_per_step"],
         }
     return timed
+
+
+def _set_step(engine, kernels, *, greedy_head: bool) -> None:
+    engine.decode_kernels = kernels
+    engine.use_greedy_head(greedy_head)
 
 
 def _print_forward_alone(engine_alone: dict[int, dict[str, float]]) -> None:
@@ -538,11 +545,11 @@ def _decoding(engine, prompt_tokens: int, rows: int):
 
 
 def _step_time(batch, rows: int, steps: int) -> float:
-    """Seconds per greedy step (the forward pass, then each row's argmax, as decode's
+    """Seconds per greedy step (the forward pass and each row's greedy token, as decode's
     scheduler takes them) over `steps` steps of `batch`."""
     started = time.perf_counter()
     for _ in range(steps):
-        batch.argmax(batch.step([1] * rows))  # on CUDA the argmax's result waits for the step
+        batch.step_rows([1] * rows, [True] * rows)  # on CUDA the argmax's result waits for the step
     return (time.perf_counter() - started) / steps
 
 
