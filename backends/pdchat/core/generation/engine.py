@@ -79,6 +79,7 @@ class CausalLM:
         one_cpu_thread = self.device == "cpu" and self.dtype == torch.float32 and torch.get_num_threads() == 1
         self.decode_kernels = cpu_kernels.load(cache_dir() / "kernels") if own and one_cpu_thread else None
         self._greedy: cpu_kernels.GreedyHead | bool | None = None  # made on first use (False: none serves)
+        self._greedy_enabled = True
         config = self.model.config
         self.context_length = int(config.max_position_embeddings)
         self.vocab_size = int(config.vocab_size)
@@ -187,12 +188,14 @@ class CausalLM:
 
     def use_greedy_head(self, enabled: bool) -> None:
         """Let step_rows decide greedy rows by the GreedyHead where it serves (the default), or not."""
-        self._greedy = None if enabled else False
+        self._greedy_enabled = enabled
 
     def _greedy_head(self) -> cpu_kernels.GreedyHead | None:
         """The vocabulary projection's GreedyHead, made on the first step with a greedy row
         where it serves (pdchat's own forward, the C kernels with AVX-512 BF16, a projection
         without bias); None elsewhere."""
+        if not self._greedy_enabled:
+            return None
         if self._greedy is None:
             head = self.model.get_output_embeddings()
             fits = (
