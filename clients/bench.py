@@ -467,6 +467,7 @@ def _print_forward_alone(engine_alone: dict[int, dict[str, float]]) -> None:
 # prefill's pass alone, side by side: what pdchat's GEMMs give a prompt.
 PREFILL_TOKENS = [64, 256, 1024]
 PREFILL_VARIANTS = {
+    "ms_per_prefill_greedy": "pdchat's prefill of a greedy request: its first token by the GreedyHead",
     "ms_per_prefill": "pdchat's prefill: its own pass, GEMMs on oneDNN's blocked weights, norms and SwiGLU in C",
     "ms_per_prefill_torch_gemms": "its own forward pass on torch's GEMMs (plain weights) and ops: the build before",
     "ms_per_prefill_transformers": "transformers' forward",
@@ -480,30 +481,40 @@ def _prefill_alone(
     a stage's torch threads, each PREFILL_VARIANTS in turn per round; the best of `rounds`
     rounds of the mean of `prompts` prompts. Every prompt is new (no cached prefix)."""
     from pdchat.core.generation import llama
+    from pdchat.core.generation.engine import PromptPrefill
 
     ours = _stage_engine(model_dir, device, dtype)
     theirs = _stage_engine(model_dir, device, dtype, forward="transformers")
-    variants = {"ms_per_prefill_transformers": (theirs, theirs.llama)}
+    # name -> (engine, its forward pass, whether the first token is greedy: the logits are then not needed)
+    variants = {"ms_per_prefill_transformers": (theirs, theirs.llama, False)}
     if ours.llama is not None:  # a model pdchat's own pass takes
         # On transformers' engine: its layers become views of the stacks, so no weight is held twice.
         plain = llama.LlamaForward(theirs.model, blocked_gemms=False)
-        variants = {"ms_per_prefill": (ours, ours.llama), "ms_per_prefill_torch_gemms": (theirs, plain), **variants}
+        variants = {
+            "ms_per_prefill_greedy": (ours, ours.llama, True),
+            "ms_per_prefill": (ours, ours.llama, False),
+            "ms_per_prefill_torch_gemms": (theirs, plain, False),
+            **variants,
+        }
     fresh = iter(range(1, 1 << 30))
 
-    def mean_prefill(engine, tokens: int) -> float:
+    def mean_prefill(engine, tokens: int, greedy: bool) -> float:
         started = time.perf_counter()
         for _ in range(prompts):
             first = next(fresh)
-            engine.prefill([(first + 7 * i) % engine.vocab_size for i in range(tokens)])[1].release()
+            prompt = [(first + 7 * i) % engine.vocab_size for i in range(tokens)]
+            prefill = PromptPrefill(engine, prompt, cache_salt=None, chunk=tokens)
+            prefill.step(greedy=greedy)
+            prefill.release()
         return (time.perf_counter() - started) / prompts
 
     timed = {}
     for tokens in token_counts:
         best = dict.fromkeys(variants, float("inf"))
         for round_index in range(rounds + 1):
-            for name, (engine, forward) in variants.items():
+            for name, (engine, forward, greedy) in variants.items():
                 engine.llama = forward
-                seconds = mean_prefill(engine, tokens)
+                seconds = mean_prefill(engine, tokens, greedy)
                 if round_index:  # the first round warms each variant up
                     best[name] = min(best[name], seconds)
         timed[tokens] = {name: 1000 * seconds for name, seconds in best.items()}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pdchat.core.generation import cpu_kernels
-from pdchat.core.generation.engine import CausalLM, DecodeBatch
+from pdchat.core.generation.engine import CausalLM, DecodeBatch, PromptPrefill
 
 VOCAB, WIDTH = 4096, 96
 
@@ -20,6 +20,19 @@ def kernels(tmp_path_factory):
     return loaded
 
 
+# The head's two ways to a token, forced: the bf16 screen at every row count, or fp32's projection.
+WAYS = {"bf16 screen": frozenset(cpu_kernels.SCREEN_BUCKETS), "fp32 projection": frozenset()}
+
+
+@pytest.fixture(params=list(WAYS))
+def way(request):
+    return WAYS[request.param]
+
+
+def _head(kernels, weight, way, **options):
+    return cpu_kernels.GreedyHead(kernels, weight, screen_rows=way, **options)
+
+
 def _weight(seed=0, vocab=VOCAB, width=WIDTH):
     return torch.randn(vocab, width, generator=torch.Generator().manual_seed(seed)) * 0.05
 
@@ -29,42 +42,42 @@ def _exact_argmax(hidden, weight):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 16, 29])  # every tile size, and tiles side by side
-def test_the_token_is_the_exact_logits_argmax_on_every_row(kernels, rows):
+def test_the_token_is_the_exact_logits_argmax_on_every_row(kernels, way, rows):
     weight = _weight()
     hidden = torch.randn(rows, WIDTH, generator=torch.Generator().manual_seed(rows))
-    tokens = cpu_kernels.GreedyHead(kernels, weight).argmax(hidden)
+    tokens = _head(kernels, weight, way).argmax(hidden)
     assert tokens == _exact_argmax(hidden, weight)
     assert tokens == (hidden @ weight.t()).argmax(-1).tolist()  # and fp32's, away from ties
 
 
-def test_a_rows_token_does_not_depend_on_the_rows_beside_it(kernels):
-    head = cpu_kernels.GreedyHead(kernels, _weight())
+def test_a_rows_token_does_not_depend_on_the_rows_beside_it(kernels, way):
+    head = _head(kernels, _weight(), way)
     hidden = torch.randn(21, WIDTH, generator=torch.Generator().manual_seed(1))
     assert head.argmax(hidden) == [head.argmax(hidden[row : row + 1])[0] for row in range(21)]
 
 
-def test_a_tie_closer_than_bf16_can_tell_is_decided_exactly_the_first_index_winning(kernels):
+def test_a_tie_closer_than_bf16_can_tell_is_decided_exactly_the_first_index_winning(kernels, way):
     weight = _weight()
     weight[700] = weight[3000]  # an exact tie, and a near one bf16 rounds to the same value
     weight[1200] = weight[3000] * (1 - 1e-6)
     hidden = (weight[3000] * 40).view(1, -1)
-    assert cpu_kernels.GreedyHead(kernels, weight).argmax(hidden) == [700]
+    assert _head(kernels, weight, way).argmax(hidden) == [700]
     weight[1200] = weight[3000] * (1 + 1e-6)  # now the near one is the larger, by less than bf16's step
-    assert cpu_kernels.GreedyHead(kernels, weight).argmax(hidden) == [1200]
+    assert _head(kernels, weight, way).argmax(hidden) == [1200]
 
 
-def test_rows_it_cannot_decide_come_back_undecided(kernels):
+def test_rows_it_cannot_decide_come_back_undecided(kernels, way):
     weight = _weight()
     weight[10] = weight[20]
     tied = (weight[20] * 40).view(1, -1)
-    assert cpu_kernels.GreedyHead(kernels, weight, max_candidates=1).argmax(tied) == [-1]  # two candidates
+    assert _head(kernels, weight, way, max_candidates=1).argmax(tied) == [-1]  # two candidates
     broken = torch.randn(3, WIDTH)
     broken[1, 5] = float("nan")
-    assert cpu_kernels.GreedyHead(kernels, weight).argmax(broken) == [-1, -1, -1]  # not bounded: all go in full
+    assert _head(kernels, weight, way).argmax(broken) == [-1, -1, -1]  # not bounded: all go in full
 
 
-def test_tensors_it_does_not_compute_are_refused_not_read(kernels):
-    head = cpu_kernels.GreedyHead(kernels, _weight())
+def test_tensors_it_does_not_compute_are_refused_not_read(kernels, way):
+    head = _head(kernels, _weight(), way)
     for hidden in (torch.randn(2, WIDTH + 2), torch.randn(2, WIDTH, dtype=torch.float64), torch.randn(WIDTH)):
         with pytest.raises(ValueError):
             head.argmax(hidden)
@@ -94,3 +107,31 @@ def test_a_step_of_greedy_and_sampling_rows_gives_what_a_full_step_does(tiny_mod
     assert tokens == [int(full[row].argmax()) if greedy[row] else None for row in range(len(prompts))]
     assert rows[0] is None and rows[2] is None and rows[3] is None  # decided without their logits
     torch.testing.assert_close(rows[1], full[1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_greedy_prompts_first_token_comes_from_its_last_prefill_chunk_without_logits(tiny_model_dir, kernels):
+    engine = CausalLM(tiny_model_dir, "cpu")
+    engine.decode_kernels = kernels
+    for prompt in ([5, 6, 7, 8], list(range(100, 170))):
+        full, sequence = engine.prefill(prompt, cache_salt="full")
+        sequence.release()
+        chunked = PromptPrefill(engine, prompt, cache_salt="greedy", chunk=32)  # salts: no shared prefix
+        while (last := chunked.step(greedy=True)) is None:
+            assert chunked.remaining > 0
+        chunked.release()
+        assert last == (None, int(full.argmax()))  # decided without the logits
+        sampled = PromptPrefill(engine, prompt, cache_salt="sampled", chunk=len(prompt))
+        logits, token = sampled.step(greedy=False)
+        sampled.release()
+        assert token is None
+        torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+
+
+def test_both_ways_give_the_same_exact_tokens_whichever_way_the_timing_picks(kernels):
+    weight = _weight(seed=3)
+    hidden = torch.randn(40, WIDTH, generator=torch.Generator().manual_seed(4))
+    screened, projected = (_head(kernels, weight, way).argmax(hidden) for way in WAYS.values())
+    assert screened == projected == _exact_argmax(hidden, weight)
+    timed = cpu_kernels.GreedyHead(kernels, weight)  # times both ways per bucket
+    assert timed.screen_rows <= frozenset(cpu_kernels.SCREEN_BUCKETS)
+    assert timed.argmax(hidden) == screened

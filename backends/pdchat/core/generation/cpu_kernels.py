@@ -44,8 +44,12 @@ whose bound reaches the best are recomputed exactly (in double, from the fp32 we
 the token is the exact argmax, not bf16's: a true tie within double's rounding aside, the
 token fp32 logits would give, and the same whatever rows are beside it. A row whose
 candidates exceed `max_candidates` comes back undecided (-1) and takes the full projection.
-Its one call releases the GIL (ctypes.CDLL): it lasts milliseconds, and the outbox thread
-sends the previous step's responses meanwhile.
+Where the fp32 projection (oneDNN) is the faster for a batch's row count on this host, as
+it can be for many rows when the weight sits in a large cache, the head projects in fp32
+and takes the same exact decision on those logits with fp32's bound (`decide_rows`): the
+tokens are the same either way. Which is faster is timed once per row-count bucket when the
+head is made. Its calls release the GIL (ctypes.CDLL): they last milliseconds, and the
+outbox thread sends the previous step's responses meanwhile.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -82,7 +88,13 @@ _SIGNATURES = {
     "pack_head_bf16": ([_P, _N, _N, _P], None),
 }
 # Called through a GIL-releasing handle (see GreedyHead).
-_RELEASING_SIGNATURES = {"head_argmax": ([_P, _N, _N, _P, _P, _P, _N, _F, _F, _N, _P, _P], ctypes.c_int)}
+_RELEASING_SIGNATURES = {
+    "head_argmax": ([_P, _N, _N, _P, _P, _P, _N, _F, _F, _N, _P, _P], ctypes.c_int),
+    "decide_rows": ([_P, _N, _N, _P, _P, _N, _P, _F, _F, _N, _P], None),
+}
+# Row counts the GreedyHead times its two ways at, once: a batch takes its bucket's winner
+# (the smallest bucket at least its size; the last beyond it).
+SCREEN_BUCKETS = (1, 2, 4, 8, 16, 32)
 # bf16 keeps 8 significant bits: each of x and W rounds by at most 2^-8 of itself.
 _BF16_UNIT = 2.0**-8
 _FP32_UNIT = 2.0**-24
@@ -241,20 +253,37 @@ class GreedyHead:
     """Each row's greedy token of `hidden @ weight^T` without its logits (see the module
     docstring): `argmax(hidden)` -> a token per row, -1 where the row is undecided.
 
-    NOTE: holds a bf16 copy of the weight (half its size again), made here."""
+    `project` computes the fp32 logits of rows (hidden [rows, width] -> [rows, vocab]; the
+    engine's vocabulary projection, `hidden @ weight^T` by default). `screen_rows`: the
+    bucket sizes (SCREEN_BUCKETS) the bf16 screen serves, the others projecting in fp32;
+    None times both ways once here and keeps the faster per bucket.
 
-    def __init__(self, kernels: DecodeKernels, weight: torch.Tensor, max_candidates: int = 64):
+    NOTE: holds a bf16 copy of the weight (half its size again), made here. One thread
+    at a time: the scratch buffer is shared by calls."""
+
+    def __init__(
+        self,
+        kernels: DecodeKernels,
+        weight: torch.Tensor,
+        max_candidates: int = 64,
+        project: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        screen_rows: frozenset[int] | None = None,
+    ):
         vocab, width = weight.shape
         self._kernels, self._weight, self._max_candidates = kernels, weight.detach().contiguous(), max_candidates
+        self._project = project or (lambda hidden: hidden @ self._weight.t())
         self._packed = torch.empty(vocab * width, dtype=torch.int16)
         kernels._pack_head_bf16(self._weight.data_ptr(), vocab, width, self._packed.data_ptr())
         self._norms = self._weight.double().norm(dim=1).float()
+        self._scratch = torch.empty(0)  # grown to rows x vocab floats as batches need
         # The error bound, by |x| |w_v| (Cauchy-Schwarz): both roundings to bf16, then fp32's
         # sums of `width` products (gamma_n), with 1% to spare for the norms' own rounding.
         gamma = width * _FP32_UNIT / (1 - width * _FP32_UNIT)
         self._slack_scale = 1.01 * ((2 * _BF16_UNIT + _BF16_UNIT**2) + gamma * (1 + _BF16_UNIT) ** 2)
+        self._fp32_slack_scale = 1.01 * gamma  # fp32's sums alone, any order
         # What flushing bf16 denormals (below 2^-126) to zero can add, per logit.
         self._slack_floor = width * 2.0**-126 * float(self._weight.abs().max()) * 4 + 2.0**-100
+        self.screen_rows = self._time_buckets() if screen_rows is None else screen_rows
 
     @classmethod
     def fits(cls, kernels: DecodeKernels | None, weight: torch.Tensor) -> bool:
@@ -282,12 +311,20 @@ class GreedyHead:
         bounded = torch.isfinite(hidden).all(dim=1) & (hidden.abs().amax(dim=1) < 2.0**64)
         if not bool(bounded.all()):
             return [-1] * rows
+        bucket = next((size for size in SCREEN_BUCKETS if size >= rows), SCREEN_BUCKETS[-1])
+        return self._screened(hidden) if bucket in self.screen_rows else self._decided(hidden)
+
+    def _screened(self, hidden: torch.Tensor) -> list[int]:
+        """The bf16 screen, then the candidates in double."""
+        vocab = self._weight.shape[0]
+        rows = hidden.shape[0]
+        if self._scratch.numel() < rows * vocab:
+            self._scratch = torch.empty(rows * vocab)
         out = torch.empty(rows, dtype=torch.int64)
-        scratch = torch.empty(rows * vocab)
         status = self._kernels._head_argmax(
             hidden.data_ptr(),
             rows,
-            width,
+            hidden.shape[1],
             self._packed.data_ptr(),
             self._weight.data_ptr(),
             self._norms.data_ptr(),
@@ -295,12 +332,55 @@ class GreedyHead:
             self._slack_scale,
             self._slack_floor,
             self._max_candidates,
-            scratch.data_ptr(),
+            self._scratch.data_ptr(),
             out.data_ptr(),
         )
         if status != 0:
             raise RuntimeError(f"the bf16 screen of the vocabulary projection failed ({status})")
         return out.tolist()
+
+    def _decided(self, hidden: torch.Tensor) -> list[int]:
+        """The fp32 projection, then the candidates its bound leaves in double."""
+        vocab, width = self._weight.shape
+        logits = self._project(hidden).float().contiguous()
+        _check(_fp32_cpu(logits) and tuple(logits.shape) == (hidden.shape[0], vocab))
+        out = torch.empty(hidden.shape[0], dtype=torch.int64)
+        self._kernels._decide_rows(
+            hidden.data_ptr(),
+            hidden.shape[0],
+            width,
+            self._weight.data_ptr(),
+            self._norms.data_ptr(),
+            vocab,
+            logits.data_ptr(),
+            self._fp32_slack_scale,
+            self._slack_floor,
+            self._max_candidates,
+            out.data_ptr(),
+        )
+        return out.tolist()
+
+    def _time_buckets(self, rounds: int = 5) -> frozenset[int]:
+        """The buckets, from the smallest, at which the screen beat the fp32 projection
+        here (best of `rounds`, the two interleaved, on a fixed random batch of each size),
+        up to the first it lost: the screen's cost per row is the larger, so it loses at
+        every size beyond."""
+        width = self._weight.shape[1]
+        generator = torch.Generator().manual_seed(0)
+        served = set()
+        for size in SCREEN_BUCKETS:
+            hidden = torch.randn(size, width, generator=generator)
+            best = {self._screened: float("inf"), self._decided: float("inf")}
+            for _ in range(rounds):
+                for way in best:
+                    started = time.perf_counter()
+                    way(hidden)
+                    best[way] = min(best[way], time.perf_counter() - started)
+            if best[self._screened] > best[self._decided]:
+                break
+            served.add(size)
+        log.info("GreedyHead: the bf16 screen serves batches of up to %s rows", max(served, default=0))
+        return frozenset(served)
 
 
 def _fp32_cpu(*tensors: torch.Tensor) -> bool:

@@ -185,31 +185,6 @@ void pdchat_pack_head_bf16(const float *restrict w, int64_t n, int64_t k, uint16
                         to_bf16(w[(block * 16 + lane) * k + pair * 2 + half]);
 }
 
-#ifdef __AVX512BF16__
-#include <immintrin.h>
-
-/* approx [R, n] (row stride n) of R rows of pairs [R, k / 2] (row stride k / 2). */
-#define SCREEN_TILE(R)                                                                             \
-    static void screen_tile_##R(const uint32_t *restrict pairs, int64_t half_k,                    \
-                                const uint16_t *restrict packed, int64_t n, float *restrict approx) { \
-        for (int64_t block = 0; block < n / 16; block++) {                                        \
-            const uint16_t *w = packed + block * half_k * 32;                                     \
-            __m512 acc[R];                                                                        \
-            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();    \
-            for (int64_t j = 0; j < half_k; j++) {                                                \
-                __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * 32);                           \
-                _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) acc[r] = _mm512_dpbf16_ps(   \
-                    acc[r], (__m512bh)_mm512_set1_epi32((int)pairs[r * half_k + j]), wv);         \
-            }                                                                                     \
-            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                  \
-                _mm512_storeu_ps(approx + r * n + block * 16, acc[r]);                            \
-        }                                                                                         \
-    }
-SCREEN_TILE(1)
-SCREEN_TILE(4)
-SCREEN_TILE(8)
-SCREEN_TILE(16)
-
 static int64_t decide_row(const float *restrict x, int64_t k, const float *restrict w, const float *restrict norms,
                           int64_t n, const float *restrict approx, float slack_scale, float slack_floor,
                           int64_t max_candidates) {
@@ -236,6 +211,31 @@ static int64_t decide_row(const float *restrict x, int64_t k, const float *restr
     }
     return best;
 }
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+/* approx [R, n] (row stride n) of R rows of pairs [R, k / 2] (row stride k / 2). */
+#define SCREEN_TILE(R)                                                                             \
+    static void screen_tile_##R(const uint32_t *restrict pairs, int64_t half_k,                    \
+                                const uint16_t *restrict packed, int64_t n, float *restrict approx) { \
+        for (int64_t block = 0; block < n / 16; block++) {                                        \
+            const uint16_t *w = packed + block * half_k * 32;                                     \
+            __m512 acc[R];                                                                        \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();    \
+            for (int64_t j = 0; j < half_k; j++) {                                                \
+                __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * 32);                           \
+                _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) acc[r] = _mm512_dpbf16_ps(   \
+                    acc[r], (__m512bh)_mm512_set1_epi32((int)pairs[r * half_k + j]), wv);         \
+            }                                                                                     \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                  \
+                _mm512_storeu_ps(approx + r * n + block * 16, acc[r]);                            \
+        }                                                                                         \
+    }
+SCREEN_TILE(1)
+SCREEN_TILE(4)
+SCREEN_TILE(8)
+SCREEN_TILE(16)
+
 #endif
 
 int pdchat_head_argmax(const float *restrict x, int64_t rows, int64_t k, const uint16_t *restrict packed,
@@ -269,4 +269,17 @@ int pdchat_head_argmax(const float *restrict x, int64_t rows, int64_t k, const u
     (void)slack_floor; (void)max_candidates; (void)scratch; (void)out;
     return -1;
 #endif
+}
+
+/*
+ * pdchat_decide_rows: pdchat_head_argmax's decision on logits [rows, n] the caller computed
+ * in fp32 (its GEMM, any summation order), bounded as there by a slack_scale that covers
+ * fp32's sums alone: the same exact argmax (the first on a tie), -1 where more than
+ * max_candidates qualify. Plain C: needs no AVX-512 BF16.
+ */
+void pdchat_decide_rows(const float *restrict x, int64_t rows, int64_t k, const float *restrict w,
+                        const float *restrict norms, int64_t n, const float *restrict logits, float slack_scale,
+                        float slack_floor, int64_t max_candidates, int64_t *restrict out) {
+    for (int64_t r = 0; r < rows; r++)
+        out[r] = decide_row(x + r * k, k, w, norms, n, logits + r * n, slack_scale, slack_floor, max_candidates);
 }

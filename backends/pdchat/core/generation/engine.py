@@ -116,22 +116,33 @@ class CausalLM:
     def prefill(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> tuple[torch.Tensor, Sequence]:
         """The prompt's KV in a new sequence, its cached prefix reused, in one pass; the logits after it."""
         prompt = PromptPrefill(self, prompt_token_ids, cache_salt, chunk=len(prompt_token_ids))
-        logits = prompt.step()
+        logits, _ = prompt.step()
         return logits, prompt.sequence
 
-    @torch.inference_mode()
     def prefill_chunk(self, sequence: Sequence, token_ids: list[int]) -> torch.Tensor:
         """Extend `sequence` by `token_ids` in one pass (decode's local prefill goes by
         chunks, between the batch's steps); the logits after the last of them."""
+        logits, _ = self.prefill_chunk_choosing(sequence, token_ids, greedy=False)
+        return logits
+
+    @torch.inference_mode()
+    def prefill_chunk_choosing(
+        self, sequence: Sequence, token_ids: list[int], greedy: bool
+    ) -> tuple[torch.Tensor | None, int | None]:
+        """prefill_chunk(), and, if `greedy`, the greedy token after the chunk: step_rows'
+        pair for one row (the logits are None where the GreedyHead decided the token
+        without them)."""
         start = len(sequence)
         sequence.extend(token_ids)
         read = self._read_slots([sequence])
         positions = torch.arange(start, len(sequence), device=self.device).view(1, -1)
         paged = self._paged(read[0, start:], read, positions, causal=start == 0)
-        logits = self._last_logits(torch.tensor([token_ids], dtype=torch.long, device=self.device), paged)
+        rows, chosen = self._project_last(
+            torch.tensor([token_ids], dtype=torch.long, device=self.device), paged, [greedy]
+        )
         sequence.written()
         self.pool.computed_prompt_tokens += len(token_ids)
-        return logits[0]
+        return rows[0], chosen[0]
 
     @torch.inference_mode()
     def step(self, sequences: list[Sequence], token_ids: list[int]) -> torch.Tensor:
@@ -150,28 +161,35 @@ class CausalLM:
         its logits [vocab] (None for a greedy row whose token the GreedyHead decided without
         them) and its greedy token (None for rows not greedy)."""
         input_ids, paged = self._step_inputs(sequences, token_ids)
+        rows, chosen = self._project_last(input_ids, paged, greedy)
+        for sequence in sequences:
+            sequence.written()
+        return rows, chosen
+
+    def _project_last(
+        self, input_ids: torch.Tensor, paged: PagedForward, greedy: list[bool]
+    ) -> tuple[list[torch.Tensor | None], list[int | None]]:
+        """One pass over `input_ids` [rows, queries]; per row, the logits after its last
+        query and its greedy token, as step_rows returns them."""
         head = self._greedy_head() if any(greedy) else None
         if head is None:
             logits = self._last_logits(input_ids, paged)
-            chosen: list[int | None] = self.argmax(logits) if any(greedy) else [None] * len(sequences)
-            rows: list[torch.Tensor | None] = list(logits)
-        else:
-            hidden = self.llama(input_ids, paged, last_only=True)[:, -1]
-            chosen, rows = [None] * len(sequences), [None] * len(sequences)
-            greedy_rows = [row for row, wanted in enumerate(greedy) if wanted]
-            for row, token in zip(greedy_rows, head.argmax(hidden[greedy_rows]), strict=True):
-                chosen[row] = token if token >= 0 else None
-            full = [row for row in range(len(sequences)) if not greedy[row] or chosen[row] is None]
-            if full:  # rows that sample, and greedy rows the screen left undecided
-                logits = self.model.get_output_embeddings()(hidden[full]).float()
-                undecided = [index for index, row in enumerate(full) if greedy[row]]
-                tokens = self.argmax(logits[undecided].contiguous()) if undecided else []
-                for index, token in zip(undecided, tokens, strict=True):
-                    chosen[full[index]] = token
-                for index, row in enumerate(full):
-                    rows[row] = logits[index]
-        for sequence in sequences:
-            sequence.written()
+            chosen: list[int | None] = self.argmax(logits) if any(greedy) else [None] * len(greedy)
+            return list(logits), chosen
+        hidden = self.llama(input_ids, paged, last_only=True)[:, -1]
+        chosen, rows = [None] * len(greedy), [None] * len(greedy)
+        greedy_rows = [row for row, wanted in enumerate(greedy) if wanted]
+        for row, token in zip(greedy_rows, head.argmax(hidden[greedy_rows]), strict=True):
+            chosen[row] = token if token >= 0 else None
+        full = [row for row in range(len(greedy)) if not greedy[row] or chosen[row] is None]
+        if full:  # rows that sample, and greedy rows the screen left undecided
+            logits = self.model.get_output_embeddings()(hidden[full]).float()
+            undecided = [index for index, row in enumerate(full) if greedy[row]]
+            tokens = self.argmax(logits[undecided].contiguous()) if undecided else []
+            for index, token in zip(undecided, tokens, strict=True):
+                chosen[full[index]] = token
+            for index, row in enumerate(full):
+                rows[row] = logits[index]
         return rows, chosen
 
     def _step_inputs(self, sequences: list[Sequence], token_ids: list[int]) -> tuple[torch.Tensor, PagedForward]:
@@ -187,11 +205,12 @@ class CausalLM:
         return torch.tensor(token_ids, dtype=torch.long, device=self.device).view(-1, 1), paged
 
     def use_greedy_head(self, enabled: bool) -> None:
-        """Let step_rows decide greedy rows by the GreedyHead where it serves (the default), or not."""
+        """Let step_rows and a prompt's last prefill chunk decide greedy rows by the GreedyHead
+        where it serves (the default), or not."""
         self._greedy_enabled = enabled
 
     def _greedy_head(self) -> cpu_kernels.GreedyHead | None:
-        """The vocabulary projection's GreedyHead, made on the first step with a greedy row
+        """The vocabulary projection's GreedyHead, made on the first pass with a greedy row
         where it serves (pdchat's own forward, the C kernels with AVX-512 BF16, a projection
         without bias); None elsewhere."""
         if not self._greedy_enabled:
@@ -204,7 +223,7 @@ class CausalLM:
                 and head.bias is None
                 and cpu_kernels.GreedyHead.fits(self.decode_kernels, head.weight)
             )
-            self._greedy = cpu_kernels.GreedyHead(self.decode_kernels, head.weight) if fits else False
+            self._greedy = cpu_kernels.GreedyHead(self.decode_kernels, head.weight, project=head) if fits else False
         return self._greedy or None
 
     def _paged(self, write: torch.Tensor, read: torch.Tensor, positions: torch.Tensor, **flags: bool) -> PagedForward:
@@ -362,17 +381,21 @@ class PromptPrefill:
         """Prompt tokens still to compute."""
         return len(self.prompt_token_ids) - self._done
 
-    def step(self) -> torch.Tensor | None:
-        """Compute the next chunk; the logits after the prompt once it is complete, else None.
-        A failure releases the sequence."""
+    def step(self, greedy: bool = False) -> tuple[torch.Tensor | None, int | None] | None:
+        """Compute the next chunk; None until the prompt is complete, then the logits after
+        it and, if `greedy`, their argmax (CausalLM.prefill_chunk_choosing's pair). A
+        failure releases the sequence."""
         end = min(len(self.prompt_token_ids), self._done + self.chunk)
+        chunk = self.prompt_token_ids[self._done : end]
+        last = end == len(self.prompt_token_ids)
         try:
-            logits = self.engine.prefill_chunk(self.sequence, self.prompt_token_ids[self._done : end])
+            # Only the last chunk's head is used: the ones before it take no greedy screen.
+            logits, token = self.engine.prefill_chunk_choosing(self.sequence, chunk, greedy=greedy and last)
         except BaseException:
             self.release()
             raise
         self._done = end
-        return logits if end == len(self.prompt_token_ids) else None
+        return (logits, token) if last else None
 
     def release(self) -> None:
         self.sequence.release()

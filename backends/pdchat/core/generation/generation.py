@@ -61,12 +61,12 @@ class PrefillJob:
 
     def step(self) -> Prefilled | None:
         """One chunk; the result once the prompt is complete (the sequence then released)."""
-        logits = self._prompt.step()
-        if logits is None:
+        last = self._prompt.step(self._chooser.greedy)
+        if last is None:
             return None
         try:
             return Prefilled(
-                self._chooser.choose(logits), self._engine.export_kv(self._prompt.sequence), self._prompt.cached_tokens
+                self._chooser.choose(*last), self._engine.export_kv(self._prompt.sequence), self._prompt.cached_tokens
             )
         finally:
             self._prompt.release()
@@ -298,10 +298,10 @@ class Generation:
         if self.cache is None:
             self._local = PromptPrefill(self.engine, self.prompt_token_ids, self.params.cache_salt, self._prefill_chunk)
             self.cache, self.cached_tokens = self._local.sequence, self._local.cached_tokens
-        logits = self._local.step()
-        if logits is None:
+        last = self._local.step(self._chooser.greedy)
+        if last is None:
             return False
-        self._pending = self._chooser.choose(logits)
+        self._pending = self._chooser.choose(*last)
         return True
 
     def emit(self) -> Delta:

@@ -178,9 +178,12 @@ class TokenChooser:
         params = self._params
         return params.temperature == 0.0 and self._grammar is None and not params.logprobs and not self._shaper.active
 
-    def choose(self, logits: torch.Tensor, argmax: int | None = None) -> Choice:
+    def choose(self, logits: torch.Tensor | None, argmax: int | None = None) -> Choice:
         """The next token from `logits`; `argmax`, when given, is theirs (a batched step
-        computes it once for all its rows), and a `greedy` chooser takes it as is."""
+        computes it once for all its rows), and a `greedy` chooser takes it as is.
+
+        NOTE: `logits` may be None only with an `argmax` for a `greedy` chooser (the
+        GreedyHead decided the token without them)."""
         if argmax is not None and self.greedy:
             self.replay(argmax)
             return Choice(argmax)
