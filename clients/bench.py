@@ -395,7 +395,7 @@ def bench_batching(args: argparse.Namespace) -> None:
 
 # decode's step alone, side by side: what each part of pdchat's step gives.
 STEP_VARIANTS = {
-    "ms_per_step": "pdchat's step: its own forward pass, C kernels between the GEMMs, greedy tokens by the bf16 screen",
+    "ms_per_step": "pdchat's step: its own forward pass, C kernels between the GEMMs, greedy tokens by the GreedyHead",
     "ms_per_step_full_projection": "the same, the vocabulary projected in full (fp32) and a C argmax: the step before",
     "ms_per_step_torch_ops": "its own forward pass, torch ops between the GEMMs",
     "ms_per_step_transformers": "transformers' forward, torch attention (the step before both)",
