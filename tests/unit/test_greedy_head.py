@@ -132,6 +132,8 @@ def test_both_ways_give_the_same_exact_tokens_whichever_way_the_timing_picks(ker
     hidden = torch.randn(40, WIDTH, generator=torch.Generator().manual_seed(4))
     screened, projected = (_head(kernels, weight, way).argmax(hidden) for way in WAYS.values())
     assert screened == projected == _exact_argmax(hidden, weight)
-    timed = cpu_kernels.GreedyHead(kernels, weight)  # times both ways per bucket
-    assert timed.screen_rows <= frozenset(cpu_kernels.SCREEN_BUCKETS)
-    assert timed.argmax(hidden) == screened
+    timed = cpu_kernels.GreedyHead(kernels, weight)  # times both ways on a bucket's first batch
+    assert timed.screen_rows == frozenset()  # nothing timed yet
+    assert timed.argmax(hidden) == screened  # 40 rows: the last bucket, timed now
+    assert timed.argmax(hidden[:3]) == screened[:3]  # the 4-row bucket
+    assert timed.screen_rows <= {4, 32}

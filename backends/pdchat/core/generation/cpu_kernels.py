@@ -47,8 +47,8 @@ candidates exceed `max_candidates` comes back undecided (-1) and takes the full 
 Where the fp32 projection (oneDNN) is the faster for a batch's row count on this host, as
 it can be for many rows when the weight sits in a large cache, the head projects in fp32
 and takes the same exact decision on those logits with fp32's bound (`decide_rows`): the
-tokens are the same either way. Which is faster is timed once per row-count bucket when the
-head is made. Its calls release the GIL (ctypes.CDLL): they last milliseconds, and the
+tokens are the same either way. Which is faster is timed once per row-count bucket, on the
+first batch of that size. Its calls release the GIL (ctypes.CDLL): they last milliseconds, and the
 outbox thread sends the previous step's responses meanwhile.
 """
 
@@ -92,8 +92,8 @@ _RELEASING_SIGNATURES = {
     "head_argmax": ([_P, _N, _N, _P, _P, _P, _N, _F, _F, _N, _P, _P], ctypes.c_int),
     "decide_rows": ([_P, _N, _N, _P, _P, _N, _P, _F, _F, _N, _P], None),
 }
-# Row counts the GreedyHead times its two ways at, once: a batch takes its bucket's winner
-# (the smallest bucket at least its size; the last beyond it).
+# Row-count buckets the GreedyHead times its two ways in, once each, on its first batch: a
+# batch takes its bucket's winner (the smallest bucket at least its size; the last beyond it).
 SCREEN_BUCKETS = (1, 2, 4, 8, 16, 32)
 # bf16 keeps 8 significant bits: each of x and W rounds by at most 2^-8 of itself.
 _BF16_UNIT = 2.0**-8
@@ -255,8 +255,8 @@ class GreedyHead:
 
     `project` computes the fp32 logits of rows (hidden [rows, width] -> [rows, vocab]; the
     engine's vocabulary projection, `hidden @ weight^T` by default). `screen_rows`: the
-    bucket sizes (SCREEN_BUCKETS) the bf16 screen serves, the others projecting in fp32;
-    None times both ways once here and keeps the faster per bucket.
+    buckets (SCREEN_BUCKETS) the bf16 screen serves, the others projecting in fp32; None
+    times both ways on a bucket's first batch and keeps the faster for it.
 
     NOTE: holds a bf16 copy of the weight (half its size again), made here. One thread
     at a time: the scratch buffer is shared by calls."""
@@ -283,7 +283,13 @@ class GreedyHead:
         self._fp32_slack_scale = 1.01 * gamma  # fp32's sums alone, any order
         # What flushing bf16 denormals (below 2^-126) to zero can add, per logit.
         self._slack_floor = width * 2.0**-126 * float(self._weight.abs().max()) * 4 + 2.0**-100
-        self.screen_rows = self._time_buckets() if screen_rows is None else screen_rows
+        # bucket -> whether the screen serves it; a bucket not in it yet is timed on its first batch
+        self._screen_wins = {} if screen_rows is None else {size: size in screen_rows for size in SCREEN_BUCKETS}
+
+    @property
+    def screen_rows(self) -> frozenset[int]:
+        """The buckets, given or timed so far, that the bf16 screen serves."""
+        return frozenset(size for size, wins in self._screen_wins.items() if wins)
 
     @classmethod
     def fits(cls, kernels: DecodeKernels | None, weight: torch.Tensor) -> bool:
@@ -312,7 +318,11 @@ class GreedyHead:
         if not bool(bounded.all()):
             return [-1] * rows
         bucket = next((size for size in SCREEN_BUCKETS if size >= rows), SCREEN_BUCKETS[-1])
-        return self._screened(hidden) if bucket in self.screen_rows else self._decided(hidden)
+        if bucket not in self._screen_wins:
+            self._screen_wins[bucket] = self._screen_is_faster(hidden)
+            way = "bf16 screen" if self._screen_wins[bucket] else "fp32 projection"
+            log.info("GreedyHead: batches of up to %d rows take the %s", bucket, way)
+        return self._screened(hidden) if self._screen_wins[bucket] else self._decided(hidden)
 
     def _screened(self, hidden: torch.Tensor) -> list[int]:
         """The bf16 screen, then the candidates in double."""
@@ -360,27 +370,16 @@ class GreedyHead:
         )
         return out.tolist()
 
-    def _time_buckets(self, rounds: int = 5) -> frozenset[int]:
-        """The buckets, from the smallest, at which the screen beat the fp32 projection
-        here (best of `rounds`, the two interleaved, on a fixed random batch of each size),
-        up to the first it lost: the screen's cost per row is the larger, so it loses at
-        every size beyond."""
-        width = self._weight.shape[1]
-        generator = torch.Generator().manual_seed(0)
-        served = set()
-        for size in SCREEN_BUCKETS:
-            hidden = torch.randn(size, width, generator=generator)
-            best = {self._screened: float("inf"), self._decided: float("inf")}
-            for _ in range(rounds):
-                for way in best:
-                    started = time.perf_counter()
-                    way(hidden)
-                    best[way] = min(best[way], time.perf_counter() - started)
-            if best[self._screened] > best[self._decided]:
-                break
-            served.add(size)
-        log.info("GreedyHead: the bf16 screen serves batches of up to %s rows", max(served, default=0))
-        return frozenset(served)
+    def _screen_is_faster(self, hidden: torch.Tensor, rounds: int = 5) -> bool:
+        """Whether the screen beats the fp32 projection on `hidden` here (best of `rounds`,
+        the two interleaved). Both give the same tokens."""
+        best = {self._screened: float("inf"), self._decided: float("inf")}
+        for _ in range(rounds):
+            for way in best:
+                started = time.perf_counter()
+                way(hidden)
+                best[way] = min(best[way], time.perf_counter() - started)
+        return best[self._screened] <= best[self._decided]
 
 
 def _fp32_cpu(*tensors: torch.Tensor) -> bool:
