@@ -156,7 +156,7 @@ def test_prefill_compiles_beside_the_prompts_it_computes(trusted_server, trusted
         finally:
             client.close()
 
-    slow = threading.Thread(target=run, args=("grammar", enum_request(10_000, prefix="pre")))
+    slow = threading.Thread(target=run, args=("grammar", enum_request(20_000, prefix="pre")))
     slow.start()
     time.sleep(0.3)  # the grammar request reached prefill and is compiling
     run("plain", {"messages": PROMPT, "max_tokens": 2, "temperature": 0})
