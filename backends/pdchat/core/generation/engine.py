@@ -78,8 +78,11 @@ class CausalLM:
         # The kernels run on one thread; with more, torch spreads the step over them.
         one_cpu_thread = self.device == "cpu" and self.dtype == torch.float32 and torch.get_num_threads() == 1
         self.decode_kernels = cpu_kernels.load(cache_dir() / "kernels") if own and one_cpu_thread else None
-        self._greedy: cpu_kernels.GreedyHead | bool | None = None  # made on first use (False: none serves)
+        self._greedy: cpu_kernels.GreedyHead | bool | None = None  # (False: none serves)
         self._greedy_enabled = True
+        if self.decode_kernels is not None:
+            # Made now rather than on a first request's pass: its bf16 copy takes ~0.1 s.
+            self._greedy_head()
         config = self.model.config
         self.context_length = int(config.max_position_embeddings)
         self.vocab_size = int(config.vocab_size)
@@ -210,9 +213,9 @@ class CausalLM:
         self._greedy_enabled = enabled
 
     def _greedy_head(self) -> cpu_kernels.GreedyHead | None:
-        """The vocabulary projection's GreedyHead, made on the first pass with a greedy row
-        where it serves (pdchat's own forward, the C kernels with AVX-512 BF16, a projection
-        without bias); None elsewhere."""
+        """The vocabulary projection's GreedyHead, made with the engine (or, for kernels
+        given later, on the first pass with a greedy row) where it serves (pdchat's own
+        forward, the C kernels with AVX-512 BF16, a projection without bias); None elsewhere."""
         if not self._greedy_enabled:
             return None
         if self._greedy is None:
