@@ -280,3 +280,20 @@ def test_state_reports_are_spaced_while_running_and_the_idle_state_is_reported_a
     running = [s for s in states if s.running]
     # 12 steps, the KV changing every step: far fewer reports than steps.
     assert 1 <= len(running) <= 6, states
+
+
+def test_a_job_that_comes_and_goes_between_two_reports_gets_the_idle_state_reported_again():
+    """The idle state after a job is reported even when it equals the last one reported
+    (on_state reads the pool's counters beside it, which the job moved)."""
+    recorder, states = Recorder(), []
+    scheduler = DecodeScheduler(RecordingBatch(), Limits(), on_state=states.append, state_interval_s=3600.0)
+    for name in ("a", "b"):
+        scheduler.submit(recorder.job(CountingGeneration(name, 2)))
+        for _ in range(200):
+            if f"{name}:end" in recorder.events and states and states[-1].running == 0:
+                break
+            threading.Event().wait(0.01)
+        threading.Event().wait(0.05)
+    scheduler.close()
+    idle = [s for s in states if s.running == 0 and s.waiting == 0]
+    assert len(idle) == 2, states

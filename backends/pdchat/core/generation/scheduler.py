@@ -133,6 +133,7 @@ class DecodeScheduler:
         self._clock = clock
         self._state: SchedulerState | None = None
         self._reported_at = float("-inf")
+        self._taken_since_report = False  # a job came in since the last report (see _report)
         self._incoming: queue.SimpleQueue[DecodeJob | None] = queue.SimpleQueue()
         self._cancel_requests: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._waiting: list[_Entry] = []
@@ -181,6 +182,7 @@ class DecodeScheduler:
                 return False
             block = False
             self._waiting.append(_Entry(job, self._clock()))
+            self._taken_since_report = True
 
     def _drop_cancelled(self) -> None:
         keys = set()
@@ -326,7 +328,11 @@ class DecodeScheduler:
         """Tell `on_state` of a changed state at most every `state_interval_s` while work
         goes on (the KV held changes nearly every step at 16 rows; each report is several
         metric updates, each a round trip to the server), and at once when the scheduler
-        is about to wait idle, so the last state is never left unreported."""
+        is about to wait idle after any work, so the last state is never left unreported.
+
+        NOTE: the idle state is reported after every job taken in since the last report,
+        even when it equals the one reported: what `on_state` reads beside it (the pool's
+        token counters) moved with the job."""
         if self._on_state is None:
             return
         idle = not (self._waiting or self._prefilling or self._running)
@@ -334,6 +340,6 @@ class DecodeScheduler:
         if not idle and now - self._reported_at < self._state_interval_s:
             return
         state = SchedulerState(len(self._running) + len(self._prefilling), len(self._waiting), self._batch.kv_bytes())
-        if state != self._state:
-            self._state, self._reported_at = state, now
+        if state != self._state or (idle and self._taken_since_report):
+            self._state, self._reported_at, self._taken_since_report = state, now, False
             self._on_state(state)
