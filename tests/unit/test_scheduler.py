@@ -282,6 +282,40 @@ def test_state_reports_are_spaced_while_running_and_the_idle_state_is_reported_a
     assert 1 <= len(running) <= 6, states
 
 
+def test_the_sequences_held_are_published_as_they_come_and_go():
+    loads, recorder = [], Recorder()
+    scheduler = DecodeScheduler(RecordingBatch(), on_load=loads.append)
+    gate = threading.Event()
+
+    def held_start():
+        gate.wait()
+        return CountingGeneration("a", 3)
+
+    scheduler.submit(
+        DecodeJob(
+            key="a",
+            start=held_start,
+            emit=recorder.job(CountingGeneration("a", 3)).emit,
+            fail=lambda e: None,
+            on_cancel=lambda: None,
+        )
+    )
+    for _ in range(100):  # the job is queued, its start held
+        if loads and loads[-1] == 1:
+            break
+        threading.Event().wait(0.01)
+    assert loads[-1] == 1, "a job taken in but not yet started counts"
+    gate.set()
+    for _ in range(200):
+        if "a:end" in recorder.events:
+            break
+        threading.Event().wait(0.01)
+    threading.Event().wait(0.05)
+    scheduler.close()
+    assert loads[-1] == 0, "the scheduler went idle without publishing it"
+    assert loads[0] == 1 and set(loads) == {0, 1}
+
+
 def test_a_job_that_comes_and_goes_between_two_reports_gets_the_idle_state_reported_again():
     """The idle state after a job is reported even when it equals the last one reported
     (on_state reads the pool's counters beside it, which the job moved)."""

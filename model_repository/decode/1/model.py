@@ -11,6 +11,7 @@ A request carrying only `cancel_request_id` (sealed by chat) stops the named req
 
 import functools
 import logging
+import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -26,7 +27,8 @@ from pdchat.core.generation.sampling import Choice
 from pdchat.core.generation.scheduler import DecodeJob, DecodeScheduler, Limits
 from pdchat.core.kv.connector import Connectors, KVUnavailable
 from pdchat.core.settings import batching_options, keep_off_decode_cpus, kv_options
-from pdchat.ensemble.seal import StageSeal
+from pdchat.ensemble.decode_load import LoadSlot
+from pdchat.ensemble.seal import StageSeal, server_directory
 from pdchat.models import resolve_model
 from pdchat.triton import io
 from pdchat.triton.kv_events import KVEvents
@@ -82,8 +84,14 @@ class TritonPythonModel:
         )
         # About one step's responses may wait for the outbox before the scheduler waits too.
         self.outbox = Outbox("pdchat-decode-outbox", max_pending=2 * self.options.max_running)
+        # What chat reads to let an idle decode prefill a prompt itself (setting local_prefill_when_idle).
+        self.load = LoadSlot(server_directory(os.getppid()), args["model_instance_name"])
         self.scheduler = DecodeScheduler(
-            DecodeBatch(self.model.engine), limits, on_state=self._on_state, cpus=cpus and cpus.decode
+            DecodeBatch(self.model.engine),
+            limits,
+            on_state=self._on_state,
+            on_load=self.load.set,
+            cpus=cpus and cpus.decode,
         )
         if cpus is not None:
             log.info("%s: %s (setting decode_cpus)", args["model_instance_name"], cpus.describe())
@@ -108,6 +116,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.scheduler.close()
+        self.load.close()
         self.kv_events.close()
         self.model.close()
         self.outbox.close()

@@ -120,15 +120,20 @@ class DecodeScheduler:
         name: str = "pdchat-decode",
         on_state: Callable[[SchedulerState], None] | None = None,
         state_interval_s: float = 0.1,
+        on_load: Callable[[int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         cpus: frozenset[int] | None = None,
     ):
         """`cpus`: the CPUs the scheduler's thread (and the torch threads it starts) runs on
-        (pdchat.core.placement); None: wherever it was started."""
+        (pdchat.core.placement); None: wherever it was started. `on_load(n)`: called on the
+        scheduler's thread with the sequences it holds (queued, prefilling, running) at the
+        start and end of each pass, unthrottled: it must be cheap
+        (pdchat.ensemble.decode_load.LoadSlot.set)."""
         self._batch = batch
         self._cpus = cpus
         self._limits = limits
         self._on_state = on_state
+        self._on_load = on_load
         self._state_interval_s = state_interval_s
         self._clock = clock
         self._state: SchedulerState | None = None
@@ -159,10 +164,12 @@ class DecodeScheduler:
         if self._cpus is not None:
             bind_thread(self._cpus)
         while self._take_incoming(block=not (self._waiting or self._prefilling or self._running)):
+            self._publish_load()
             self._drop_cancelled()
             self._admit()
             self._prefill_chunk()
             self._step()
+            self._publish_load()
             self._report()
         ending = self._waiting + self._prefilling + self._running
         for entry in self._prefilling:
@@ -323,6 +330,10 @@ class DecodeScheduler:
             self._batch.leave(rows)
             leaving = set(rows)
             self._running = [e for row, e in enumerate(self._running) if row not in leaving]
+
+    def _publish_load(self) -> None:
+        if self._on_load is not None:
+            self._on_load(len(self._waiting) + len(self._prefilling) + len(self._running))
 
     def _report(self) -> None:
         """Tell `on_state` of a changed state at most every `state_interval_s` while work
