@@ -5,7 +5,9 @@ stage models. `model_repository/chat` serves it with BLS calls (`pdchat.triton.c
 `tests/pipeline.py` serves it in one process. Routes (`pdchat.ensemble.routing`):
 
 - REUSE: forwarded ids the gate admitted, sealed here, go straight to decode; no render;
-- RENDER: renderer -> prefill (KV over shm, to this server's decode) -> decode;
+- RENDER: renderer -> prefill (KV over shm, to this server's decode) -> decode; while
+  decode holds no sequence (`DecodeLoad`, setting local_prefill_when_idle), renderer ->
+  decode, which prefills the prompt itself;
 - REMOTE_PREFILL: renderer -> prefill (KV through the configured connector), then one
   answer: the first token and the signed kv_transfer_params for a decode server;
 - RENDER_VERIFIED: renderer, then decode with the transferred KV once the rendered ids
@@ -40,11 +42,18 @@ from pdchat.core.request.protocol import ChatRequest, GenerationParams
 from pdchat.core.request.render_cost import RenderRate
 from pdchat.core.request.renderers import load_renderer
 from pdchat.core.request.rendering import PromptRenderer
-from pdchat.core.settings import STAGE_STALL_TIMEOUT_S, forwarded_ids_policy, handoff_ttl_s, kv_connector
+from pdchat.core.settings import (
+    LOCAL_PREFILL_WHEN_IDLE,
+    STAGE_STALL_TIMEOUT_S,
+    forwarded_ids_policy,
+    handoff_ttl_s,
+    kv_connector,
+)
+from pdchat.ensemble.decode_load import DecodeLoad
 from pdchat.ensemble.gate import ForwardedIdsRejected, Gate, parse_policy
 from pdchat.ensemble.handoff import load_key
 from pdchat.ensemble.routing import Route, RoutePlanner
-from pdchat.ensemble.seal import StageSeal
+from pdchat.ensemble.seal import StageSeal, server_directory
 from pdchat.registry import SHM
 
 # How often a relayed stream asks whether its client left (each ask may be a round trip).
@@ -167,7 +176,10 @@ class ChatFlow:
         observer: HandoffObserver,
         render_rate: RenderRate | None = None,
         stall_timeout_s: float = STAGE_STALL_TIMEOUT_S.default_value,
+        decode_load: DecodeLoad | None = None,
     ):
+        """`decode_load`: while it reads idle, decode prefills a plain prompt itself
+        (setting local_prefill_when_idle); None: prefill always does."""
         self.planner = planner
         self.renderer = renderer
         self.seal = seal
@@ -176,6 +188,7 @@ class ChatFlow:
         self.speller = TokenSpeller(renderer.tokenizer)
         self.render_rate = render_rate or RenderRate.calibrate(self._render_ids)
         self.stall_timeout_s = stall_timeout_s  # longest wait for decode's next response
+        self.decode_load = decode_load
 
     @classmethod
     def for_model(
@@ -201,7 +214,9 @@ class ChatFlow:
         planner = RoutePlanner(gate, served_name, handoff_ttl_s(parameters, env), renderer.render_defaults)
         seal = StageSeal.for_this_server(env)
         stall_timeout_s = STAGE_STALL_TIMEOUT_S.get(parameters, env)
-        return cls(planner, renderer, seal, kv_connector(parameters, env), observer, stall_timeout_s=stall_timeout_s)
+        load = DecodeLoad(server_directory(os.getppid())) if LOCAL_PREFILL_WHEN_IDLE.get(parameters, env) else None
+        connector = kv_connector(parameters, env)
+        return cls(planner, renderer, seal, connector, observer, stall_timeout_s=stall_timeout_s, decode_load=load)
 
     async def serve(self, inputs: ChatInputs, stages: ChatStages) -> None:
         """Serve one request through `stages`, to its client's last response.
@@ -239,6 +254,8 @@ class ChatFlow:
             stages.answer(
                 remote_prefill_output(params, ids.tolist(), first, self.speller, handoff.to_params()), handoff.to_json()
             )
+        elif self.decode_load is not None and self.decode_load.idle():  # decode prefills it, no KV to hand over
+            await self._relay(stages, DecodeCall(ids, params, params_text, self.seal.seal_prompt(ids, params_text)))
         else:
             prefilled = await stages.prefill(rendered, SHM)
             await self._relay(stages, DecodeCall(ids, params, params_text, prefilled.seal, prefilled.kv_handle))

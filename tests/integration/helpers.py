@@ -68,6 +68,38 @@ def metric(server, name: str, **labels: str) -> float:
     )
 
 
+def prompt_tokens_computed(server, settle_s: float = 0.1) -> dict[str, float]:
+    """Prompt tokens each stage model of `server` computed so far, by model, once two reads
+    `settle_s` apart agree (a request that just ended may not have reported its count yet;
+    at most 30 reads)."""
+
+    def read() -> dict[str, float]:
+        return {m: metric(server, "pdchat_prompt_tokens_computed_total", model=m) for m in ("prefill", "decode")}
+
+    counts = read()
+    for _ in range(30 if settle_s else 0):
+        time.sleep(settle_s)
+        counts, previous = read(), counts
+        if counts == previous:
+            break
+    return counts
+
+
+def computed_since(server, before: dict[str, float], tokens: int, timeout: float = 5.0) -> dict[str, float]:
+    """What each stage model computed since `before` (prompt_tokens_computed), once they
+    computed `tokens` together or `timeout` passed: decode reports its pool's counters
+    after its answer's last response, not before it."""
+    grown: dict[str, float] = {}
+
+    def reached() -> bool:
+        now = prompt_tokens_computed(server, settle_s=0)
+        grown.update({model: now[model] - before[model] for model in now})
+        return sum(grown.values()) >= tokens
+
+    wait_for(reached, timeout, interval=0.05)
+    return grown
+
+
 def chat_renders(server) -> float:
     """Chat requests the server's renderer rendered: not its executions, which also answer the
     /tokenize calls vllm-router makes to every worker's front."""

@@ -71,9 +71,14 @@ def decoded(server, ticket) -> list[dict]:
 BODY = chat_body("single_turn", max_tokens=6, temperature=0, stream=True)
 
 
-def test_a_ticket_opens_decode_with_the_answer_chat_relays(server):
+@pytest.mark.parametrize("prefilled_by", ["decode", "prefill"])
+def test_a_ticket_opens_decode_with_the_answer_chat_relays(server, small_pool_server, prefilled_by):
+    """An idle decode prefills the prompt itself: its ticket has no KV handle. Prefill's
+    KV (small_pool_server's prompts are always prefill's) comes in the ticket's handle."""
+    server = server if prefilled_by == "decode" else small_pool_server
     ticket = ticket_of(server, BODY)
-    assert set(ticket) == {tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.STAGE_SEAL, tensors.KV_HANDLE}
+    sealed = {tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.STAGE_SEAL}
+    assert set(ticket) == (sealed if prefilled_by == "decode" else sealed | {tensors.KV_HANDLE})
     chunks = decoded(server, ticket)
     relayed = collect(GrpcChat(server.grpc_url).stream(chat_inputs(BODY)))
     assert [c["choices"][0]["delta"].get("content", "") for c in chunks] == [o.text for o in relayed.outputs]
@@ -96,7 +101,8 @@ def test_a_ticket_opens_decode_for_its_own_ids_only(server):
 
 
 @pytest.mark.parametrize("part", [tensors.GENERATION_PARAMS, tensors.KV_HANDLE])
-def test_a_ticket_opens_decode_for_its_own_params_and_kv_only(server, part):
+def test_a_ticket_opens_decode_for_its_own_params_and_kv_only(small_pool_server, part):
+    server = small_pool_server  # its prompts are prefill's: its tickets carry a KV handle
     ticket, other = ticket_of(server, BODY), ticket_of(server, chat_body("single_turn", max_tokens=3, temperature=0))
     assert ticket[part].tobytes() != other[part].tobytes()
     with pytest.raises(Exception, match=r"refused \(altered: the seal does not match this input\)"):

@@ -11,7 +11,7 @@ import uuid
 
 from pdchat.clients.chat import GrpcChat, HttpChat, chat_inputs, collect
 from pdchat.core.errors import ErrorCode
-from tests.integration.helpers import ask, metric, refusal, wait_for
+from tests.integration.helpers import ask, computed_since, metric, prompt_tokens_computed, refusal, wait_for
 
 BLOCK_TOKENS = 16
 KV_BYTES_PER_TOKEN = 4096  # the tiny model: 4 layers x 2 x 2 kv heads x 64 x fp32
@@ -34,25 +34,33 @@ def cached_tokens(result) -> int:
     return result.outputs[-1].response["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def computed(server) -> float:
-    return metric(server, "pdchat_prompt_tokens_computed_total", model="prefill")
+def common_prefix(first: list[int], second: list[int]) -> int:
+    shared = 0
+    for mine, theirs in zip(first, second, strict=False):
+        if mine != theirs:
+            break
+        shared += 1
+    return shared
 
 
 def test_a_conversation_sent_again_gets_the_same_tokens_from_cached_blocks(server):
+    """Computed once, by prefill or by an idle decode: sent again, all but the last block's
+    tokens come from the cache of the stage that computes it then."""
     client = GrpcChat(server.grpc_url)
     body = conversation()
-    before = computed(server)
+    before = prompt_tokens_computed(server)
     cold = ask(client, body)
-    cold_computed = computed(server) - before
-    warm = ask(client, body)
-    warm_computed = computed(server) - before - cold_computed
-    client.close()
     prompt = len(cold.prompt_token_ids)
+    cold_computed = sum(computed_since(server, before, prompt).values())
+    before = prompt_tokens_computed(server)
+    warm = ask(client, body)
+    warm_computed = sum(computed_since(server, before, prompt - cached_tokens(warm)).values())
+    client.close()
     assert prompt > 200 and cached_tokens(cold) == 0
     assert cached_tokens(warm) == (prompt - 1) // BLOCK_TOKENS * BLOCK_TOKENS
     assert warm.output_token_ids == cold.output_token_ids
     assert cold_computed == prompt and warm_computed == prompt - cached_tokens(warm)
-    assert metric(server, "pdchat_prefix_cache_hits_tokens_total", model="prefill") >= cached_tokens(warm)
+    assert metric(server, "pdchat_prefix_cache_hits_tokens_total") >= cached_tokens(warm)
 
 
 def test_the_next_turn_hits_the_blocks_of_this_turns_prompt_streamed_over_http(server):
@@ -67,14 +75,15 @@ def test_the_next_turn_hits_the_blocks_of_this_turns_prompt_streamed_over_http(s
         "messages": first["messages"]
         + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And the light?"}],
     }
+    before = prompt_tokens_computed(server)
     next_turn = ask(client, follow_up)
+    uncached = len(next_turn.prompt_token_ids) - cached_tokens(next_turn)
+    prefilled_by_decode = computed_since(server, before, uncached)["decode"] > 0
     client.close()
-    shared = 0
-    for mine, theirs in zip(turn.prompt_token_ids, next_turn.prompt_token_ids, strict=False):
-        if mine != theirs:
-            break
-        shared += 1
+    shared = common_prefix(turn.prompt_token_ids, next_turn.prompt_token_ids)
     assert shared >= len(turn.prompt_token_ids) - 1, "the next turn's prompt starts with this turn's"
+    if prefilled_by_decode:  # decode's cache holds the answer's KV too: all but its last token went through a step
+        shared = common_prefix(turn.prompt_token_ids + turn.output_token_ids[:-1], next_turn.prompt_token_ids)
     assert cached_tokens(next_turn) == min(shared, len(next_turn.prompt_token_ids) - 1) // BLOCK_TOKENS * BLOCK_TOKENS
 
 

@@ -11,6 +11,7 @@ import pytest
 from pdchat.core.errors import InvalidRequest, Unavailable
 from pdchat.core.output.responses import FAILED, ClientOutput
 from pdchat.core.request.protocol import parse_chat_json
+from pdchat.ensemble.decode_load import DecodeLoad, LoadSlot
 from pdchat.ensemble.flow import ChatInputs, DecodeCall
 from pdchat.ensemble.gate import ForwardedIdsRejected
 from pdchat.ensemble.routing import Route
@@ -273,3 +274,41 @@ def test_a_ticket_is_the_decode_call_chat_would_relay(prefill_server, decode_ser
     if forwarded:
         with pytest.raises(ForwardedIdsRejected, match="this handoff was used already"):
             asyncio.run(decode_server.flow.serve(inputs, LocalStages(decode_server, handoff=True)))
+
+
+@pytest.mark.parametrize("ticketed", [False, True])
+def test_an_idle_decode_prefills_a_plain_prompt_itself_and_answers_the_same(
+    decode_server, tmp_path, monkeypatch, ticketed
+):
+    """While decode publishes no sequence held, chat skips prefill: decode's call carries no
+    KV handle, its seal opens decode, and the answer is the one prefill's KV gives. A busy
+    decode (or none publishing) leaves the prompt to prefill."""
+    with_prefill = decode_server.run(chat())
+    prefills = []
+    real_prefill = LocalStages.prefill
+
+    async def counted(self, rendered, destination):
+        prefills.append(destination)
+        return await real_prefill(self, rendered, destination)
+
+    monkeypatch.setattr(LocalStages, "prefill", counted)
+    slot = LoadSlot(tmp_path, "decode_0_0")
+    monkeypatch.setattr(decode_server.flow, "decode_load", DecodeLoad(tmp_path))
+    try:
+        stages = LocalStages(decode_server, handoff=True)
+        stages.ticketed = ticketed
+        asyncio.run(decode_server.flow.serve(ChatInputs(chat()), stages))
+        outputs = (
+            asyncio.run(_decoded(LocalStages(decode_server, handoff=True), stages.tickets[0]))
+            if ticketed
+            else stages.outputs
+        )
+        assert prefills == [] and stages.route is Route.RENDER
+        if ticketed:
+            assert stages.tickets[0].kv_handle == ""
+        assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in with_prefill]
+        slot.set(1)
+        assert decode_server.run(chat())[-1].output_token_ids == with_prefill[-1].output_token_ids
+        assert len(prefills) == 1, "a busy decode was given the prompt to prefill"
+    finally:
+        slot.close()

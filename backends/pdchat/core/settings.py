@@ -319,6 +319,18 @@ STAGE_STALL_TIMEOUT_S = Setting(
     "UNAVAILABLE and decode is told to cancel it. Keep it above queue_timeout_s plus the longest prefill decode "
     "may do itself.",
 )
+LOCAL_PREFILL_WHEN_IDLE = Setting(
+    "local_prefill_when_idle",
+    "local_prefill_when_idle",
+    "PDCHAT_LOCAL_PREFILL_WHEN_IDLE",
+    "true",
+    FLAG,
+    ("chat",),
+    "A prompt chat would hand to this server's `prefill` goes to `decode` instead, which prefills it itself, while "
+    "decode holds no sequence: a lone request's first token then skips prefill's call and the KV copy between the "
+    "two. Under load `prefill` computes prompts beside decode's steps, as with false. Forwarded ids with prefill's "
+    "KV, and P/D prefill legs, are not affected.",
+)
 MAX_REQUEST_BYTES = Setting(
     "max_request_bytes",
     "max_request_bytes",
