@@ -59,6 +59,9 @@ from pdchat.registry import SHM
 # How often a relayed stream asks whether its client left (each ask may be a round trip).
 CANCEL_POLL_S = 0.05
 IDLE_POLL_S = 1.0  # how often a relay waiting for decode looks whether its client left
+# Plain prompts chat routes within this long of one that looked at decode's load take that
+# one's choice of who prefills (ChatFlow._decode_prefills).
+PREFILL_CHOICE_BURST_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -177,9 +180,11 @@ class ChatFlow:
         render_rate: RenderRate | None = None,
         stall_timeout_s: float = STAGE_STALL_TIMEOUT_S.default_value,
         decode_load: DecodeLoad | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         """`decode_load`: while it reads idle, decode prefills a plain prompt itself
-        (setting local_prefill_when_idle); None: prefill always does."""
+        (setting local_prefill_when_idle); None: prefill always does. `clock`: what times
+        the bursts that take one choice of who prefills (`_decode_prefills`)."""
         self.planner = planner
         self.renderer = renderer
         self.seal = seal
@@ -189,6 +194,8 @@ class ChatFlow:
         self.render_rate = render_rate or RenderRate.calibrate(self._render_ids)
         self.stall_timeout_s = stall_timeout_s  # longest wait for decode's next response
         self.decode_load = decode_load
+        self.clock = clock
+        self._prefill_choice = (float("-inf"), False)  # when a burst's first plain prompt chose, and whether decode
 
     @classmethod
     def for_model(
@@ -254,11 +261,28 @@ class ChatFlow:
             stages.answer(
                 remote_prefill_output(params, ids.tolist(), first, self.speller, handoff.to_params()), handoff.to_json()
             )
-        elif self.decode_load is not None and self.decode_load.idle():  # decode prefills it, no KV to hand over
+        elif self._decode_prefills():  # no KV to hand over
             await self._relay(stages, DecodeCall(ids, params, params_text, self.seal.seal_prompt(ids, params_text)))
         else:
             prefilled = await stages.prefill(rendered, SHM)
             await self._relay(stages, DecodeCall(ids, params, params_text, prefilled.seal, prefilled.kv_handle))
+
+    def _decode_prefills(self) -> bool:
+        """Whether decode prefills this plain prompt itself: it holds no sequence (`decode_load`).
+
+        NOTE: prompts routed within PREFILL_CHOICE_BURST_S of the one that looked take its
+        choice: a burst (the n choices of one request, a client's parallel calls) is then
+        prefilled by one stage, where its common prefix is computed once and shared. Were
+        each to look, the first would find decode idle and the others, once decode took it,
+        busy: prefill would compute the same prompt again."""
+        if self.decode_load is None:
+            return False
+        now = self.clock()
+        chosen_at, local = self._prefill_choice
+        if now - chosen_at >= PREFILL_CHOICE_BURST_S:
+            local = self.decode_load.idle()
+            self._prefill_choice = (now, local)
+        return local
 
     def _plan(self, inputs: ChatInputs):
         try:

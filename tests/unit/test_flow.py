@@ -12,9 +12,10 @@ from pdchat.core.errors import InvalidRequest, Unavailable
 from pdchat.core.output.responses import FAILED, ClientOutput
 from pdchat.core.request.protocol import parse_chat_json
 from pdchat.ensemble.decode_load import DecodeLoad, LoadSlot
-from pdchat.ensemble.flow import ChatInputs, DecodeCall
+from pdchat.ensemble.flow import PREFILL_CHOICE_BURST_S, ChatInputs, DecodeCall
 from pdchat.ensemble.gate import ForwardedIdsRejected
 from pdchat.ensemble.routing import Route
+from pdchat.registry import SHM
 from tests.pipeline import LocalPipeline, LocalStages
 
 KEY = {"PDCHAT_HANDOFF_KEY": "a test key of more than sixteen bytes"}
@@ -276,39 +277,61 @@ def test_a_ticket_is_the_decode_call_chat_would_relay(prefill_server, decode_ser
             asyncio.run(decode_server.flow.serve(inputs, LocalStages(decode_server, handoff=True)))
 
 
-@pytest.mark.parametrize("ticketed", [False, True])
-def test_an_idle_decode_prefills_a_plain_prompt_itself_and_answers_the_same(
-    decode_server, tmp_path, monkeypatch, ticketed
-):
-    """While decode publishes no sequence held, chat skips prefill: decode's call carries no
-    KV handle, its seal opens decode, and the answer is the one prefill's KV gives. A busy
-    decode (or none publishing) leaves the prompt to prefill."""
-    with_prefill = decode_server.run(chat())
-    prefills = []
+@pytest.fixture
+def decode_load(decode_server, tmp_path, monkeypatch):
+    """decode_server's flow reading a load published in tmp_path, its decode instance's
+    slot at 0 (idle); prefill's calls counted in `prefills`."""
+    slot = LoadSlot(tmp_path, "decode_0_0")
+    slot.now = 0.0  # the flow's clock: tests move it past a burst
+    monkeypatch.setattr(decode_server.flow, "decode_load", DecodeLoad(tmp_path))
+    monkeypatch.setattr(decode_server.flow, "_prefill_choice", (float("-inf"), False))
+    monkeypatch.setattr(decode_server.flow, "clock", lambda: slot.now)
+    slot.prefills = []
     real_prefill = LocalStages.prefill
 
     async def counted(self, rendered, destination):
-        prefills.append(destination)
+        slot.prefills.append(destination)
         return await real_prefill(self, rendered, destination)
 
     monkeypatch.setattr(LocalStages, "prefill", counted)
-    slot = LoadSlot(tmp_path, "decode_0_0")
-    monkeypatch.setattr(decode_server.flow, "decode_load", DecodeLoad(tmp_path))
-    try:
-        stages = LocalStages(decode_server, handoff=True)
-        stages.ticketed = ticketed
-        asyncio.run(decode_server.flow.serve(ChatInputs(chat()), stages))
-        outputs = (
-            asyncio.run(_decoded(LocalStages(decode_server, handoff=True), stages.tickets[0]))
-            if ticketed
-            else stages.outputs
-        )
-        assert prefills == [] and stages.route is Route.RENDER
-        if ticketed:
-            assert stages.tickets[0].kv_handle == ""
-        assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in with_prefill]
-        slot.set(1)
-        assert decode_server.run(chat())[-1].output_token_ids == with_prefill[-1].output_token_ids
-        assert len(prefills) == 1, "a busy decode was given the prompt to prefill"
-    finally:
-        slot.close()
+    yield slot
+    slot.close()
+
+
+@pytest.mark.parametrize("ticketed", [False, True])
+def test_an_idle_decode_prefills_a_plain_prompt_itself_and_answers_the_same(decode_server, decode_load, ticketed):
+    """While decode publishes no sequence held, chat skips prefill: decode's call carries no
+    KV handle, its seal opens decode, and the answer is the one prefill's KV gives. A busy
+    decode leaves the prompt to prefill."""
+    decode_load.set(1)
+    with_prefill = decode_server.run(chat())
+    assert decode_load.prefills == [SHM]
+    decode_load.now += PREFILL_CHOICE_BURST_S
+    decode_load.set(0)
+    stages = LocalStages(decode_server, handoff=True)
+    stages.ticketed = ticketed
+    asyncio.run(decode_server.flow.serve(ChatInputs(chat()), stages))
+    outputs = (
+        asyncio.run(_decoded(LocalStages(decode_server, handoff=True), stages.tickets[0]))
+        if ticketed
+        else stages.outputs
+    )
+    assert decode_load.prefills == [SHM] and stages.route is Route.RENDER
+    if ticketed:
+        assert stages.tickets[0].kv_handle == ""
+    assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in with_prefill]
+
+
+def test_prompts_in_a_burst_take_the_first_ones_choice_of_who_prefills(decode_server, decode_load):
+    """Within PREFILL_CHOICE_BURST_S of the prompt that looked at decode's load, prompts follow
+    its choice (so a burst's shared prefix is computed by one stage); after it, they look again."""
+    decode_server.run(chat())  # decode idle: it prefills, and the burst follows
+    decode_load.set(1)
+    decode_server.run(chat())
+    assert decode_load.prefills == [], "a prompt of the burst went to prefill"
+    decode_load.now += PREFILL_CHOICE_BURST_S
+    decode_server.run(chat())  # looks again: decode is busy
+    decode_load.set(0)
+    decode_load.now += PREFILL_CHOICE_BURST_S / 2
+    decode_server.run(chat())
+    assert decode_load.prefills == [SHM, SHM], "after the burst, busy: prefill's, and its burst follows"
