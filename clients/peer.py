@@ -30,7 +30,15 @@ from pathlib import Path
 
 from pdchat.clients.report import OUT_DIR, plot, table, write_results
 from pdchat.clients.scaleout import start_front, stop_all
-from pdchat.core.settings import DECODE_CPUS, DECODE_DIRECT, FORWARD, MODEL, SERVED_MODEL_NAME, cache_dir
+from pdchat.core.settings import (
+    DECODE_CPUS,
+    DECODE_DIRECT,
+    FORWARD,
+    LOCAL_PREFILL_WHEN_IDLE,
+    MODEL,
+    SERVED_MODEL_NAME,
+    cache_dir,
+)
 from pdchat.launcher import PDStack, Service, TritonServer, free_port, process_group
 
 VLLM_VERSION = "0.32.0"
@@ -43,15 +51,26 @@ METRICS = {
     "itl_p50_ms": "median_itl_ms",
     "tpot_p50_ms": "median_tpot_ms",
 }
-SYSTEMS = ("vllm", "pdchat", "pdchat-pd", "pdchat-cpus", "pdchat-transformers", "pdchat-relay", "pdchat-pd-relay")
+SYSTEMS = (
+    "vllm",
+    "pdchat",
+    "pdchat-pd",
+    "pdchat-cpus",
+    "pdchat-transformers",
+    "pdchat-relay",
+    "pdchat-pd-relay",
+    "pdchat-prefill",
+)
 # pdchat monolithic variants by the settings they run with: decode's scheduler thread on a
 # CPU of its own (decode_cpus), transformers' forward pass in place of pdchat's (forward),
-# decode's stream relayed by chat rather than taken from decode by the front (decode_direct).
+# decode's stream relayed by chat rather than taken from decode by the front (decode_direct),
+# every prompt prefilled by prefill, an idle decode's too (local_prefill_when_idle).
 MONOLITHIC = {
     "pdchat": {},
     "pdchat-cpus": {DECODE_CPUS.env: "auto"},
     "pdchat-transformers": {FORWARD.env: "transformers"},
     "pdchat-relay": {DECODE_DIRECT.env: "false"},
+    "pdchat-prefill": {LOCAL_PREFILL_WHEN_IDLE.env: "false"},
 }
 PD = {"pdchat-pd": {}, "pdchat-pd-relay": {DECODE_DIRECT.env: "false"}}  # P/D variants, as MONOLITHIC's
 
