@@ -59,9 +59,9 @@ from pdchat.registry import SHM
 # How often a relayed stream asks whether its client left (each ask may be a round trip).
 CANCEL_POLL_S = 0.05
 IDLE_POLL_S = 1.0  # how often a relay waiting for decode looks whether its client left
-# Plain prompts chat routes within this long of one that looked at decode's load take that
-# one's choice of who prefills (ChatFlow._decode_prefills).
-PREFILL_CHOICE_BURST_S = 0.05
+# How long after a prompt went to an idle decode the next ones count as its burst
+# (ChatFlow._decode_prefills).
+LOCAL_BURST_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,7 @@ class ChatFlow:
     ):
         """`decode_load`: while it reads idle, decode prefills a plain prompt itself
         (setting local_prefill_when_idle); None: prefill always does. `clock`: what times
-        the bursts that take one choice of who prefills (`_decode_prefills`)."""
+        the bursts after a prompt decode prefilled (`_decode_prefills`)."""
         self.planner = planner
         self.renderer = renderer
         self.seal = seal
@@ -195,7 +195,7 @@ class ChatFlow:
         self.stall_timeout_s = stall_timeout_s  # longest wait for decode's next response
         self.decode_load = decode_load
         self.clock = clock
-        self._prefill_choice = (float("-inf"), False)  # when a burst's first plain prompt chose, and whether decode
+        self._local: tuple[float, np.ndarray] | None = None  # when decode last took a plain prompt, and its ids
 
     @classmethod
     def for_model(
@@ -261,28 +261,33 @@ class ChatFlow:
             stages.answer(
                 remote_prefill_output(params, ids.tolist(), first, self.speller, handoff.to_params()), handoff.to_json()
             )
-        elif self._decode_prefills():  # no KV to hand over
+        elif self._decode_prefills(ids):  # no KV to hand over
             await self._relay(stages, DecodeCall(ids, params, params_text, self.seal.seal_prompt(ids, params_text)))
         else:
             prefilled = await stages.prefill(rendered, SHM)
             await self._relay(stages, DecodeCall(ids, params, params_text, prefilled.seal, prefilled.kv_handle))
 
-    def _decode_prefills(self) -> bool:
+    def _decode_prefills(self, ids: np.ndarray) -> bool:
         """Whether decode prefills this plain prompt itself: it holds no sequence (`decode_load`).
 
-        NOTE: prompts routed within PREFILL_CHOICE_BURST_S of the one that looked take its
-        choice: a burst (the n choices of one request, a client's parallel calls) is then
-        prefilled by one stage, where its common prefix is computed once and shared. Were
-        each to look, the first would find decode idle and the others, once decode took it,
-        busy: prefill would compute the same prompt again."""
+        NOTE: within LOCAL_BURST_S of a prompt decode took, decode's count may not show it
+        yet. A prompt then goes to decode only if it is that very prompt (the n choices of
+        one request, each started once the one before answered): decode holds its blocks,
+        where it costs a block's tail. Any other goes to prefill, which computes it beside
+        decode's work instead of after it (a burst of distinct prompts, all prefilled by
+        decode in turn, would wait for each other on one core)."""
         if self.decode_load is None:
             return False
         now = self.clock()
-        chosen_at, local = self._prefill_choice
-        if now - chosen_at >= PREFILL_CHOICE_BURST_S:
-            local = self.decode_load.idle()
-            self._prefill_choice = (now, local)
-        return local
+        if self._local is not None and now - self._local[0] < LOCAL_BURST_S:
+            same = np.array_equal(ids, self._local[1])
+            if same:
+                self._local = (now, self._local[1])
+            return same
+        if not self.decode_load.idle():
+            return False
+        self._local = (now, ids)
+        return True
 
     def _plan(self, inputs: ChatInputs):
         try:

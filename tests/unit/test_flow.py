@@ -12,7 +12,7 @@ from pdchat.core.errors import InvalidRequest, Unavailable
 from pdchat.core.output.responses import FAILED, ClientOutput
 from pdchat.core.request.protocol import parse_chat_json
 from pdchat.ensemble.decode_load import DecodeLoad, LoadSlot
-from pdchat.ensemble.flow import PREFILL_CHOICE_BURST_S, ChatInputs, DecodeCall
+from pdchat.ensemble.flow import LOCAL_BURST_S, ChatInputs, DecodeCall
 from pdchat.ensemble.gate import ForwardedIdsRejected
 from pdchat.ensemble.routing import Route
 from pdchat.registry import SHM
@@ -284,7 +284,7 @@ def decode_load(decode_server, tmp_path, monkeypatch):
     slot = LoadSlot(tmp_path, "decode_0_0")
     slot.now = 0.0  # the flow's clock: tests move it past a burst
     monkeypatch.setattr(decode_server.flow, "decode_load", DecodeLoad(tmp_path))
-    monkeypatch.setattr(decode_server.flow, "_prefill_choice", (float("-inf"), False))
+    monkeypatch.setattr(decode_server.flow, "_local", None)
     monkeypatch.setattr(decode_server.flow, "clock", lambda: slot.now)
     slot.prefills = []
     real_prefill = LocalStages.prefill
@@ -306,7 +306,7 @@ def test_an_idle_decode_prefills_a_plain_prompt_itself_and_answers_the_same(deco
     decode_load.set(1)
     with_prefill = decode_server.run(chat())
     assert decode_load.prefills == [SHM]
-    decode_load.now += PREFILL_CHOICE_BURST_S
+    decode_load.now += LOCAL_BURST_S
     decode_load.set(0)
     stages = LocalStages(decode_server, handoff=True)
     stages.ticketed = ticketed
@@ -322,16 +322,25 @@ def test_an_idle_decode_prefills_a_plain_prompt_itself_and_answers_the_same(deco
     assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in with_prefill]
 
 
-def test_prompts_in_a_burst_take_the_first_ones_choice_of_who_prefills(decode_server, decode_load):
-    """Within PREFILL_CHOICE_BURST_S of the prompt that looked at decode's load, prompts follow
-    its choice (so a burst's shared prefix is computed by one stage); after it, they look again."""
-    decode_server.run(chat())  # decode idle: it prefills, and the burst follows
-    decode_load.set(1)
+def test_in_a_burst_only_the_prompt_decode_took_goes_to_decode_again(decode_server, decode_load):
+    """Within LOCAL_BURST_S of a prompt an idle decode took, the same prompt (the next of n
+    choices) goes to decode, where its blocks are, and another prompt to prefill; past it,
+    decode's load decides again."""
+    decode_server.run(chat())  # decode idle: it prefills
+    decode_load.set(1)  # holding it
+    decode_load.now += LOCAL_BURST_S / 2
     decode_server.run(chat())
-    assert decode_load.prefills == [], "a prompt of the burst went to prefill"
-    decode_load.now += PREFILL_CHOICE_BURST_S
-    decode_server.run(chat())  # looks again: decode is busy
+    assert decode_load.prefills == [], "the burst's own prompt went to prefill"
+    decode_load.now += LOCAL_BURST_S / 2
+    decode_server.run(chat(max_tokens=11))  # the same messages, other params: the same ids
+    assert decode_load.prefills == [], "the burst follows its last prompt's time"
     decode_load.set(0)
-    decode_load.now += PREFILL_CHOICE_BURST_S / 2
+    decode_server.run(chat(messages=[{"role": "user", "content": "Another story"}]))
+    assert decode_load.prefills == [SHM], "another prompt in the burst went to decode"
+    decode_load.now += LOCAL_BURST_S
+    decode_server.run(chat(messages=[{"role": "user", "content": "Another story"}]))
+    assert decode_load.prefills == [SHM], "past the burst, an idle decode was not given the prompt"
+    decode_load.set(1)
+    decode_load.now += LOCAL_BURST_S
     decode_server.run(chat())
-    assert decode_load.prefills == [SHM, SHM], "after the burst, busy: prefill's, and its burst follows"
+    assert decode_load.prefills == [SHM, SHM]
