@@ -196,6 +196,7 @@ class ChatFlow:
         self.decode_load = decode_load
         self.clock = clock
         self._local: tuple[float, np.ndarray] | None = None  # when decode last took a plain prompt, and its ids
+        self._serving = 0  # requests inside `serve` now
 
     @classmethod
     def for_model(
@@ -230,6 +231,13 @@ class ChatFlow:
 
         Raises what refuses the request before anything was sent (InvalidRequest and its
         kinds, stage errors); the caller sends it as the client's error."""
+        self._serving += 1
+        try:
+            await self._serve(inputs, stages)
+        finally:
+            self._serving -= 1
+
+    async def _serve(self, inputs: ChatInputs, stages: ChatStages) -> None:
         plan = self._plan(inputs)
         stages.routed(plan.route)
         chat = plan.chat
@@ -268,14 +276,15 @@ class ChatFlow:
             await self._relay(stages, DecodeCall(ids, params, params_text, prefilled.seal, prefilled.kv_handle))
 
     def _decode_prefills(self, ids: np.ndarray) -> bool:
-        """Whether decode prefills this plain prompt itself: it holds no sequence (`decode_load`).
+        """Whether decode prefills this plain prompt itself: decode holds no sequence
+        (`decode_load`) and no other request is inside `serve` here. Requests served
+        together (a burst) go to prefill, which computes them beside decode's work: decode
+        would prefill them in turn on one core, each waiting for the one before.
 
         NOTE: within LOCAL_BURST_S of a prompt decode took, decode's count may not show it
         yet. A prompt then goes to decode only if it is that very prompt (the n choices of
         one request, each started once the one before answered): decode holds its blocks,
-        where it costs a block's tail. Any other goes to prefill, which computes it beside
-        decode's work instead of after it (a burst of distinct prompts, all prefilled by
-        decode in turn, would wait for each other on one core)."""
+        so it computes a block's tail of it; any other goes to prefill."""
         if self.decode_load is None:
             return False
         now = self.clock()
@@ -284,7 +293,7 @@ class ChatFlow:
             if same:
                 self._local = (now, self._local[1])
             return same
-        if not self.decode_load.idle():
+        if self._serving > 1 or not self.decode_load.idle():
             return False
         self._local = (now, ids)
         return True

@@ -8,6 +8,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 
 import pytest
 import tritonclient.grpc as grpcclient
@@ -66,6 +67,19 @@ def metric(server, name: str, **labels: str) -> float:
         for line in text.splitlines()
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items())
     )
+
+
+def conversation(salt: str | None = None, **fields) -> dict:
+    """A greedy chat whose system prompt no other test sends (a cold cache for it)."""
+    system = f"Session {uuid.uuid4()}. " + "You answer briefly and precisely about lighthouses. " * 20
+    body = {
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Why are they tall?"}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "return_token_ids": True,
+        **fields,
+    }
+    return body if salt is None else {**body, "cache_salt": salt}
 
 
 def prompt_tokens_computed(server, settle_s: float = 0.1) -> dict[str, float]:

@@ -5,10 +5,9 @@ is the same either way, token for token."""
 from __future__ import annotations
 
 import threading
-import uuid
 
 from pdchat.clients.chat import GrpcChat, chat_inputs, collect
-from tests.integration.helpers import ask, computed_since, metric, prompt_tokens_computed, wait_for
+from tests.integration.helpers import ask, computed_since, conversation, metric, prompt_tokens_computed, wait_for
 
 
 def decoding(server) -> float:
@@ -16,13 +15,7 @@ def decoding(server) -> float:
 
 
 def test_an_idle_decode_prefills_itself_and_a_busy_one_leaves_it_to_prefill(server):
-    system = f"Session {uuid.uuid4()}. " + "You answer briefly and precisely about lighthouses. " * 20
-    body = {
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Why are they tall?"}],
-        "max_tokens": 10,
-        "temperature": 0,
-        "return_token_ids": True,
-    }
+    body = conversation(max_tokens=10)
     client = GrpcChat(server.grpc_url)
     assert wait_for(lambda: decoding(server) == 0, 10), "decode still busy with an earlier test's request"
     before = prompt_tokens_computed(server)

@@ -11,23 +11,18 @@ import uuid
 
 from pdchat.clients.chat import GrpcChat, HttpChat, chat_inputs, collect
 from pdchat.core.errors import ErrorCode
-from tests.integration.helpers import ask, computed_since, metric, prompt_tokens_computed, refusal, wait_for
+from tests.integration.helpers import (
+    ask,
+    computed_since,
+    conversation,
+    metric,
+    prompt_tokens_computed,
+    refusal,
+    wait_for,
+)
 
 BLOCK_TOKENS = 16
 KV_BYTES_PER_TOKEN = 4096  # the tiny model: 4 layers x 2 x 2 kv heads x 64 x fp32
-
-
-def conversation(salt: str | None = None, **fields) -> dict:
-    """A greedy chat whose system prompt no other test sends (a cold cache for it)."""
-    system = f"Session {uuid.uuid4()}. " + "You answer briefly and precisely about lighthouses. " * 20
-    body = {
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Why are they tall?"}],
-        "max_tokens": 12,
-        "temperature": 0,
-        "return_token_ids": True,
-        **fields,
-    }
-    return body if salt is None else {**body, "cache_salt": salt}
 
 
 def cached_tokens(result) -> int:

@@ -344,3 +344,13 @@ def test_in_a_burst_only_the_prompt_decode_took_goes_to_decode_again(decode_serv
     decode_load.now += LOCAL_BURST_S
     decode_server.run(chat())
     assert decode_load.prefills == [SHM, SHM]
+
+
+def test_a_prompt_served_beside_others_goes_to_prefill_though_decode_is_idle(decode_server, decode_load, monkeypatch):
+    monkeypatch.setattr(decode_server.flow, "_serving", 1)  # another request inside serve()
+    decode_server.run(chat())
+    assert decode_load.prefills == [SHM]
+    monkeypatch.setattr(decode_server.flow, "_serving", 0)
+    decode_load.now += LOCAL_BURST_S
+    decode_server.run(chat())
+    assert decode_load.prefills == [SHM] and decode_server.flow._serving == 0
