@@ -5,9 +5,9 @@ stage models. `model_repository/chat` serves it with BLS calls (`pdchat.triton.c
 `tests/pipeline.py` serves it in one process. Routes (`pdchat.ensemble.routing`):
 
 - REUSE: forwarded ids the gate admitted, sealed here, go straight to decode; no render;
-- RENDER: renderer -> prefill (KV over shm, to this server's decode) -> decode; while
-  decode holds no sequence (`DecodeLoad`, setting local_prefill_when_idle), renderer ->
-  decode, which prefills the prompt itself;
+- RENDER: renderer -> prefill (KV over shm, to this server's decode) -> decode; with
+  setting local_prefill_when_idle, a lone request while decode holds no sequence
+  (`DecodeLoad`) goes renderer -> decode, which prefills the prompt itself;
 - REMOTE_PREFILL: renderer -> prefill (KV through the configured connector), then one
   answer: the first token and the signed kv_transfer_params for a decode server;
 - RENDER_VERIFIED: renderer, then decode with the transferred KV once the rendered ids

@@ -1,5 +1,5 @@
-"""Who prefills a plain prompt on one server (setting local_prefill_when_idle, on by
-default): decode itself while it holds no sequence, prefill while it is busy. The answer
+"""Who prefills a plain prompt on one server with local_prefill_when_idle on (the session's
+`server`): decode itself while it holds no sequence, prefill while it is busy. The answer
 is the same either way, token for token."""
 
 from __future__ import annotations

@@ -323,13 +323,13 @@ LOCAL_PREFILL_WHEN_IDLE = Setting(
     "local_prefill_when_idle",
     "local_prefill_when_idle",
     "PDCHAT_LOCAL_PREFILL_WHEN_IDLE",
-    "true",
+    "false",
     FLAG,
     ("chat",),
-    "A prompt chat would hand to this server's `prefill` goes to `decode` instead, which prefills it itself, while "
-    "decode holds no sequence: a lone request's first token then skips prefill's call and the KV copy between the "
-    "two. Under load `prefill` computes prompts beside decode's steps, as with false. Forwarded ids with prefill's "
-    "KV, and P/D prefill legs, are not affected.",
+    "true: a lone plain request goes to `decode`, which prefills its prompt itself, while decode holds no sequence: "
+    "its first token skips prefill's call and the KV copy between the two (tiny, c=1: TTFT p50 -17%). Requests "
+    "served together still go to `prefill`. Off by default: in the same runs c=4 served 14% fewer tokens/s "
+    "(docs/benchmarks.md#an-idle-decode-prefills-a-lone-prompt). Forwarded ids and P/D prefill legs are not affected.",
 )
 MAX_REQUEST_BYTES = Setting(
     "max_request_bytes",
