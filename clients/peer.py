@@ -59,18 +59,18 @@ SYSTEMS = (
     "pdchat-transformers",
     "pdchat-relay",
     "pdchat-pd-relay",
-    "pdchat-prefill",
+    "pdchat-local",
 )
 # pdchat monolithic variants by the settings they run with: decode's scheduler thread on a
 # CPU of its own (decode_cpus), transformers' forward pass in place of pdchat's (forward),
 # decode's stream relayed by chat rather than taken from decode by the front (decode_direct),
-# every prompt prefilled by prefill, an idle decode's too (local_prefill_when_idle).
+# an idle decode prefilling a lone request's prompt itself (local_prefill_when_idle).
 MONOLITHIC = {
     "pdchat": {},
     "pdchat-cpus": {DECODE_CPUS.env: "auto"},
     "pdchat-transformers": {FORWARD.env: "transformers"},
     "pdchat-relay": {DECODE_DIRECT.env: "false"},
-    "pdchat-prefill": {LOCAL_PREFILL_WHEN_IDLE.env: "false"},
+    "pdchat-local": {LOCAL_PREFILL_WHEN_IDLE.env: "true"},
 }
 PD = {"pdchat-pd": {}, "pdchat-pd-relay": {DECODE_DIRECT.env: "false"}}  # P/D variants, as MONOLITHIC's
 
