@@ -25,8 +25,8 @@ _COUNT = struct.Struct("<q")
 class LoadSlot:
     """One decode instance's count, written by its scheduler thread.
 
-    NOTE: one writer per slot; readers may see a count one write old, never a torn one
-    (an aligned 8-byte store)."""
+    NOTE: one writer per slot (the scheduler thread). A reader may see a count one write
+    old: a count is a hint (module docstring), so nothing orders the two."""
 
     def __init__(self, directory: Path, instance: str):
         self.path = directory / f"{FILE_PREFIX}{instance}"
