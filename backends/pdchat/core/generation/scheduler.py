@@ -163,7 +163,7 @@ class DecodeScheduler:
     def _run(self) -> None:
         if self._cpus is not None:
             bind_thread(self._cpus)
-        while self._take_incoming(block=not (self._waiting or self._prefilling or self._running)):
+        while self._take_incoming(block=self._held() == 0):
             self._publish_load()
             self._drop_cancelled()
             self._admit()
@@ -331,9 +331,13 @@ class DecodeScheduler:
             leaving = set(rows)
             self._running = [e for row, e in enumerate(self._running) if row not in leaving]
 
+    def _held(self) -> int:
+        """Sequences this scheduler holds: queued, prefilling or running."""
+        return len(self._waiting) + len(self._prefilling) + len(self._running)
+
     def _publish_load(self) -> None:
         if self._on_load is not None:
-            self._on_load(len(self._waiting) + len(self._prefilling) + len(self._running))
+            self._on_load(self._held())
 
     def _report(self) -> None:
         """Tell `on_state` of a changed state at most every `state_interval_s` while work
@@ -346,7 +350,7 @@ class DecodeScheduler:
         token counters) moved with the job."""
         if self._on_state is None:
             return
-        idle = not (self._waiting or self._prefilling or self._running)
+        idle = self._held() == 0
         now = self._clock()
         if not idle and now - self._reported_at < self._state_interval_s:
             return
