@@ -287,7 +287,7 @@ def bench_batching(args: argparse.Namespace) -> None:
     model_dir = embedded.ensure_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     placement = {DEVICE.env: args.device, DTYPE.env: args.dtype}  # every server started below
-    results_name = "batching" if args.device == "cpu" else f"batching-{args.device}-{args.dtype}"
+    results_name = args.results or ("batching" if args.device == "cpu" else f"batching-{args.device}-{args.dtype}")
     words = 100
     prompt = perf.input_data(words, args.max_tokens)
     prompt_tokens = len(
@@ -711,6 +711,11 @@ def main(argv: list[str] | None = None) -> None:
         help="only decode's step alone (in this process, no server), KV events off and on side by side",
     )
     batching.add_argument("--rounds", type=int, default=6, help="with --kv-events: rounds of each setting")
+    batching.add_argument(
+        "--results",
+        default=None,
+        help="results file name in bench-results/ (default: batching, or batching-DEVICE-DTYPE off the CPU)",
+    )
     batching.add_argument(
         "--step-only",
         action="store_true",

@@ -38,8 +38,10 @@ computed alone in a fixed order, so a row's result does not depend on the batch 
 
 `GreedyHead`: a greedy row needs only the argmax of its logits, and the vocabulary projection
 is most of a small model's decode step (49152 x 256 on tiny: memory-bound at one row, and
-beside it at 16). With AVX-512 BF16 the projection is screened on a bf16 copy of the weight
-(half the bytes, twice the multiply rate), with a bound on each logit's error; the tokens
+beside it at 16). With AVX-512 BF16, or AVX2 with FMA, the projection is screened on a
+bf16 copy of the weight (half the bytes; AVX-512 BF16 also twice the multiply rate, while
+AVX2 widens each bf16 pair to fp32 lanes and multiplies those exactly), with a bound on
+each logit's error (the same for both: a bf16 product is exact in fp32); the tokens
 whose bound reaches the best are recomputed exactly (in double, from the fp32 weight), so
 the token is the exact argmax, not bf16's: a true tie within double's rounding aside, the
 token fp32 logits would give, and the same whatever rows are beside it. A row whose
@@ -110,7 +112,7 @@ class DecodeKernels:
                 function = getattr(loaded, f"pdchat_{name}")
                 function.argtypes, function.restype = argtypes, restype
                 setattr(self, f"_{name}", function)
-        probe = torch.empty(0, dtype=torch.int64)  # no rows: -1 only where the build lacks AVX-512 BF16
+        probe = torch.empty(0, dtype=torch.int64)  # no rows: -1 only where the build has no screen's ISA
         self.bf16_screen = self._head_argmax(*[probe.data_ptr()] * 6, 16, 0.0, 0.0, 0, probe.data_ptr(), 0) == 0
 
     def attention(

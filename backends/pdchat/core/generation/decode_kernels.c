@@ -158,7 +158,8 @@ void pdchat_argmax(const float *restrict x, int64_t rows, int64_t cols, int64_t 
 /* The greedy token of a vocabulary projection, screened in bf16 and decided in double.
  *
  * packed: W [n, k] in bf16 (round to nearest even), as [n / 16][k / 2][16][2]: sixteen
- * vocabulary rows' pairs of columns side by side, what AVX-512 BF16's dot product takes.
+ * vocabulary rows' pairs of columns side by side, what AVX-512 BF16's dot product takes
+ * (AVX2 widens each pair to two fp32 lanes).
  * pdchat_pack_head_bf16 writes it; n % 16 == 0 and k even.
  *
  * pdchat_head_argmax: for each row r of x [rows, k], approx[v] = x~ . w~_v (x and W in
@@ -169,7 +170,8 @@ void pdchat_argmax(const float *restrict x, int64_t rows, int64_t cols, int64_t 
  * is among them; each is recomputed in double from the fp32 W, and out[r] is the largest
  * (the first on a tie). out[r] = -1 where more than max_candidates qualify: the caller
  * then computes that row's logits in full. scratch: rows * n floats. The caller passes
- * only finite x. Returns 0, or -1 where this build has no AVX-512 BF16 (nothing written).
+ * only finite x. Returns 0, or -1 where this build has neither AVX-512 BF16 nor AVX2 with
+ * FMA (nothing written).
  */
 static uint16_t to_bf16(float value) {
     union { float f; uint32_t u; } bits = {value};
@@ -211,8 +213,9 @@ static int64_t decide_row(const float *restrict x, int64_t k, const float *restr
     }
     return best;
 }
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__)
 #include <immintrin.h>
+#define SCREEN_ISA 512
 
 /* approx [R, n] (row stride n) of R rows of pairs [R, k / 2] (row stride k / 2). */
 #define SCREEN_TILE(R)                                                                             \
@@ -236,13 +239,9 @@ SCREEN_TILE(4)
 SCREEN_TILE(8)
 SCREEN_TILE(16)
 
-#endif
-
-int pdchat_head_argmax(const float *restrict x, int64_t rows, int64_t k, const uint16_t *restrict packed,
-                       const float *restrict w, const float *restrict norms, int64_t n, float slack_scale,
-                       float slack_floor, int64_t max_candidates, float *restrict scratch, int64_t *restrict out) {
-#ifdef __AVX512BF16__
-    if (rows <= 0) return 0;
+/* The screen's approx [rows, n] by AVX-512 BF16's pair dot products: x in bf16 pairs. */
+static int screen(const float *restrict x, int64_t rows, int64_t k, const uint16_t *restrict packed, int64_t n,
+                  float *restrict scratch) {
     const int64_t half_k = k / 2;
     uint32_t *pairs = malloc((size_t)(rows * half_k) * sizeof(uint32_t));
     if (pairs == NULL) return -2;
@@ -261,6 +260,82 @@ int pdchat_head_argmax(const float *restrict x, int64_t rows, int64_t k, const u
         r += tile;
     }
     free(pairs);
+    return 0;
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SCREEN_ISA 2
+
+/* One block of 16 vocabulary rows for R rows of xs [R, k] (x rounded to bf16, held as
+ * fp32): each bf16 pair widened to two fp32 lanes, then FMAs. A bf16 times a bf16 is exact
+ * in fp32, so each approx is the same sum of the same products as AVX-512 BF16's, in
+ * another order: the caller's bound covers both. */
+#define SCREEN_TILE_AVX2(R)                                                                        \
+    static void screen_block_##R(const float *restrict xs, int64_t k, const uint16_t *restrict w,  \
+                                 int64_t n, float *restrict approx) {                              \
+        const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);                                 \
+        __m256 acc[R][2];                                                                         \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps(); \
+        for (int64_t j = 0; j < k / 2; j++) {                                                     \
+            const __m256i p0 = _mm256_loadu_si256((const __m256i *)(w + j * 32));                 \
+            const __m256i p1 = _mm256_loadu_si256((const __m256i *)(w + j * 32 + 16));            \
+            const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(p0, 16));                  \
+            const __m256 odd0 = _mm256_castsi256_ps(_mm256_and_si256(p0, high));                  \
+            const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(p1, 16));                  \
+            const __m256 odd1 = _mm256_castsi256_ps(_mm256_and_si256(p1, high));                  \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                 \
+                const __m256 a = _mm256_broadcast_ss(xs + r * k + 2 * j);                         \
+                const __m256 b = _mm256_broadcast_ss(xs + r * k + 2 * j + 1);                     \
+                acc[r][0] = _mm256_fmadd_ps(b, odd0, _mm256_fmadd_ps(a, even0, acc[r][0]));       \
+                acc[r][1] = _mm256_fmadd_ps(b, odd1, _mm256_fmadd_ps(a, even1, acc[r][1]));       \
+            }                                                                                     \
+        }                                                                                         \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                     \
+            _mm256_storeu_ps(approx + r * n, acc[r][0]);                                          \
+            _mm256_storeu_ps(approx + r * n + 8, acc[r][1]);                                      \
+        }                                                                                         \
+    }
+SCREEN_TILE_AVX2(1)
+SCREEN_TILE_AVX2(2)
+SCREEN_TILE_AVX2(3)
+SCREEN_TILE_AVX2(4)
+
+/* The screen's approx [rows, n] by AVX2 FMAs: each block of the weight (k * 32 bytes,
+ * in L1) serves every row, four at a time, before the next block is read. */
+static int screen(const float *restrict x, int64_t rows, int64_t k, const uint16_t *restrict packed, int64_t n,
+                  float *restrict scratch) {
+    float *xs = malloc((size_t)(rows * k) * sizeof(float));
+    if (xs == NULL) return -2;
+    for (int64_t i = 0; i < rows * k; i++) {
+        union { uint32_t u; float f; } bits = {(uint32_t)to_bf16(x[i]) << 16};
+        xs[i] = bits.f;
+    }
+    for (int64_t block = 0; block < n / 16; block++) {
+        const uint16_t *w = packed + block * (k / 2) * 32;
+        for (int64_t r = 0; r < rows;) {
+            const int64_t tile = rows - r >= 4 ? 4 : rows - r;
+            const float *tile_x = xs + r * k;
+            float *approx = scratch + r * n + block * 16;
+            if (tile == 4) screen_block_4(tile_x, k, w, n, approx);
+            else if (tile == 3) screen_block_3(tile_x, k, w, n, approx);
+            else if (tile == 2) screen_block_2(tile_x, k, w, n, approx);
+            else screen_block_1(tile_x, k, w, n, approx);
+            r += tile;
+        }
+    }
+    free(xs);
+    return 0;
+}
+#endif
+
+int pdchat_head_argmax(const float *restrict x, int64_t rows, int64_t k, const uint16_t *restrict packed,
+                       const float *restrict w, const float *restrict norms, int64_t n, float slack_scale,
+                       float slack_floor, int64_t max_candidates, float *restrict scratch, int64_t *restrict out) {
+#ifdef SCREEN_ISA
+    if (rows <= 0) return 0;
+    const int status = screen(x, rows, k, packed, n, scratch);
+    if (status != 0) return status;
     for (int64_t r = 0; r < rows; r++)
         out[r] = decide_row(x + r * k, k, w, norms, n, scratch + r * n, slack_scale, slack_floor, max_candidates);
     return 0;

@@ -215,7 +215,8 @@ class CausalLM:
     def _greedy_head(self) -> cpu_kernels.GreedyHead | None:
         """The vocabulary projection's GreedyHead, made with the engine (or, for kernels
         given later, on the first pass with a greedy row) where it serves (pdchat's own
-        forward, the C kernels with AVX-512 BF16, a projection without bias); None elsewhere."""
+        forward, the C kernels with AVX-512 BF16 or AVX2 and FMA, a projection without bias); None
+        elsewhere."""
         if not self._greedy_enabled:
             return None
         if self._greedy is None:
