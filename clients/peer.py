@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import re
 import statistics
 import subprocess
@@ -322,6 +323,7 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
         "input_tokens": args.input_tokens,
         "output_tokens": args.output_tokens,
         "client": "vllm bench serve --backend openai-chat --ignore-eos --temperature 0",
+        "host": host(),
     }
     kept = _earlier_models(setup, set(results), args.results)
     write_results(
@@ -332,6 +334,20 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
             "ratio_to_vllm": {**kept.get("ratio_to_vllm", {}), **ratios},
         },
     )
+
+
+def host() -> dict:
+    """The CPU the systems ran on: its model, cores, and the vector extensions that pick
+    pdchat's kernels (AVX-512 BF16 or AVX2 for the GreedyHead's screen)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = re.search(r"^model name\s*:\s*(.+)$", info, re.MULTILINE)
+    flags_line = re.search(r"^flags\s*:\s*(.+)$", info, re.MULTILINE)
+    flags = set(flags_line.group(1).split()) if flags_line else set()
+    return {
+        "cpu": model.group(1).strip() if model else platform.processor(),
+        "cores": os.cpu_count(),
+        "isa": [flag for flag in ("avx512_bf16", "avx512f", "avx2", "fma") if flag in flags],
+    }
 
 
 def _earlier_models(setup: dict, rerun: set[str], name: str) -> dict:
