@@ -215,7 +215,7 @@ static int64_t decide_row(const float *restrict x, int64_t k, const float *restr
 }
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
-#define SCREEN_ISA 512
+#define HAS_SCREEN 1
 
 /* approx [R, n] (row stride n) of R rows of pairs [R, k / 2] (row stride k / 2). */
 #define SCREEN_TILE(R)                                                                             \
@@ -265,7 +265,7 @@ static int screen(const float *restrict x, int64_t rows, int64_t k, const uint16
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define SCREEN_ISA 2
+#define HAS_SCREEN 1
 
 /* One block of 16 vocabulary rows for R rows of xs [R, k] (x rounded to bf16, held as
  * fp32): each bf16 pair widened to two fp32 lanes, then FMAs. A bf16 times a bf16 is exact
@@ -332,7 +332,7 @@ static int screen(const float *restrict x, int64_t rows, int64_t k, const uint16
 int pdchat_head_argmax(const float *restrict x, int64_t rows, int64_t k, const uint16_t *restrict packed,
                        const float *restrict w, const float *restrict norms, int64_t n, float slack_scale,
                        float slack_floor, int64_t max_candidates, float *restrict scratch, int64_t *restrict out) {
-#ifdef SCREEN_ISA
+#ifdef HAS_SCREEN
     if (rows <= 0) return 0;
     const int status = screen(x, rows, k, packed, n, scratch);
     if (status != 0) return status;
