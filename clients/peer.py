@@ -339,10 +339,11 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
 def host() -> dict:
     """The CPU the systems ran on: its model, cores, and the vector extensions that pick
     pdchat's kernels (AVX-512 BF16 or AVX2 for the GreedyHead's screen)."""
+    from pdchat.core.generation.cpu_kernels import cpu_flags
+
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = re.search(r"^model name\s*:\s*(.+)$", info, re.MULTILINE)
-    flags_line = re.search(r"^flags\s*:\s*(.+)$", info, re.MULTILINE)
-    flags = set(flags_line.group(1).split()) if flags_line else set()
+    flags = set(cpu_flags().partition(":")[2].split())
     return {
         "cpu": model.group(1).strip() if model else platform.processor(),
         "cores": os.cpu_count(),

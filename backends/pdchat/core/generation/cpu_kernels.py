@@ -437,12 +437,13 @@ def _build_and_load(cache_dir: Path) -> DecodeKernels | None:
 
 def _build_key(compiler: list[str]) -> str:
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, errors="replace", timeout=30)
-    parts = [SOURCE.read_text(), " ".join(COMPILE_FLAGS), version.stdout, platform.machine(), _cpu_flags()]
+    parts = [SOURCE.read_text(), " ".join(COMPILE_FLAGS), version.stdout, platform.machine(), cpu_flags()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags (what -march=native compiles for), as /proc/cpuinfo lists them."""
+def cpu_flags() -> str:
+    """The CPU's feature flags (what -march=native compiles for), as /proc/cpuinfo lists them
+    (its line, name included), else the platform's processor name."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
