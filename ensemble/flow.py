@@ -87,16 +87,19 @@ class Rendered:
 @dataclass(frozen=True)
 class Prefilled:
     """Prefill's answer: the KV handle's JSON (first token inside), and prefill's seal over
-    the prompt with that handle, which opens decode."""
+    the prompt with that handle, which opens decode; when asked for, the stream's first
+    output as decode will make it (None where it may differ: TextModel.first_output)."""
 
     kv_handle: str
     seal: str
+    first_output: ClientOutput | None = None
 
 
 @dataclass(frozen=True)
 class DecodeCall:
     """Sealed input of one decode stream; `kv_handle` is "" when decode prefills itself;
-    `heartbeat_s`: decode sends an empty response after this long without one (None: never)."""
+    `heartbeat_s`: decode sends an empty response after this long without one (None: never);
+    `first_output_sent`: the client has the first output (from prefill): decode skips it."""
 
     prompt_token_ids: np.ndarray | list[int]
     params: GenerationParams
@@ -104,6 +107,7 @@ class DecodeCall:
     seal: str
     kv_handle: str = ""
     heartbeat_s: float | None = None
+    first_output_sent: bool = False
 
 
 class ChatStages(Protocol):
@@ -119,8 +123,13 @@ class ChatStages(Protocol):
 
     async def render(self, request_json: str, seal: str) -> Rendered: ...
 
-    async def prefill(self, rendered: Rendered, destination: str) -> Prefilled:
-        """Prefill the rendered prompt, its KV published through connector `destination`."""
+    async def prefill(self, rendered: Rendered, destination: str, first_output: bool) -> Prefilled:
+        """Prefill the rendered prompt, its KV published through connector `destination`;
+        `first_output`: ask for the stream's first output too."""
+        ...
+
+    def send(self, output: ClientOutput) -> None:
+        """One output of the client's stream that is not its last (prefill's first output)."""
         ...
 
     def decode(self, call: DecodeCall) -> AsyncIterator[Any]:
@@ -262,7 +271,7 @@ class ChatFlow:
                 seal = self.seal.seal_prompt(ids, params_text, handle)
                 await self._relay(stages, DecodeCall(ids, params, params_text, seal, handle), taken=admission.spend)
         elif plan.route is Route.REMOTE_PREFILL:
-            prefilled = await stages.prefill(rendered, self.kv_connector)
+            prefilled = await stages.prefill(rendered, self.kv_connector, first_output=False)
             kv_handle = KVHandle.from_json(prefilled.kv_handle)  # signed into the handoff, first token shown
             handoff = self.planner.sign_handoff(chat, ids, kv_handle=kv_handle)
             first = self._first_delta(kv_handle)
@@ -272,8 +281,12 @@ class ChatFlow:
         elif self._decode_prefills(ids):  # no KV to hand over
             await self._relay(stages, DecodeCall(ids, params, params_text, self.seal.seal_prompt(ids, params_text)))
         else:
-            prefilled = await stages.prefill(rendered, SHM)
-            await self._relay(stages, DecodeCall(ids, params, params_text, prefilled.seal, prefilled.kv_handle))
+            prefilled = await stages.prefill(rendered, SHM, first_output=True)
+            if prefilled.first_output is not None:  # the client has it before decode starts
+                stages.send(prefilled.first_output)
+            sent = prefilled.first_output is not None
+            call = DecodeCall(ids, params, params_text, prefilled.seal, prefilled.kv_handle, first_output_sent=sent)
+            await self._relay(stages, call)
 
     def _decode_prefills(self, ids: np.ndarray) -> bool:
         """Whether decode prefills this plain prompt itself: decode holds no sequence

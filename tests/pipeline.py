@@ -108,6 +108,7 @@ class LocalStages:
         self.kv_transfer_params: str | None = None
         self.closed = False
         self.ticketed = False  # True: the client asks for tickets (tensors.DECODE_TICKET)
+        self.sent: list[ClientOutput] = []  # outputs chat sent itself (prefill's first output)
         self.tickets: list[DecodeCall] = []
 
     def routed(self, route: Route) -> None:
@@ -119,22 +120,29 @@ class LocalStages:
         ids, params = rendered.prompt_token_ids, rendered.params.to_json()
         return Rendered(np.asarray(ids, dtype=np.int32), params, self.seal.seal_prompt(ids, params), 0.0)
 
-    async def prefill(self, rendered: Rendered, destination: str) -> Prefilled:
+    async def prefill(self, rendered: Rendered, destination: str, first_output: bool) -> Prefilled:
         ids, params_text = rendered.prompt_token_ids.tolist(), rendered.params_text
         self.seal.check_prompt(ids, params_text, "", rendered.seal)
-        handle = ""
+        handle, shown = "", None
         if self.handoff:
-            prefilled = self.pipeline.model.prefill(ids, GenerationParams.from_json(params_text))
+            params = GenerationParams.from_json(params_text)
+            prefilled = self.pipeline.model.prefill(ids, params)
             handle = self.pipeline.connectors.publish(
                 destination, prefilled.kv, prefilled.first.token_id, prefilled.first.logprobs, prefilled.cached_tokens
             ).to_json()
-        return Prefilled(handle, self.seal.seal_prompt(ids, params_text, handle))
+            if first_output:
+                shown = self.pipeline.model.first_output(ids, params, prefilled.first, prefilled.cached_tokens)
+        return Prefilled(handle, self.seal.seal_prompt(ids, params_text, handle), shown)
+
+    def send(self, output: ClientOutput) -> None:
+        self.outputs.append(output)
+        self.sent.append(output)
 
     async def decode(self, call: DecodeCall) -> AsyncIterator[ClientOutput]:
         ids = np.asarray(call.prompt_token_ids).tolist()
         self.seal.check_prompt(ids, call.params_text, call.kv_handle, call.seal)
         generation = self._generation(ids, call.params, call.kv_handle)
-        assembler = self.pipeline.model.assembler(ids, call.params)
+        assembler = self.pipeline.model.assembler(ids, call.params, first_output_sent=call.first_output_sent)
         deltas = _advance(generation) if self.scheduler is None else self._batched(call.params.request_id, generation)
         async for delta in deltas:
             for output in assembler.on_delta(delta):

@@ -44,6 +44,16 @@ HEARTBEAT_MS = "heartbeat_ms"
 # from `decode` on the same server itself, sending it those outputs as inputs (the OpenAI fronts do,
 # setting decode_direct). A ticket opens decode once, within stage_seal_ttl_s.
 DECODE_TICKET = "decode_ticket"
+# A streamed answer's first output goes to the client once prefill chose its token, not once
+# decode sent it (core.generation.generation.TextModel.first_output); decode then skips it.
+# Request parameters of chat (bools): FIRST_OUTPUT_EARLY on a prefill leg (do_remote_decode)
+# asks for that output as a response before the answer; FIRST_OUTPUT_SENT on a decode leg says
+# the caller has it. Between stages: prefill's FIRST_OUTPUT (JSON of
+# core.output.responses.ClientOutput, "" when decode's first output could differ), and
+# decode's optional FIRST_OUTPUT_SENT input (a ticket carries it).
+FIRST_OUTPUT_EARLY = "first_output_early"
+FIRST_OUTPUT_SENT = "first_output_sent"
+FIRST_OUTPUT = "first_output"
 
 # Between stages: renderer -> prefill -> decode.
 GENERATION_PARAMS = "generation_params"  # JSON of core.request.protocol.GenerationParams
@@ -78,7 +88,7 @@ CLIENT_OUTPUTS = (TEXT_OUTPUT, RESPONSE, PROMPT_TOKEN_IDS, OUTPUT_TOKEN_IDS, FIN
 # What the router and the OpenAI fronts read of chat's outputs (the JSON carries the text and ids).
 FRONT_OUTPUTS = (RESPONSE, PROMPT_TOKEN_IDS, FINISH_REASON, KV_TRANSFER_PARAMS)
 # A ticket (DECODE_TICKET): the sealed inputs of decode, as chat's outputs of the same names.
-DECODE_TICKET_OUTPUTS = (PROMPT_TOKEN_IDS, GENERATION_PARAMS, KV_HANDLE, STAGE_SEAL)
+DECODE_TICKET_OUTPUTS = (PROMPT_TOKEN_IDS, GENERATION_PARAMS, KV_HANDLE, STAGE_SEAL, FIRST_OUTPUT_SENT)
 
 
 class TensorSpec(NamedTuple):
@@ -110,4 +120,5 @@ CHAT_OUTPUTS = (
     TensorSpec(GENERATION_PARAMS, "TYPE_STRING"),
     TensorSpec(KV_HANDLE, "TYPE_STRING"),
     TensorSpec(STAGE_SEAL, "TYPE_STRING"),
+    TensorSpec(FIRST_OUTPUT_SENT, "TYPE_BOOL"),
 )

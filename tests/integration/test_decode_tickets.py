@@ -13,6 +13,7 @@ import queue
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import np_to_triton_dtype
 
 from pdchat import tensors
 from pdchat.clients.chat import ChatError, GrpcChat, chat_inputs, collect
@@ -28,7 +29,7 @@ def stream_raw(server, model, arrays, parameters=None, outputs=None):
     client.start_stream(callback=lambda result, error: arrived.put((result, error)))
     inputs = []
     for name, array in arrays.items():
-        dtype = "INT32" if array.dtype == np.int32 else "BYTES"
+        dtype = "BYTES" if array.dtype == np.object_ else np_to_triton_dtype(array.dtype)
         entry = grpcclient.InferInput(name, list(array.shape), dtype)
         entry.set_data_from_numpy(array)
         inputs.append(entry)
@@ -48,13 +49,19 @@ def stream_raw(server, model, arrays, parameters=None, outputs=None):
         client.close()
 
 
+def ticket_and_first(server, body) -> tuple[dict[str, np.ndarray], list[dict]]:
+    """chat's answer to `body` asked with a ticket: decode's inputs, by name (its final
+    response), and the OpenAI chunks it sent before it (prefill's first output, when prefill
+    computed the prompt and the answer streams)."""
+    wanted = (*tensors.DECODE_TICKET_OUTPUTS, tensors.RESPONSE)
+    *first, (result, error) = stream_raw(server, "chat", chat_inputs(body), {tensors.DECODE_TICKET: True}, wanted)
+    assert error is None and all(e is None for _, e in first), error
+    ticket = {name: array for name in tensors.DECODE_TICKET_OUTPUTS if (array := result.as_numpy(name)) is not None}
+    return ticket, [json.loads(r.as_numpy(tensors.RESPONSE)[0]) for r, _ in first]
+
+
 def ticket_of(server, body) -> dict[str, np.ndarray]:
-    """chat's one answer to `body` asked with a ticket: decode's inputs, by name."""
-    [(result, error)] = stream_raw(
-        server, "chat", chat_inputs(body), {tensors.DECODE_TICKET: True}, tensors.DECODE_TICKET_OUTPUTS
-    )
-    assert error is None, error
-    return {name: array for name in tensors.DECODE_TICKET_OUTPUTS if (array := result.as_numpy(name)) is not None}
+    return ticket_and_first(server, body)[0]
 
 
 def decoded(server, ticket) -> list[dict]:
@@ -76,10 +83,13 @@ def test_a_ticket_opens_decode_with_the_answer_chat_relays(server, small_pool_se
     """An idle decode prefills the prompt itself: its ticket has no KV handle. Prefill's
     KV (small_pool_server's prompts are always prefill's) comes in the ticket's handle."""
     server = server if prefilled_by == "decode" else small_pool_server
-    ticket = ticket_of(server, BODY)
+    ticket, first = ticket_and_first(server, BODY)
     sealed = {tensors.PROMPT_TOKEN_IDS, tensors.GENERATION_PARAMS, tensors.STAGE_SEAL}
-    assert set(ticket) == (sealed if prefilled_by == "decode" else sealed | {tensors.KV_HANDLE})
-    chunks = decoded(server, ticket)
+    # Prefill's first output comes from chat, before the ticket; decode's stream goes on after it.
+    from_prefill = {tensors.KV_HANDLE, tensors.FIRST_OUTPUT_SENT}
+    assert set(ticket) == (sealed if prefilled_by == "decode" else sealed | from_prefill)
+    assert len(first) == (0 if prefilled_by == "decode" else 1)
+    chunks = first + decoded(server, ticket)
     relayed = collect(GrpcChat(server.grpc_url).stream(chat_inputs(BODY)))
     assert [c["choices"][0]["delta"].get("content", "") for c in chunks] == [o.text for o in relayed.outputs]
     assert chunks[-1]["choices"][0]["finish_reason"] == relayed.finish_reason == "length"

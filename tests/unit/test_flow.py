@@ -106,8 +106,9 @@ def test_a_client_that_leaves_cancels_decode_and_its_stream_is_drained(decode_se
     monkeypatch.setattr("pdchat.ensemble.flow.CANCEL_POLL_S", 0.0)
     stages = LeavingClient(decode_server)
     asyncio.run(decode_server.flow.serve(ChatInputs(chat(stream=True)), stages))
-    assert len(stages.outputs) == 1 and len(stages.cancelled) == 1
-    assert stages.drained == 12 and stages.closed  # decode's stream read to its end, then the client's closed
+    assert len(stages.outputs) == 1 and len(stages.cancelled) == 1  # prefill's first output
+    # decode's stream (from the second output on) read to its end, then the client's closed
+    assert stages.drained == 11 and stages.closed
 
 
 class LeavingDuringAWholeAnswer(LocalStages):
@@ -165,7 +166,8 @@ def test_a_stalled_decode_is_cancelled_and_the_request_ends_unavailable(decode_s
     with pytest.raises(Unavailable, match=r"decode sent nothing for 0.3 s \(setting stage_stall_timeout_s\)"):
         asyncio.run(decode_server.flow.serve(ChatInputs(chat(stream=True)), stages))
     assert time.monotonic() - started < 5
-    assert len(stages.outputs) == 1 and len(stages.cancelled) == 1 and not stages.closed
+    # prefill's first output, decode's one; then the cancellation
+    assert len(stages.outputs) == 2 and len(stages.cancelled) == 1 and not stages.closed
 
 
 def reuse(decode_server, kv_transfer_params, answer, stages=None, **fields):
@@ -289,9 +291,9 @@ def decode_load(decode_server, tmp_path, monkeypatch):
     slot.prefills = []
     real_prefill = LocalStages.prefill
 
-    async def counted(self, rendered, destination):
+    async def counted(self, rendered, destination, first_output):
         slot.prefills.append(destination)
-        return await real_prefill(self, rendered, destination)
+        return await real_prefill(self, rendered, destination, first_output)
 
     monkeypatch.setattr(LocalStages, "prefill", counted)
     yield slot

@@ -9,6 +9,7 @@ import torch
 from pdchat.core.generation.sampling import Choice
 from pdchat.core.kv.base import tokens_from
 from pdchat.core.request.protocol import parse_chat_json
+from pdchat.ensemble.flow import ChatInputs
 from tests.logprobs import assert_logprobs_close, logprobs_of
 from tests.pipeline import LocalPipeline
 
@@ -402,3 +403,59 @@ def test_each_row_of_a_batch_keeps_its_own_shaping_and_logprobs(pipeline):
             logprobs_of([json.loads(outputs[-1].response)]), logprobs_of([json.loads(alone.response)])
         )
     assert batched[1][-1].output_token_ids == [1234] * 8
+
+
+# Prefill's first output (TextModel.first_output): a streamed answer's first chunk goes to the
+# client once prefill chose the token, and decode's stream goes on after it.
+
+
+def _without_identity(outputs):
+    """The outputs with each chunk's id and created left out (each run makes its own)."""
+    return [
+        (
+            o.text_output,
+            o.output_token_ids,
+            o.finish_reason,
+            {k: v for k, v in json.loads(o.response).items() if k not in ("id", "created")},
+        )
+        for o in outputs
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fields", "early"),
+    [
+        ({}, True),
+        ({"logprobs": True, "top_logprobs": 2}, True),
+        ({"stop": ["@@@"]}, True),
+        ({"stop": ["e"]}, False),  # its first token holds an "e": the answer ends there
+        ({"stream_options": {"include_usage": True}, "return_token_ids": True}, True),
+        ({"max_tokens": 1}, False),  # its first token is its last: decode sends it, with the end
+    ],
+)
+def test_prefills_first_output_is_the_one_decode_would_send(pipeline, fields, early):
+    request = chat(**{"max_tokens": 8, "temperature": 0, "stream": True, **fields})
+    handed = pipeline.serve(ChatInputs(request), handoff=True)
+    alone = pipeline.serve(ChatInputs(request), handoff=False)  # decode prefills: it makes every output
+    assert [o.output_token_ids for o in handed.sent] == ([handed.outputs[0].output_token_ids] if early else [])
+    assert _without_identity(handed.outputs) == _without_identity(alone.outputs)
+
+
+def test_no_first_output_for_a_whole_answer(pipeline):
+    stages = pipeline.serve(ChatInputs(chat(max_tokens=4, temperature=0)), handoff=True)
+    assert stages.sent == [] and len(stages.outputs) == 1
+
+
+def test_a_failed_pull_keeps_prefills_first_token(pipeline):
+    """Decode computes the prompt itself when the KV pull fails; the first token stays the one
+    prefill chose, which its client may have been shown already."""
+    request = chat(max_tokens=3, temperature=0, logprobs=True, top_logprobs=1)
+    rendered = pipeline.renderer.render(request)
+    ids, params = rendered.prompt_token_ids, rendered.params
+    greedy = pipeline.model.prefill(ids, params).first.token_id
+    given = (greedy + 1) % pipeline.model.engine.vocab_size
+    generation = pipeline.model.generation(ids, params, first=Choice(given), kv_source=lambda start: None)
+    delta = generation.emit()
+    assert delta.token_ids == [given]
+    assert delta.logprobs[0].token_id == given  # computed here, from the prompt's logits
+    generation.drop()

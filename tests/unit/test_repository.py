@@ -60,7 +60,13 @@ def test_chat_is_the_ensemble_contract_plus_completions_forwarded_ids_and_ticket
     ensemble = load("chat_ensemble")
     chat_only = [tensors.COMPLETION_REQUEST, tensors.PROMPT_TOKEN_IDS, tensors.KV_TRANSFER_PARAMS]
     assert list(tensors.CHAT_INPUTS) == specs(ensemble.input) + [s for s in tensors.CHAT_INPUTS if s.name in chat_only]
-    ticket_only = [tensors.KV_TRANSFER_PARAMS, tensors.GENERATION_PARAMS, tensors.KV_HANDLE, tensors.STAGE_SEAL]
+    ticket_only = [
+        tensors.KV_TRANSFER_PARAMS,
+        tensors.GENERATION_PARAMS,
+        tensors.KV_HANDLE,
+        tensors.STAGE_SEAL,
+        tensors.FIRST_OUTPUT_SENT,
+    ]
     assert list(tensors.CHAT_OUTPUTS) == specs(ensemble.output) + [
         s for s in tensors.CHAT_OUTPUTS if s.name in ticket_only
     ]
@@ -98,12 +104,18 @@ def test_stage_tensors_and_seals():
         tensors.KV_DESTINATION,
         tensors.STAGE_SEAL,
     ]
-    assert names(load("prefill").output) == [tensors.FIRST_TOKEN_ID, tensors.KV_HANDLE, tensors.STAGE_SEAL]
+    assert names(load("prefill").output) == [
+        tensors.FIRST_TOKEN_ID,
+        tensors.KV_HANDLE,
+        tensors.STAGE_SEAL,
+        tensors.FIRST_OUTPUT,
+    ]
     assert names(load("decode").input) == [
         tensors.PROMPT_TOKEN_IDS,
         tensors.GENERATION_PARAMS,
         tensors.KV_HANDLE,
         tensors.CANCEL_REQUEST_ID,
+        tensors.FIRST_OUTPUT_SENT,
         tensors.STAGE_SEAL,
     ]
     assert load("decode").model_transaction_policy.decoupled

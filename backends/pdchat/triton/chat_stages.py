@@ -56,11 +56,14 @@ class BLSStages:
     async def render(self, request_json: str, seal: str) -> Rendered:
         return await self.loop.call_pooled(STAGES, self.lanes, self._render, request_json, seal)
 
-    async def prefill(self, rendered: Rendered, destination: str) -> Prefilled:
-        return await self.loop.call_pooled(STAGES, self.lanes, self._prefill, rendered, destination)
+    async def prefill(self, rendered: Rendered, destination: str, first_output: bool) -> Prefilled:
+        return await self.loop.call_pooled(STAGES, self.lanes, self._prefill, rendered, destination, first_output)
+
+    def send(self, output: ClientOutput) -> None:
+        io.send_tensors(self.sender, io.client_tensors(output, io.requested_client_outputs(self.request)))
 
     async def decode(self, call: DecodeCall) -> AsyncIterator[Any]:
-        inputs = io.stage_inputs(call.prompt_token_ids, call.params_text, call.seal, call.kv_handle)
+        inputs = self._decode_inputs(call)
         beats = [beat for beat in (call.heartbeat_s, self.heartbeat_s) if beat is not None]
         request = pb_utils.InferenceRequest(
             model_name=DECODE,
@@ -104,8 +107,7 @@ class BLSStages:
         return self.ticketed
 
     def ticket(self, call: DecodeCall) -> None:
-        inputs = io.stage_inputs(call.prompt_token_ids, call.params_text, call.seal, call.kv_handle)
-        io.send_tensors(self.sender, inputs, flags=FINAL)
+        io.send_tensors(self.sender, self._decode_inputs(call), flags=FINAL)
 
     def close(self) -> None:
         self.sender.send(flags=FINAL)
@@ -137,11 +139,23 @@ class BLSStages:
         params, prompt_seal = (_text_output(response, name) for name in (tensors.GENERATION_PARAMS, tensors.STAGE_SEAL))
         return Rendered(ids, params, prompt_seal, render_s)
 
-    def _prefill(self, rendered: Rendered, destination: str) -> Prefilled:
+    def _prefill(self, rendered: Rendered, destination: str, first_output: bool) -> Prefilled:
         inputs = io.stage_inputs(rendered.prompt_token_ids, rendered.params_text, rendered.seal)
         inputs.append(io.string_tensor(tensors.KV_DESTINATION, destination))
-        response = self._exec(PREFILL, inputs, [tensors.KV_HANDLE, tensors.STAGE_SEAL])
-        return Prefilled(*(_text_output(response, name) for name in (tensors.KV_HANDLE, tensors.STAGE_SEAL)))
+        outputs = [tensors.KV_HANDLE, tensors.STAGE_SEAL] + ([tensors.FIRST_OUTPUT] if first_output else [])
+        response = self._exec(PREFILL, inputs, outputs)
+        shown = _text_output(response, tensors.FIRST_OUTPUT) if first_output else ""
+        return Prefilled(
+            _text_output(response, tensors.KV_HANDLE),
+            _text_output(response, tensors.STAGE_SEAL),
+            ClientOutput.from_json(shown) if shown else None,
+        )
+
+    @staticmethod
+    def _decode_inputs(call: DecodeCall) -> list:
+        return io.stage_inputs(
+            call.prompt_token_ids, call.params_text, call.seal, call.kv_handle, call.first_output_sent
+        )
 
     def _exec(self, model_name: str, inputs: list, outputs: list[str]) -> Any:
         response = pb_utils.InferenceRequest(

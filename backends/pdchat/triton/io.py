@@ -144,14 +144,20 @@ def stage_input(request, seal: StageSeal, context_length: int, vocab_size: int) 
     return StageInput(ids, params, params_text, KVHandle.from_json(handle_text) if handle_text else None)
 
 
-def stage_inputs(ids: list[int], params_text: str, seal: str, kv_handle: str = "") -> list[pb_utils.Tensor]:
-    """The sealed inputs of a BLS call to prefill or decode."""
+def stage_inputs(
+    ids: list[int], params_text: str, seal: str, kv_handle: str = "", first_output_sent: bool = False
+) -> list[pb_utils.Tensor]:
+    """The sealed inputs of a BLS call to prefill or decode (`first_output_sent`: decode's, unsealed)."""
     inputs = [
         int32_tensor(tensors.PROMPT_TOKEN_IDS, ids),
         string_tensor(tensors.GENERATION_PARAMS, params_text),
         string_tensor(tensors.STAGE_SEAL, seal),
     ]
-    return inputs + ([string_tensor(tensors.KV_HANDLE, kv_handle)] if kv_handle else [])
+    if kv_handle:
+        inputs.append(string_tensor(tensors.KV_HANDLE, kv_handle))
+    if first_output_sent:
+        inputs.append(pb_utils.Tensor(tensors.FIRST_OUTPUT_SENT, np.array([True])))
+    return inputs
 
 
 def required_token_ids(request, name: str = tensors.PROMPT_TOKEN_IDS) -> list[int]:
@@ -196,11 +202,15 @@ def heartbeat_s(request) -> float | None:
 
 
 def ticket_requested(request) -> bool:
-    """Whether `request`'s caller asked chat for a ticket (tensors.DECODE_TICKET); InvalidRequest
-    for a value that is not a bool."""
-    value = _parameters(request).get(tensors.DECODE_TICKET, False)
+    """Whether `request`'s caller asked chat for a ticket (tensors.DECODE_TICKET)."""
+    return bool_parameter(request, tensors.DECODE_TICKET)
+
+
+def bool_parameter(request, name: str) -> bool:
+    """Request parameter `name` (False when absent); InvalidRequest for a value that is not a bool."""
+    value = _parameters(request).get(name, False)
     if type(value) is not bool:
-        raise InvalidRequest(f"request parameter '{tensors.DECODE_TICKET}' must be a bool, got {value!r}")
+        raise InvalidRequest(f"request parameter '{name}' must be a bool, got {value!r}")
     return value
 
 

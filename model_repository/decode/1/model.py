@@ -7,6 +7,8 @@ requests advance in one forward pass per step (continuous batching,
 cancel acknowledgements, cancellation checks, metrics) runs on the outbox thread
 (pdchat.triton.outbox), in order, while the scheduler thread runs the next forward pass.
 A request carrying only `cancel_request_id` (sealed by chat) stops the named request instead.
+With `first_output_sent` (and a KV handle), its client has the stream's first output from
+prefill already (TextModel.first_output): decode makes it too, and does not send it.
 """
 
 import functools
@@ -142,10 +144,12 @@ class TritonPythonModel:
         first = None if handle is None else Choice(handle.first_token_id, handle.first_token_logprobs)
         if first is not None and not 0 <= first.token_id < engine.vocab_size:
             raise InvalidRequest(f"the KV handle's first token {first.token_id} is not in this model's vocabulary")
+        # The client has prefill's first output already: decode's first delta is not sent again.
+        first_sent = first is not None and bool(io.input_scalar(request, tensors.FIRST_OUTPUT_SENT))
         stream = _Stream(
             params.request_id,
             sender,
-            self.model.assembler(ids, params),
+            self.model.assembler(ids, params, first_output_sent=first_sent),
             io.requested_client_outputs(request),
             io.heartbeat_s(request),
             given_first=first is not None,

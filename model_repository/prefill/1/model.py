@@ -2,7 +2,9 @@
 
 The KV goes back as a tensor with the first token and its logprobs (one server), or, when
 the request names a `kv_destination` connector, is published there for a decode server
-and only its handle goes back, carrying the first token and its logprobs.
+and only its handle goes back, carrying the first token and its logprobs. Asked for
+`first_output`, it also answers a streamed request's first output as decode will make it
+(TextModel.first_output), for chat to send before decode starts.
 
 One instance and one KV pool per server, so the prefix cache serves every request: the
 prompts take turns by chunk on the scheduler's thread (core.generation.prefill_scheduler),
@@ -62,7 +64,9 @@ class TritonPythonModel:
             self.outbox.call(functools.partial(self._arrived, stage.params.request_id, time.monotonic()))
             task = PrefillTask(
                 start=functools.partial(PrefillJob, self.model, stage.prompt_token_ids, stage.params, self.chunk),
-                done=functools.partial(self._done, sender, stage, destination),
+                done=functools.partial(
+                    self._done, sender, stage, destination, tensors.FIRST_OUTPUT in request.requested_output_names()
+                ),
                 fail=functools.partial(self._fail, sender, stage.params.request_id),
             )
             # NOTE: a prompt is queued once its grammar is compiled: no compile on the scheduler thread.
@@ -91,8 +95,8 @@ class TritonPythonModel:
 
     # On the scheduler thread: each hands its work to the outbox.
 
-    def _done(self, sender, stage, destination: str, prefilled) -> None:
-        self.outbox.call(functools.partial(self._answer, sender, stage, destination, prefilled))
+    def _done(self, sender, stage, destination: str, first_output: bool, prefilled) -> None:
+        self.outbox.call(functools.partial(self._answer, sender, stage, destination, first_output, prefilled))
         usage = self.model.engine.pool.usage()
         self.outbox.call(functools.partial(self.pool_metrics.update, usage))
         self.outbox.call(functools.partial(self._prefilled, stage.params.request_id, usage, time.monotonic()))
@@ -103,7 +107,7 @@ class TritonPythonModel:
 
     # On the outbox thread:
 
-    def _answer(self, sender, stage, destination: str, prefilled) -> None:
+    def _answer(self, sender, stage, destination: str, first_output: bool, prefilled) -> None:
         try:
             handle = self.connectors.publish(
                 destination, prefilled.kv, prefilled.first.token_id, prefilled.first.logprobs, prefilled.cached_tokens
@@ -113,14 +117,17 @@ class TritonPythonModel:
             return
         # Decode takes this KV only with prefill's seal over it and the prompt it belongs to.
         seal = self.seal.seal_prompt(stage.prompt_token_ids, stage.params_text, handle)
-        response = pb_utils.InferenceResponse(
-            output_tensors=[
-                io.int32_tensor(tensors.FIRST_TOKEN_ID, [prefilled.first.token_id]),
-                io.string_tensor(tensors.KV_HANDLE, handle),
-                io.string_tensor(tensors.STAGE_SEAL, seal),
-            ]
-        )
-        sender.send(response, flags=FINAL)
+        outputs = [
+            io.int32_tensor(tensors.FIRST_TOKEN_ID, [prefilled.first.token_id]),
+            io.string_tensor(tensors.KV_HANDLE, handle),
+            io.string_tensor(tensors.STAGE_SEAL, seal),
+        ]
+        if first_output:
+            shown = self.model.first_output(
+                stage.prompt_token_ids, stage.params, prefilled.first, prefilled.cached_tokens
+            )
+            outputs.append(io.string_tensor(tensors.FIRST_OUTPUT, "" if shown is None else shown.to_json()))
+        sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
 
     # vLLM's metrics (VllmMetrics): a prompt is a request running until its first token.
 

@@ -22,7 +22,7 @@ from pdchat.core.output.detokenizer import IncrementalDetokenizer
 from pdchat.core.output.harmony import HarmonyOutputParser
 from pdchat.core.output.logprobs import TokenSpeller
 from pdchat.core.output.parsing import THINK_OPEN, OutputParser, starts_in_reasoning
-from pdchat.core.output.responses import Delta, ResponseAssembler, response_assembler
+from pdchat.core.output.responses import ClientOutput, Delta, ResponseAssembler, response_assembler
 from pdchat.core.output.stopping import StopStringMatcher
 from pdchat.core.request.harmony_vocab import harmony_encoding, uses_harmony
 from pdchat.core.request.protocol import GenerationParams
@@ -30,6 +30,8 @@ from pdchat.core.settings import DEFAULT_KV_POOL, CompileOptions, KVPoolOptions,
 from pdchat.models import ModelSettings
 
 if TYPE_CHECKING:
+    import torch
+
     from pdchat.models import ModelSettings
 
 FINISH_STOP = "stop"
@@ -199,8 +201,35 @@ class TextModel:
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def assembler(self, prompt_token_ids: list[int], params: GenerationParams) -> ResponseAssembler:
-        return response_assembler(params, prompt_token_ids, self.output_parser(prompt_token_ids, params), self.speller)
+    def assembler(
+        self, prompt_token_ids: list[int], params: GenerationParams, *, first_output_sent: bool = False
+    ) -> ResponseAssembler:
+        """The request's outputs, delta by delta; `first_output_sent`: its client has the
+        first one already (`first_output`), so the first delta adds none unless it is the last."""
+        parser = self.output_parser(prompt_token_ids, params)
+        return response_assembler(params, prompt_token_ids, parser, self.speller, first_output_sent=first_output_sent)
+
+    def first_output(
+        self, prompt_token_ids: list[int], params: GenerationParams, first: Choice, cached_tokens: int
+    ) -> ClientOutput | None:
+        """A streamed answer's first output, from prefill's first token, as decode will make
+        it (the same AnswerText delta into the same assembler): its client can have it
+        before decode sends anything, and decode's assembler then skips it
+        (`assembler(first_output_sent=True)`). None where decode's could differ or end the
+        answer: not streamed, logprobs asked that prefill did not compute (decode computes
+        them again), a first token that is the answer's last."""
+        if not params.stream:
+            return None
+        logprobs = None
+        if params.logprobs:
+            if first.logprobs is None or not first.logprobs.covers(first.token_id, params.top_logprobs):
+                return None
+            logprobs = first.logprobs.trimmed(params.top_logprobs)  # as decode's Generation takes it
+        delta = AnswerText(self, prompt_token_ids, params).emit(Choice(first.token_id, logprobs), cached_tokens)
+        if delta.finish_reason:
+            return None
+        [output] = self.assembler(prompt_token_ids, params).on_delta(delta)
+        return output
 
     def _eos_ids(self) -> frozenset[int]:
         """EOS ids from both the generation config and the tokenizer (chat models differ)."""
@@ -238,15 +267,11 @@ class Generation:
         self.engine = engine
         self.params = params
         self.prompt_token_ids = prompt_token_ids
-        self.output_token_ids: list[int] = []
+        self._answer = AnswerText(model, prompt_token_ids, params)
+        self.output_token_ids = self._answer.token_ids
         self.finished = False
-        self._stop_ids = model.stop_ids(params)
-        self._detokenizer = IncrementalDetokenizer(model.tokenizer)
-        self._stops = StopStringMatcher(params.stop)
         self._chooser = model.chooser(prompt_token_ids, params)
-        # parallel_tool_calls false: a parser of its own watches for the first complete call.
-        one_call = params.parse_tool_calls and not params.parallel_tool_calls
-        self._tool_call_watch = model.output_parser(prompt_token_ids, params) if one_call else None
+        self._given = first  # prefill's choice: the answer's first token, whoever computes the prompt
         self._on_kv_released = on_kv_released
         self._prefill_chunk = prefill_chunk or len(prompt_token_ids)
         self._local: PromptPrefill | None = None  # decode's own prefill of the prompt
@@ -298,46 +323,29 @@ class Generation:
         if self.cache is None:
             self._local = PromptPrefill(self.engine, self.prompt_token_ids, self.params.cache_salt, self._prefill_chunk)
             self.cache, self.cached_tokens = self._local.sequence, self._local.cached_tokens
-        last = self._local.step(self._chooser.greedy)
+        last = self._local.step(self._chooser.greedy and not (self._given and self.params.logprobs))
         if last is None:
             return False
-        self._pending = self._chooser.choose(*last)
+        self._pending = self._chooser.choose(*last) if self._given is None else self._given_again(last[0])
         return True
 
+    def _given_again(self, logits: torch.Tensor) -> Choice:
+        """Prefill's first token once decode computed the prompt itself (the KV pull failed):
+        its client may have been shown it already (`TextModel.first_output`, a prefill leg's
+        answer), so it stays the answer's first token; its logprobs, when asked, from the
+        logits computed here."""
+        token = self._given.token_id
+        self._chooser.replay(token)
+        logprobs = token_logprobs(logits, token, self.params.top_logprobs) if self.params.logprobs else None
+        return Choice(token, logprobs)
+
     def emit(self) -> Delta:
-        """The pending token as the client sees it; sets `finished` when it is the last.
-        A stop token (EOS, stop_token_ids) ends the answer without adding text, as in vLLM."""
-        choice = self._pending
-        token = choice.token_id
-        self.output_token_ids.append(token)
-        stopped = token in self._stop_ids
-        text = "" if stopped else self._detokenizer.push(token)
-        first = len(self.output_token_ids) == 1
-        finish = self._finish(stopped, text)
-        if finish:
-            text += self._detokenizer.flush()
-        released, hit_stop = self._stops.feed(text)
-        if hit_stop:
-            finish = FINISH_STOP
-        elif finish:
-            released += self._stops.flush()
-        self.finished = bool(finish)
+        """The pending token as the client sees it (AnswerText.emit); sets `finished` when it is the last."""
+        delta = self._answer.emit(self._pending, self.cached_tokens)
+        self.finished = bool(delta.finish_reason)
         if self.finished:
             self.drop()  # free the KV as soon as the answer is complete (a batched row's: at its leave)
-        logprobs = [] if choice.logprobs is None else [choice.logprobs]
-        return Delta(released, [token], finish, logprobs, self.cached_tokens if first else None)
-
-    def _finish(self, stopped: bool, text: str) -> str | None:
-        if stopped:
-            return FINISH_STOP
-        if (
-            self._tool_call_watch is not None
-            and self._tool_call_watch.feed(text, [self.output_token_ids[-1]]).tool_calls
-        ):
-            return FINISH_STOP  # the first complete tool call (the client sees finish_reason tool_calls)
-        if len(self.output_token_ids) >= self.params.max_tokens:
-            return FINISH_LENGTH
-        return None
+        return delta
 
     @property
     def last_token_id(self) -> int:
@@ -372,3 +380,50 @@ class Generation:
         if not self.finished:
             self.accept(self.engine.step([self.cache], [self.last_token_id])[0])
         return delta
+
+
+class AnswerText:
+    """What one request's output tokens show its client, token by token: a stop token (EOS,
+    stop_token_ids) ends the answer without adding text, as in vLLM; text is detokenized
+    incrementally and held back where a stop string may begin; the answer ends at a stop
+    string, the first complete tool call (parallel_tool_calls false) or max_tokens.
+
+    NOTE: it reads no engine state: decode runs it for every token (`Generation`), prefill
+    for the first one alone (`TextModel.first_output`), and both show the same delta."""
+
+    def __init__(self, model: TextModel, prompt_token_ids: list[int], params: GenerationParams):
+        self.params = params
+        self.token_ids: list[int] = []
+        self._stop_ids = model.stop_ids(params)
+        self._detokenizer = IncrementalDetokenizer(model.tokenizer)
+        self._stops = StopStringMatcher(params.stop)
+        # parallel_tool_calls false: a parser of its own watches for the first complete call.
+        one_call = params.parse_tool_calls and not params.parallel_tool_calls
+        self._tool_call_watch = model.output_parser(prompt_token_ids, params) if one_call else None
+
+    def emit(self, choice: Choice, cached_tokens: int) -> Delta:
+        """The delta of the answer's next token (`cached_tokens` goes on the first one)."""
+        token = choice.token_id
+        self.token_ids.append(token)
+        stopped = token in self._stop_ids
+        text = "" if stopped else self._detokenizer.push(token)
+        first = len(self.token_ids) == 1
+        finish = self._finish(stopped, text)
+        if finish:
+            text += self._detokenizer.flush()
+        released, hit_stop = self._stops.feed(text)
+        if hit_stop:
+            finish = FINISH_STOP
+        elif finish:
+            released += self._stops.flush()
+        logprobs = [] if choice.logprobs is None else [choice.logprobs]
+        return Delta(released, [token], finish, logprobs, cached_tokens if first else None)
+
+    def _finish(self, stopped: bool, text: str) -> str | None:
+        if stopped:
+            return FINISH_STOP
+        if self._tool_call_watch is not None and self._tool_call_watch.feed(text, [self.token_ids[-1]]).tool_calls:
+            return FINISH_STOP  # the first complete tool call (the client sees finish_reason tool_calls)
+        if len(self.token_ids) >= self.params.max_tokens:
+            return FINISH_LENGTH
+        return None

@@ -16,7 +16,7 @@ tokens/token_logprobs/top_logprobs/text_offset.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -55,6 +55,13 @@ class ClientOutput:
     def final(self) -> bool:
         return bool(self.finish_reason)
 
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> ClientOutput:
+        return cls(**json.loads(text))
+
 
 class ResponseAssembler:
     """A chat completion's outputs, delta by delta (`response_assembler` picks the class)."""
@@ -68,8 +75,12 @@ class ResponseAssembler:
         prompt_token_ids: list[int],
         parser: OutputParser | HarmonyOutputParser,
         speller: TokenSpeller,
+        first_output_sent: bool = False,
     ):
+        """`first_output_sent`: the client has this stream's first output already (made from
+        the same first delta elsewhere): the first delta returns none, unless it ends the answer."""
         self._params = params
+        self._skip_first = first_output_sent
         self._prompt_token_ids = prompt_token_ids
         self._parser = parser
         self._speller = speller
@@ -93,6 +104,9 @@ class ResponseAssembler:
         finish = self._finish_reason(delta.finish_reason)
         if self._params.stream:
             chunk = self._chunk(delta, parsed, finish)
+            skip, self._skip_first = self._skip_first, False
+            if skip and not finish:
+                return []
             if finish and self._params.include_usage:
                 return [replace(chunk, finish_reason=""), self._usage_chunk(finish)]
             return [chunk]
@@ -227,10 +241,11 @@ def response_assembler(
     prompt_token_ids: list[int],
     parser: OutputParser | HarmonyOutputParser,
     speller: TokenSpeller,
+    first_output_sent: bool = False,
 ) -> ResponseAssembler:
     """The assembler of the request's API: completions or chat."""
     kind = CompletionAssembler if params.completion else ResponseAssembler
-    return kind(params, prompt_token_ids, parser, speller)
+    return kind(params, prompt_token_ids, parser, speller, first_output_sent)
 
 
 def remote_prefill_output(
