@@ -5,7 +5,8 @@ stage models. `model_repository/chat` serves it with BLS calls (`pdchat.triton.c
 `tests/pipeline.py` serves it in one process. Routes (`pdchat.ensemble.routing`):
 
 - REUSE: forwarded ids the gate admitted, sealed here, go straight to decode; no render;
-- RENDER: renderer -> prefill (KV over shm, to this server's decode) -> decode; with
+- RENDER: renderer -> prefill (KV over shm, to this server's decode) -> decode, a streamed
+  answer's first output sent from prefill's answer before decode starts; with
   setting local_prefill_when_idle, a lone request while decode holds no sequence
   (`DecodeLoad`) goes renderer -> decode, which prefills the prompt itself;
 - REMOTE_PREFILL: renderer -> prefill (KV through the configured connector), then one
@@ -282,9 +283,9 @@ class ChatFlow:
             await self._relay(stages, DecodeCall(ids, params, params_text, self.seal.seal_prompt(ids, params_text)))
         else:
             prefilled = await stages.prefill(rendered, SHM, first_output=True)
-            if prefilled.first_output is not None:  # the client has it before decode starts
-                stages.send(prefilled.first_output)
             sent = prefilled.first_output is not None
+            if sent:  # the client has it before decode starts
+                stages.send(prefilled.first_output)
             call = DecodeCall(ids, params, params_text, prefilled.seal, prefilled.kv_handle, first_output_sent=sent)
             await self._relay(stages, call)
 
