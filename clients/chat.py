@@ -200,7 +200,11 @@ class GrpcChat:
         self._responses: queue.Queue | None = None  # the running stream's, as they arrived
         self._ending = False  # the running stream's final response was taken: its next `next` closes it
 
-    def stream(self, inputs: dict[str, np.ndarray], request_id: str = "") -> Iterator[ChatOutput]:
+    def stream(
+        self, inputs: dict[str, np.ndarray], request_id: str = "", parameters: dict[str, Any] | None = None
+    ) -> Iterator[ChatOutput]:
+        """The responses to one request (`parameters`: request parameters of chat beside those
+        the client sets itself)."""
         responses: queue.Queue = queue.Queue()
         self._responses, self._ending = responses, False
         self.client.start_stream(callback=functools.partial(self._arrived, responses))
@@ -210,8 +214,11 @@ class GrpcChat:
         ticketed = False  # chat answered with a ticket: the responses from here on are decode's
         try:
             try:
-                parameters = {**heartbeats, tensors.DECODE_TICKET: True} if self.decode_direct else heartbeats
-                self._send(self.model, _infer_inputs(self._grpc, inputs.items()), self._outputs, request_id, parameters)
+                chat_parameters = {**heartbeats, **(parameters or {})}
+                if self.decode_direct:
+                    chat_parameters[tensors.DECODE_TICKET] = True
+                infer_inputs = _infer_inputs(self._grpc, inputs.items())
+                self._send(self.model, infer_inputs, self._outputs, request_id, chat_parameters)
             except Exception as exc:  # noqa: BLE001 - tritonclient raises several kinds
                 finished = True
                 raise self._broken(responses, exc) from exc

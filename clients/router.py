@@ -266,8 +266,10 @@ class BackendPool:
         inputs: dict[str, np.ndarray],
         request_id: str = "",
         streams: RequestStreams | None = None,
+        parameters: dict[str, Any] | None = None,
     ) -> Iterator[ChatOutput]:
-        """`backend`'s responses (it comes from `pick`) to one request. Its errors, by kind:
+        """`backend`'s responses (it comes from `pick`) to one request (`parameters`: chat's
+        request parameters, GrpcChat.stream). Its errors, by kind:
         - nothing for `stall_timeout_s`: UpstreamTimeout, naming the server; the request is
           cancelled and the server marked unready;
         - a transport failure or server fault: the server is probed at once; one that does
@@ -278,7 +280,7 @@ class BackendPool:
         streams = streams or RequestStreams()
         with backend.client() as client, self._running(client), streams.holding(client, request_id):
             try:
-                yield from client.stream(inputs, request_id=request_id)
+                yield from client.stream(inputs, request_id=request_id, parameters=parameters)
             except Exception as exc:
                 if streams.cancelled:  # we closed the stream: the server did nothing wrong
                     raise ClientLeft(request_id) from exc
@@ -475,7 +477,13 @@ class ChatFront:
                 raise error from exc
 
     def _stream(
-        self, text: bytes, request_id: str, form: str, streams: RequestStreams | None = None, **forwarded: Any
+        self,
+        text: bytes,
+        request_id: str,
+        form: str,
+        streams: RequestStreams | None = None,
+        parameters: dict[str, Any] | None = None,
+        **forwarded: Any,
     ) -> Iterator[ChatOutput]:
         """Responses of one serving server to `text` as input `form` (errors as `BackendPool.stream` says)."""
         if not self.serving.any_healthy():
@@ -484,7 +492,7 @@ class ChatFront:
         with self.serving.pick() as backend:
             try:
                 inputs = chat_inputs(text, form=form, **forwarded)
-                yield from self.serving.stream(backend, inputs, request_id, streams)
+                yield from self.serving.stream(backend, inputs, request_id, streams, parameters)
             except ClientLeft:
                 raise  # not a failure: nobody waits for it
             except ChatError:
@@ -613,35 +621,47 @@ class PDRouter(ChatFront):
             raise self.decode.none_ready()
         keys = prefix_keys(body) if self.affinity is not None else []  # only the prefix policy reads them
         prefilled = self._prefill_leg(text, request_id, form, keys, streams)
-        forwarded = {}
+        forwarded: dict[str, Any] = {}
+        parameters: dict[str, Any] = {}
         if prefilled is not None:
+            first, answer = prefilled
             # The signed handoff goes on as the prefill server serialized it.
-            forwarded = {"kv_transfer_params": prefilled.kv_transfer_params_json}
+            forwarded = {"kv_transfer_params": answer.kv_transfer_params_json}
             if self.forward_ids:
-                forwarded["prompt_token_ids"] = prefilled.prompt_token_ids
+                forwarded["prompt_token_ids"] = answer.prompt_token_ids
             self.stats.disaggregated += 1
-        yield from self._stream(text, request_id, form, streams, **forwarded)
+            if first is not None:  # the client has it now; the decode leg's stream goes on after it
+                yield first
+                parameters[tensors.FIRST_OUTPUT_SENT] = True
+        yield from self._stream(text, request_id, form, streams, parameters, **forwarded)
 
     def _prefill_leg(
         self, body: bytes, request_id: str, form: str, keys: list[bytes], streams: RequestStreams | None
-    ) -> ChatOutput | None:
-        """Prefill's answer (first token, prompt ids, signed handoff), or None to let decode
-        do it all: no prefill server ready, or the one picked failed or stalled. A
-        do_remote_decode request gets one answer, streamed or not. `keys`: the request's
+    ) -> tuple[ChatOutput | None, ChatOutput] | None:
+        """The streamed answer's first output, when the prefill server sent it (None
+        otherwise), and prefill's answer (first token, prompt ids, signed handoff); None to
+        let decode do it all: no prefill server ready, or the one picked failed or stalled.
+        A do_remote_decode request gets one answer, streamed or not, and with ids forwarded
+        the first output before it (tensors.FIRST_OUTPUT_EARLY). `keys`: the request's
         prefix keys, for the prefix policy."""
         started = time.perf_counter()
         choose = None if self.affinity is None else functools.partial(self.affinity.choose, keys)
         try:
             with self.prefill.pick(choose) as used:
                 inputs = chat_inputs(body, kv_transfer_params={"do_remote_decode": True}, form=form)
-                [output] = list(self.prefill.stream(used, inputs, request_id, streams))
+                # The first output may go before the decode leg only where the decode server takes
+                # the handle as it is (REUSE): it continues the prefill leg's answer there.
+                parameters = {tensors.FIRST_OUTPUT_EARLY: True} if self.forward_ids else None
+                *first, output = list(self.prefill.stream(used, inputs, request_id, streams, parameters))
+                if len(first) > 1:
+                    raise ChatError(f"prefill server {used.url} answered {len(first) + 1} responses, not 1 or 2")
             log.info(
                 "request %s: prefill on %s in %.1f ms", request_id, used.url, 1000 * (time.perf_counter() - started)
             )
             index = self.kv_indexes.get(used.url)
             if index is not None and keys:  # its blocks are on that server now: affinity holds while they are
                 self.affinity.bind(used.url, keys[-1], index.prompt_key(output.prompt_token_ids))
-            return output
+            return (first[0] if first else None), output
         except ChatError as exc:
             if exc.is_client_error or isinstance(exc, (Draining, ClientLeft)):
                 raise  # the request itself is bad (decode would refuse it too), the front stops, or nobody waits

@@ -10,7 +10,9 @@ stage models. `model_repository/chat` serves it with BLS calls (`pdchat.triton.c
   setting local_prefill_when_idle, a lone request while decode holds no sequence
   (`DecodeLoad`) goes renderer -> decode, which prefills the prompt itself;
 - REMOTE_PREFILL: renderer -> prefill (KV through the configured connector), then one
-  answer: the first token and the signed kv_transfer_params for a decode server;
+  answer: the first token and the signed kv_transfer_params for a decode server (before
+  it, when the caller asks, the streamed answer's first output, which the decode leg then
+  skips);
 - RENDER_VERIFIED: renderer, then decode with the transferred KV once the rendered ids
   pass the gate.
 
@@ -131,6 +133,15 @@ class ChatStages(Protocol):
 
     def send(self, output: ClientOutput) -> None:
         """One output of the client's stream that is not its last (prefill's first output)."""
+        ...
+
+    def wants_first_output(self) -> bool:
+        """A prefill leg's caller asked for the stream's first output before the answer
+        (tensors.FIRST_OUTPUT_EARLY)."""
+        ...
+
+    def has_first_output(self) -> bool:
+        """The caller has the stream's first output from the prefill leg (tensors.FIRST_OUTPUT_SENT)."""
         ...
 
     def decode(self, call: DecodeCall) -> AsyncIterator[Any]:
@@ -257,7 +268,10 @@ class ChatFlow:
                 params_text = plan.generation.to_json()
                 handle = "" if admission.kv_handle is None else admission.kv_handle.to_json()
                 seal = self.seal.seal_prompt(plan.prompt_token_ids, params_text, handle)
-                call = DecodeCall(plan.prompt_token_ids, plan.generation, params_text, seal, handle)
+                sent = bool(handle) and stages.has_first_output()  # the first token is the handle's
+                call = DecodeCall(
+                    plan.prompt_token_ids, plan.generation, params_text, seal, handle, first_output_sent=sent
+                )
                 await self._relay(stages, call, taken=admission.spend)
             return
         self.renderer.check_size(chat)  # before the text crosses to the renderer
@@ -272,9 +286,11 @@ class ChatFlow:
                 seal = self.seal.seal_prompt(ids, params_text, handle)
                 await self._relay(stages, DecodeCall(ids, params, params_text, seal, handle), taken=admission.spend)
         elif plan.route is Route.REMOTE_PREFILL:
-            prefilled = await stages.prefill(rendered, self.kv_connector, first_output=False)
+            prefilled = await stages.prefill(rendered, self.kv_connector, first_output=stages.wants_first_output())
+            if prefilled.first_output is not None:  # the client's, before the decode leg starts
+                stages.send(prefilled.first_output)
             kv_handle = KVHandle.from_json(prefilled.kv_handle)  # signed into the handoff, first token shown
-            handoff = self.planner.sign_handoff(chat, ids, kv_handle=kv_handle)
+            handoff = self.planner.sign_handoff(chat, ids, kv_handle=kv_handle, answer=params)
             first = self._first_delta(kv_handle)
             stages.answer(
                 remote_prefill_output(params, ids.tolist(), first, self.speller, handoff.to_params()), handoff.to_json()

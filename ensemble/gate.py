@@ -77,8 +77,14 @@ class Admission:
     again. The first of the two settles it, later calls do nothing; as a context manager it
     is released on exit unless spent."""
 
-    def __init__(self, kv_handle: KVHandle | None, settle: Callable[[bool], None] | None = None):
+    def __init__(
+        self,
+        kv_handle: KVHandle | None,
+        settle: Callable[[bool], None] | None = None,
+        handoff: Handoff | None = None,
+    ):
         self.kv_handle = kv_handle
+        self.handoff = handoff  # the signed handoff admitted (None: unsigned ids)
         self._settle = settle  # settle(spent); None: unsigned, or settled
 
     def spend(self) -> None:
@@ -179,7 +185,7 @@ class Gate:
             if use is None:
                 heapq.heappush(self._by_expiry, (handoff.expires_at, handoff.signature))
             self._uses[handoff.signature] = _Use.RESERVED
-        return Admission(handoff.kv_handle, functools.partial(self._settle, handoff.signature))
+        return Admission(handoff.kv_handle, functools.partial(self._settle, handoff.signature), handoff)
 
     def _settle(self, signature: str, spent: bool) -> None:
         with self._lock:

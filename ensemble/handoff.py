@@ -14,7 +14,7 @@ import hashlib
 import hmac
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from pdchat.core.settings import HANDOFF_KEY, HANDOFF_KEY_FILE
 
 MIN_KEY_BYTES = 16
 DEFAULT_TTL_S = 60.0
-SIGNATURE_VERSION = 2
+SIGNATURE_VERSION = 3
 
 
 def load_key(environ: dict[str, str] | os._Environ | None = None) -> bytes | None:
@@ -80,6 +80,10 @@ class Handoff:
     expires_at: float
     kv_handle: KVHandle | None = None
     signature: str = ""
+    # The prefill leg's answer `id` and `created`: the decode leg's answer goes on as the same
+    # response (its first chunk may have come from the prefill leg). "" and 0: none given.
+    response_id: str = ""
+    created: int = 0
 
     def signed_bytes(self, prompt_token_ids: list[int]) -> bytes:
         handle = None if self.kv_handle is None else self.kv_handle.to_dict()
@@ -90,6 +94,8 @@ class Handoff:
                 "fingerprint": self.fingerprint,
                 "expires_at": self.expires_at,
                 "kv_handle": handle,
+                "response_id": self.response_id,
+                "created": self.created,
             }
         )
 
@@ -99,6 +105,8 @@ class Handoff:
             "fingerprint": self.fingerprint,
             "expires_at": self.expires_at,
             "kv_handle": None if self.kv_handle is None else self.kv_handle.to_dict(),
+            "response_id": self.response_id,
+            "created": self.created,
             "signature": self.signature,
         }
 
@@ -114,15 +122,21 @@ class Handoff:
             if not isinstance(signature, str):
                 raise TypeError("signature must be a string")
             handle = params.get("kv_handle")
+            response_id, created = params.get("response_id", ""), params.get("created", 0)
+            if not isinstance(response_id, str) or type(created) is not int:
+                raise TypeError("response_id must be a string and created an integer")
             return cls(
                 str(params["fingerprint"]),
                 float(params["expires_at"]),
                 None if handle is None else KVHandle.from_dict(handle),
                 signature,
+                response_id,
+                created,
             )
         except (KeyError, TypeError, ValueError, KVUnavailable) as exc:
             raise ValueError(
-                f"signed kv_transfer_params need fingerprint, expires_at, signature and a valid kv_handle ({exc})"
+                "signed kv_transfer_params need fingerprint, expires_at, signature, a valid kv_handle "
+                f"and, if any, a string response_id and an integer created ({exc})"
             ) from None
 
 
@@ -134,9 +148,11 @@ def sign(
     kv_handle: KVHandle | None = None,
     ttl_s: float = DEFAULT_TTL_S,
     now: float | None = None,
+    response_id: str = "",
+    created: int = 0,
 ) -> Handoff:
-    handoff = Handoff(fingerprint, round((now or time.time()) + ttl_s, 3), kv_handle)
-    return Handoff(handoff.fingerprint, handoff.expires_at, kv_handle, mac(key, handoff.signed_bytes(prompt_token_ids)))
+    handoff = Handoff(fingerprint, round((now or time.time()) + ttl_s, 3), kv_handle, "", response_id, created)
+    return replace(handoff, signature=mac(key, handoff.signed_bytes(prompt_token_ids)))
 
 
 def mac(key: bytes, payload: bytes) -> str:

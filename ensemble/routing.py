@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pdchat.core.errors import InvalidRequest
@@ -90,6 +90,9 @@ class RoutePlanner:
                 generation = chat.generation_params(
                     len(ids), self.gate.context_length, self.gate.vocab_size, self.served_names
                 )
+                handoff = admission.handoff
+                if handoff is not None and handoff.response_id:  # the prefill leg's answer goes on here
+                    generation = replace(generation, request_id=handoff.response_id, created=handoff.created)
             except BaseException:
                 admission.release()  # refused here: the handoff stays good for a corrected request
                 raise
@@ -122,9 +125,12 @@ class RoutePlanner:
         prompt_token_ids: list[int],
         kv_handle: KVHandle | None = None,
         now: float | None = None,
+        answer: GenerationParams | None = None,
     ) -> Handoff:
         """The signed handoff for the decode leg. The ids travel beside it as the binary
-        prompt_token_ids tensor (a router may also list them inside, vLLM-style)."""
+        prompt_token_ids tensor (a router may also list them inside, vLLM-style). `answer`:
+        the prefill leg's generation params, whose response id and time the decode leg's
+        answer takes on."""
         assert self.gate.key is not None  # plan() refused REMOTE_PREFILL without a key
         return sign(
             self.gate.key,
@@ -133,4 +139,6 @@ class RoutePlanner:
             kv_handle=kv_handle,
             ttl_s=self.ttl_s,
             now=now or time.time(),
+            response_id="" if answer is None else answer.request_id,
+            created=0 if answer is None else answer.created,
         )

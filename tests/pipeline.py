@@ -109,6 +109,8 @@ class LocalStages:
         self.closed = False
         self.ticketed = False  # True: the client asks for tickets (tensors.DECODE_TICKET)
         self.sent: list[ClientOutput] = []  # outputs chat sent itself (prefill's first output)
+        self.first_output_early = False  # a prefill leg's caller asks for the first output
+        self.first_output_sent = False  # a decode leg's caller has it
         self.tickets: list[DecodeCall] = []
 
     def routed(self, route: Route) -> None:
@@ -161,6 +163,12 @@ class LocalStages:
 
     def wants_ticket(self) -> bool:
         return self.ticketed
+
+    def wants_first_output(self) -> bool:
+        return self.first_output_early
+
+    def has_first_output(self) -> bool:
+        return self.first_output_sent
 
     def ticket(self, call: DecodeCall) -> None:
         self.tickets.append(call)

@@ -130,6 +130,22 @@ def test_pd_answers_equal_monolithic_token_for_token(stack, monolithic_answers, 
     assert answer["finish_reason"] == expected.finish_reason
 
 
+def test_a_streamed_pd_answer_is_one_response_chunk_for_chunk_as_monolithic(stack, server):
+    """The prefill leg's first output reaches the client before the decode leg starts; the
+    decode leg goes on from the second as the same response (id and created)."""
+    body = {"max_tokens": 8, "temperature": 0, "stream": True, "return_token_ids": True, **PARITY_CASES["multi_turn"]}
+    chunks = router_responses(stack, body)
+    client = GrpcChat(server.grpc_url, "chat")
+    monolithic = responses(collect(client.stream(chat_inputs(body))))
+    client.close()
+    assert len({(chunk["id"], chunk["created"]) for chunk in chunks}) == 1
+
+    def without_identity(answer):
+        return [{k: v for k, v in chunk.items() if k not in ("id", "created")} for chunk in answer]
+
+    assert without_identity(chunks) == without_identity(monolithic)
+
+
 @pytest.fixture(scope="module")
 def monolithic_sampling(server):
     """The sampling cases on a monolithic server (chat, render path), whole and streamed."""

@@ -356,3 +356,32 @@ def test_a_prompt_served_beside_others_goes_to_prefill_though_decode_is_idle(dec
     decode_load.now += LOCAL_BURST_S
     decode_server.run(chat())
     assert decode_load.prefills == [SHM] and decode_server.flow._serving == 0
+
+
+def _identity_and_rest(outputs):
+    bodies = [json.loads(o.response) for o in outputs]
+    rest = [
+        (o.text_output, o.output_token_ids, o.finish_reason, {k: v for k, v in b.items() if k not in ("id", "created")})
+        for o, b in zip(outputs, bodies, strict=True)
+    ]
+    return {(b["id"], b["created"]) for b in bodies}, rest
+
+
+def test_a_prefill_legs_first_output_and_the_decode_legs_stream_are_one_answer(prefill_server, decode_server):
+    """The router's P/D stream: the prefill leg sends the first output before its answer, the
+    decode leg goes on from the second, as the same response (id and created, signed into
+    the handoff); together, the answer one server streams."""
+    leg = LocalStages(prefill_server, handoff=True)
+    leg.first_output_early = True
+    asyncio.run(
+        prefill_server.flow.serve(ChatInputs(chat(kv_transfer_params={"do_remote_decode": True}, stream=True)), leg)
+    )
+    first, answer = leg.outputs
+    assert leg.sent == [first] and not first.final and answer.finish_reason
+    decode_leg = LocalStages(decode_server, handoff=True)
+    decode_leg.first_output_sent = True
+    reuse(decode_server, leg.kv_transfer_params, answer, stages=decode_leg, stream=True)
+    assert decode_leg.route is Route.REUSE
+    identities, rest = _identity_and_rest([first, *decode_leg.outputs])
+    assert len(identities) == 1
+    assert rest == _identity_and_rest(decode_server.run(chat(stream=True), handoff=False))[1]

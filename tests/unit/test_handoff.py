@@ -51,8 +51,9 @@ def test_signed_ids_for_this_request_are_admitted_with_their_kv_handle():
 
 
 def test_the_handoff_crosses_the_wire_as_one_serialization():
-    handoff = sign(KEY, IDS, "f" * 64, kv_handle=HANDLE, now=NOW)
+    handoff = sign(KEY, IDS, "f" * 64, kv_handle=HANDLE, now=NOW, response_id="chatcmpl-1", created=1_700_000_000)
     assert Handoff.from_params(json.loads(handoff.to_json())) == handoff
+    assert admit(signed(response_id="chatcmpl-1", created=5)).handoff.response_id == "chatcmpl-1"
     assert KVHandle.from_json(HANDLE.to_json()) == HANDLE
 
 
@@ -137,6 +138,9 @@ def test_sampling_fields_are_outside_the_fingerprint_render_inputs_inside():
         (lambda: admit(signed(ids=[-1, 3]), ids=[-1, 3]), Rejection.OUT_OF_VOCABULARY),
         (lambda: admit(signed(ids=[1] * 100), ids=[1] * 100), Rejection.TOO_LONG),
         (lambda: admit({"signature": "ab"}), Rejection.MALFORMED),
+        (lambda: admit({**signed(response_id="chatcmpl-a"), "response_id": "chatcmpl-b"}), Rejection.BAD_SIGNATURE),
+        (lambda: admit({**signed(created=7), "created": 8}), Rejection.BAD_SIGNATURE),
+        (lambda: admit({**signed(), "created": "7"}), Rejection.MALFORMED),
     ],
 )
 def test_every_refusal_names_its_reason(case, expected):

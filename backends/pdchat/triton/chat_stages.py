@@ -49,6 +49,8 @@ class BLSStages:
         self.lanes = lanes
         self.heartbeat_s = io.heartbeat_s(request)  # the client's, if it asked for heartbeats
         self.ticketed = io.ticket_requested(request)
+        self.first_output_early = io.bool_parameter(request, tensors.FIRST_OUTPUT_EARLY)
+        self.first_output_sent = io.bool_parameter(request, tensors.FIRST_OUTPUT_SENT)
 
     def routed(self, route: Route) -> None:
         pb_utils.Logger.log_info(f"chat request {self.request.request_id() or '-'}: route {route.value}")
@@ -105,6 +107,12 @@ class BLSStages:
 
     def wants_ticket(self) -> bool:
         return self.ticketed
+
+    def wants_first_output(self) -> bool:
+        return self.first_output_early
+
+    def has_first_output(self) -> bool:
+        return self.first_output_sent
 
     def ticket(self, call: DecodeCall) -> None:
         io.send_tensors(self.sender, self._decode_inputs(call), flags=FINAL)
