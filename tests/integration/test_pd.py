@@ -469,6 +469,8 @@ def test_a_stopped_decode_server_ends_streams_at_the_stall_deadline_and_gets_no_
     cancelled = metric(decode, "pdchat_decode_requests_total", outcome="cancelled")
     streams = [StreamReader(stack.router_url, ENDLESS) for _ in range(3)]
     assert all(s.first.wait(60) for s in streams) and all(s.status == 200 for s in streams)
+    # The first chunk comes from the prefill leg: decode runs the three once it counts them.
+    assert wait_for(lambda: metric(decode, "pdchat_decode_active") == 3)
     os.killpg(decode.process.pid, signal.SIGSTOP)
     stopped = time.monotonic()
     try:

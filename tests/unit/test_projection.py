@@ -52,3 +52,12 @@ def test_strided_inputs_project_like_contiguous_ones():
     gemm = RowGemm(weight)
     torch.testing.assert_close(gemm(half), gemm(x), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(gemm(half), functional.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_a_prompts_rows_are_bucketed_and_the_padding_dropped():
+    weight, x = _weight_and_rows(37)
+    gemm = RowGemm(weight)
+    bucketed = gemm(x.view(1, 37, -1), bucket_rows=True)  # computed as 48 rows
+    assert bucketed.shape == (1, 37, 96) and bucketed.is_contiguous()
+    torch.testing.assert_close(bucketed[0], functional.linear(x, weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bucketed, gemm(x.view(1, 37, -1)), rtol=1e-6, atol=1e-6)

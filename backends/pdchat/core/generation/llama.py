@@ -131,11 +131,14 @@ class LlamaForward:
             attend = self._attention_on_torch(paged, rows, queries)
         hidden = functional.embedding(input_ids.reshape(-1), self.embedding)  # the residual stream, added into
         normed = self._rms_norm(kernels, hidden, self.layers[0].input_norm)
+        prompt = queries > 1  # its GEMMs' rows bucketed (RowGemm): few shapes for all prompt lengths
         for index, layer in enumerate(self.layers):
-            attended = attend(layer, layer.qkv(normed))  # [rows * queries, q_heads * head_dim]
-            normed = self._add_rms_norm(kernels, hidden, layer.out(attended), layer.post_norm, normed)
-            activated = self._swiglu(kernels, layer.gate_up(normed))
-            normed = self._add_rms_norm(kernels, hidden, layer.down(activated), self._norm_after(index), normed)
+            attended = attend(layer, layer.qkv(normed, bucket_rows=prompt))  # [rows * queries, q_heads * head_dim]
+            delta = layer.out(attended, bucket_rows=prompt)
+            normed = self._add_rms_norm(kernels, hidden, delta, layer.post_norm, normed)
+            activated = self._swiglu(kernels, layer.gate_up(normed, bucket_rows=prompt))
+            delta = layer.down(activated, bucket_rows=prompt)
+            normed = self._add_rms_norm(kernels, hidden, delta, self._norm_after(index), normed)
         out = normed.view(rows, queries, -1)
         return out[:, -1:] if last_only else out
 

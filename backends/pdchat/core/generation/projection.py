@@ -5,12 +5,20 @@ layout on every call. oneDNN over the weight reordered once into its blocked lay
 vLLM's CPU backend does for its linear layers) skips that: at prefill's rows (a prompt's
 tokens) it runs 1.1-1.5x as fast, at a decode step's few rows up to 2x
 (docs/benchmarks.md#the-forward-pass). At one row torch's GEMM is the faster, so it keeps it.
+
+oneDNN makes (and caches) a primitive per shape, about 0.7 ms for each new number of rows
+here, so a prompt of a length not seen before paid that for each of a layer's GEMMs. A
+prompt's rows (`bucket_rows`) are padded to a multiple of PROMPT_ROW_BUCKET: its GEMMs take
+one of a few shapes, made once. A decode step's rows are not (a batch's few sizes recur).
 """
 
 from __future__ import annotations
 
 import torch
 from torch.nn import functional
+
+# A prompt's GEMM rows are padded up to a multiple of this (RowGemm's bucket_rows).
+PROMPT_ROW_BUCKET = 16
 
 
 class RowGemm:
@@ -34,12 +42,18 @@ class RowGemm:
         self._transposed = self.weight.t().contiguous() if transposed_for_one_row else None
         self._layout = self._blocked_layout() if self.blocked and not lazy else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, *, bucket_rows: bool = False) -> torch.Tensor:
+        """`bucket_rows`: pad x's rows for oneDNN to a multiple of PROMPT_ROW_BUCKET (a
+        prompt's pass); the padding's rows are computed and dropped."""
         rows = x.numel() // x.shape[-1]
         if rows > 1 and self.blocked:
             if self._layout is None:
                 self._layout = self._blocked_layout()
-            out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), self._layout, None, "none", [None], "")
+            flat = x.reshape(rows, -1)
+            padded = -(-rows // PROMPT_ROW_BUCKET) * PROMPT_ROW_BUCKET if bucket_rows else rows
+            if padded != rows:
+                flat = torch.cat((flat, flat.new_zeros(padded - rows, flat.shape[1])))
+            out = torch.ops.mkldnn._linear_pointwise(flat, self._layout, None, "none", [None], "")[:rows]
         elif self._transposed is not None:
             out = x.reshape(rows, -1) @ self._transposed
         else:
