@@ -287,8 +287,7 @@ class ChatFlow:
                 await self._relay(stages, DecodeCall(ids, params, params_text, seal, handle), taken=admission.spend)
         elif plan.route is Route.REMOTE_PREFILL:
             prefilled = await stages.prefill(rendered, self.kv_connector, first_output=stages.wants_first_output())
-            if prefilled.first_output is not None:  # the client's, before the decode leg starts
-                stages.send(prefilled.first_output)
+            _send_first_output(stages, prefilled)  # the client's, before the decode leg starts
             kv_handle = KVHandle.from_json(prefilled.kv_handle)  # signed into the handoff, first token shown
             handoff = self.planner.sign_handoff(chat, ids, kv_handle=kv_handle, answer=params)
             first = self._first_delta(kv_handle)
@@ -299,9 +298,7 @@ class ChatFlow:
             await self._relay(stages, DecodeCall(ids, params, params_text, self.seal.seal_prompt(ids, params_text)))
         else:
             prefilled = await stages.prefill(rendered, SHM, first_output=True)
-            sent = prefilled.first_output is not None
-            if sent:  # the client has it before decode starts
-                stages.send(prefilled.first_output)
+            sent = _send_first_output(stages, prefilled)  # the client has it before decode starts
             call = DecodeCall(ids, params, params_text, prefilled.seal, prefilled.kv_handle, first_output_sent=sent)
             await self._relay(stages, call)
 
@@ -405,6 +402,14 @@ class ChatFlow:
 
     def _render_ids(self, messages: list[dict]) -> list[int]:
         return self.renderer.token_ids(ChatRequest(messages=messages))
+
+
+def _send_first_output(stages: ChatStages, prefilled: Prefilled) -> bool:
+    """Send prefill's first output to the client, if it made one; whether it did."""
+    if prefilled.first_output is None:
+        return False
+    stages.send(prefilled.first_output)
+    return True
 
 
 async def _noting_taken(stages: ChatStages, call: DecodeCall, taken: Callable[[], None]) -> AsyncIterator[Any]:
