@@ -13,6 +13,7 @@ and execute() only validates and queues. Each answer goes out through the respon
 """
 
 import functools
+import logging
 import time
 
 import triton_python_backend_utils as pb_utils
@@ -32,6 +33,7 @@ from pdchat.triton.outbox import Outbox
 from pdchat.triton.server_watch import exit_with_server
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+log = logging.getLogger("pdchat.prefill")
 
 
 class TritonPythonModel:
@@ -123,9 +125,13 @@ class TritonPythonModel:
             io.string_tensor(tensors.STAGE_SEAL, seal),
         ]
         if first_output:
-            shown = self.model.first_output(
-                stage.prompt_token_ids, stage.params, prefilled.first, prefilled.cached_tokens
-            )
+            try:
+                shown = self.model.first_output(
+                    stage.prompt_token_ids, stage.params, prefilled.first, prefilled.cached_tokens
+                )
+            except Exception:  # noqa: BLE001 - the answer must go out: decode then sends the first output
+                log.exception("request %s: making its first output failed", stage.params.request_id)
+                shown = None
             outputs.append(io.string_tensor(tensors.FIRST_OUTPUT, "" if shown is None else shown.to_json()))
         sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
 
