@@ -1,9 +1,10 @@
 """How busy this server's `decode` is, as `chat` sees it before it picks who prefills.
 
-Each decode instance keeps the count of sequences it holds (queued, prefilling, decoding)
-in a file of its own, `decode-load.<instance>` in the server's directory
-(pdchat.ensemble.seal.server_directory): 8 bytes, mapped, rewritten only when the count
-changes. `chat` reads them all per request it routes (`DecodeLoad.idle`).
+Each decode instance keeps the count of sequences it holds (queued, prefilling, decoding),
+of those queued at its limits, and the tokens its KV pool holds, in a file of its own,
+`decode-load.<instance>` in the server's directory (pdchat.ensemble.seal.server_directory):
+24 bytes, mapped, rewritten only when a count changes. `chat` reads them all per request it
+routes (`DecodeLoad.idle`, `DecodeLoad.has_room`).
 
 A load is a hint, never a guarantee: two requests that read "idle" at once both take it,
 and a count is up to one scheduler pass old. A decode instance that died leaves its last
@@ -19,31 +20,33 @@ import struct
 from pathlib import Path
 
 FILE_PREFIX = "decode-load."
-_COUNT = struct.Struct("<q")
+_COUNTS = struct.Struct("<qqq")  # held, queued at the limits, the KV pool's tokens
 
 
 class LoadSlot:
-    """One decode instance's count, written by its scheduler thread.
+    """One decode instance's counts, written by its scheduler thread.
 
-    NOTE: one writer per slot (the scheduler thread). A reader may see a count one write
-    old: a count is a hint (module docstring), so nothing orders the two."""
+    NOTE: one writer per slot (the scheduler thread). A reader may see counts one write
+    old: they are a hint (module docstring), so nothing orders the two."""
 
-    def __init__(self, directory: Path, instance: str):
+    def __init__(self, directory: Path, instance: str, pool_tokens: int):
+        self.pool_tokens = pool_tokens
         self.path = directory / f"{FILE_PREFIX}{instance}"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
-            os.ftruncate(fd, _COUNT.size)
-            self._map = mmap.mmap(fd, _COUNT.size)
+            os.ftruncate(fd, _COUNTS.size)
+            self._map = mmap.mmap(fd, _COUNTS.size)
         finally:
             os.close(fd)
-        self._count = -1
+        self._counts = (-1, -1)
         self.set(0)
 
-    def set(self, count: int) -> None:
-        """Publish `count` (sequences held now); a no-op when it is the one published."""
-        if count != self._count:
-            _COUNT.pack_into(self._map, 0, count)
-            self._count = count
+    def set(self, held: int, queued: int = 0) -> None:
+        """Publish `held` (sequences held now) and `queued` (of those, the ones waiting for
+        room: decode is at its limits); a no-op when they are the ones published."""
+        if (held, queued) != self._counts:
+            _COUNTS.pack_into(self._map, 0, held, queued, self.pool_tokens)
+            self._counts = (held, queued)
 
     def close(self) -> None:
         """Unpublish: chat no longer counts this instance."""
@@ -59,24 +62,35 @@ class DecodeLoad:
 
     def held(self) -> int | None:
         """Sequences all decode instances hold now, or None while none publishes a count."""
-        total, found = 0, False
+        counts = self._counts()
+        return sum(held for held, _, _ in counts) if counts else None
+
+    def idle(self) -> bool:
+        """Whether decode publishes a count and holds no sequence."""
+        return self.held() == 0
+
+    def has_room(self, tokens: int) -> bool:
+        """Whether decode would take a request of `tokens` (prompt + max_tokens) as it comes:
+        no instance has requests queued for room (at its limits: running sequences or KV),
+        and each one's KV pool holds `tokens` (decode refuses a request it cannot). True
+        while none publishes counts (nothing known against it)."""
+        return all(queued == 0 and tokens <= pool for _, queued, pool in self._counts())
+
+    def _counts(self) -> list[tuple[int, int, int]]:
+        """(held, queued, pool tokens) of each instance that publishes them."""
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
-            return None
+            return []
+        counts = []
         for name in names:
             if not name.startswith(FILE_PREFIX):
                 continue
             try:
                 with open(self.directory / name, "rb") as file:
-                    data = file.read(_COUNT.size)
+                    data = file.read(_COUNTS.size)
             except FileNotFoundError:  # an instance unpublished meanwhile
                 continue
-            if len(data) == _COUNT.size:
-                total += _COUNT.unpack(data)[0]
-                found = True
-        return total if found else None
-
-    def idle(self) -> bool:
-        """Whether decode publishes a count and holds no sequence."""
-        return self.held() == 0
+            if len(data) == _COUNTS.size:
+                counts.append(_COUNTS.unpack(data))
+        return counts

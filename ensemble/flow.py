@@ -6,7 +6,9 @@ stage models. `model_repository/chat` serves it with BLS calls (`pdchat.triton.c
 
 - REUSE: forwarded ids the gate admitted, sealed here, go straight to decode; no render;
 - RENDER: renderer -> prefill (KV over shm, to this server's decode) -> decode, a streamed
-  answer's first output sent from prefill's answer before decode starts; with
+  answer's first output sent from prefill's answer before decode starts, unless decode
+  may not take the request as it comes (`DecodeLoad.has_room`: it may wait, or be refused,
+  and a refusal must come before any output); with
   setting local_prefill_when_idle, a lone request while decode holds no sequence
   (`DecodeLoad`) goes renderer -> decode, which prefills the prompt itself;
 - REMOTE_PREFILL: renderer -> prefill (KV through the configured connector), then one
@@ -201,11 +203,12 @@ class ChatFlow:
         render_rate: RenderRate | None = None,
         stall_timeout_s: float = STAGE_STALL_TIMEOUT_S.default_value,
         decode_load: DecodeLoad | None = None,
+        local_prefill_when_idle: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ):
-        """`decode_load`: while it reads idle, decode prefills a plain prompt itself
-        (setting local_prefill_when_idle); None: prefill always does. `clock`: what times
-        the bursts after a prompt decode prefilled (`_decode_prefills`)."""
+        """`decode_load`: this server's decode's load (None: unknown, read as room left);
+        with `local_prefill_when_idle`, while it reads idle decode prefills a plain prompt
+        itself. `clock`: what times the bursts after a prompt decode prefilled (`_decode_prefills`)."""
         self.planner = planner
         self.renderer = renderer
         self.seal = seal
@@ -215,6 +218,7 @@ class ChatFlow:
         self.render_rate = render_rate or RenderRate.calibrate(self._render_ids)
         self.stall_timeout_s = stall_timeout_s  # longest wait for decode's next response
         self.decode_load = decode_load
+        self.local_prefill_when_idle = local_prefill_when_idle
         self.clock = clock
         self._local: tuple[float, np.ndarray] | None = None  # when decode last took a plain prompt, and its ids
         self._serving = 0  # requests inside `serve` now
@@ -243,9 +247,16 @@ class ChatFlow:
         planner = RoutePlanner(gate, served_name, handoff_ttl_s(parameters, env), renderer.render_defaults)
         seal = StageSeal.for_this_server(env)
         stall_timeout_s = STAGE_STALL_TIMEOUT_S.get(parameters, env)
-        load = DecodeLoad(server_directory(os.getppid())) if LOCAL_PREFILL_WHEN_IDLE.get(parameters, env) else None
-        connector = kv_connector(parameters, env)
-        return cls(planner, renderer, seal, connector, observer, stall_timeout_s=stall_timeout_s, decode_load=load)
+        return cls(
+            planner,
+            renderer,
+            seal,
+            kv_connector(parameters, env),
+            observer,
+            stall_timeout_s=stall_timeout_s,
+            decode_load=DecodeLoad(server_directory(os.getppid())),
+            local_prefill_when_idle=LOCAL_PREFILL_WHEN_IDLE.get(parameters, env),
+        )
 
     async def serve(self, inputs: ChatInputs, stages: ChatStages) -> None:
         """Serve one request through `stages`, to its client's last response.
@@ -297,7 +308,8 @@ class ChatFlow:
         elif self._decode_prefills(ids):  # no KV to hand over
             await self._relay(stages, DecodeCall(ids, params, params_text, self.seal.seal_prompt(ids, params_text)))
         else:
-            prefilled = await stages.prefill(rendered, SHM, first_output=True)
+            early = self.decode_load is None or self.decode_load.has_room(len(ids) + params.max_tokens)
+            prefilled = await stages.prefill(rendered, SHM, first_output=early)
             sent = _send_first_output(stages, prefilled)  # the client has it before decode starts
             call = DecodeCall(ids, params, params_text, prefilled.seal, prefilled.kv_handle, first_output_sent=sent)
             await self._relay(stages, call)
@@ -312,7 +324,7 @@ class ChatFlow:
         yet. A prompt then goes to decode only if it is that very prompt (the n choices of
         one request, each started once the one before answered): decode holds its blocks,
         so it computes a block's tail of it; any other goes to prefill."""
-        if self.decode_load is None:
+        if not self.local_prefill_when_idle or self.decode_load is None:
             return False
         now = self.clock()
         if self._local is not None and now - self._local[0] < LOCAL_BURST_S:

@@ -283,9 +283,10 @@ def test_a_ticket_is_the_decode_call_chat_would_relay(prefill_server, decode_ser
 def decode_load(decode_server, tmp_path, monkeypatch):
     """decode_server's flow reading a load published in tmp_path, its decode instance's
     slot at 0 (idle); prefill's calls counted in `prefills`."""
-    slot = LoadSlot(tmp_path, "decode_0_0")
+    slot = LoadSlot(tmp_path, "decode_0_0", 10**6)
     slot.now = 0.0  # the flow's clock: tests move it past a burst
     monkeypatch.setattr(decode_server.flow, "decode_load", DecodeLoad(tmp_path))
+    monkeypatch.setattr(decode_server.flow, "local_prefill_when_idle", True)
     monkeypatch.setattr(decode_server.flow, "_local", None)
     monkeypatch.setattr(decode_server.flow, "clock", lambda: slot.now)
     slot.prefills = []
@@ -346,6 +347,24 @@ def test_in_a_burst_only_the_prompt_decode_took_goes_to_decode_again(decode_serv
     decode_load.now += LOCAL_BURST_S
     decode_server.run(chat())
     assert decode_load.prefills == [SHM, SHM]
+
+
+def test_where_decode_may_not_take_the_request_the_first_output_waits_for_decode(
+    decode_server, decode_load, monkeypatch
+):
+    """A request that may wait in decode's queue (requests queued for room), or be refused
+    there (larger than its KV pool), gets no output before decode takes it: the first output
+    is decode's own, the stream the same."""
+    monkeypatch.setattr(decode_server.flow, "local_prefill_when_idle", False)
+    outputs = []
+    for queued, pool_tokens, early in ((0, 10**6, True), (1, 10**6, False), (0, 8, False)):
+        decode_load.pool_tokens = pool_tokens
+        decode_load.set(2, queued)
+        stages = LocalStages(decode_server, handoff=True)
+        asyncio.run(decode_server.flow.serve(ChatInputs(chat(stream=True)), stages))
+        outputs.append(_identity_and_rest(stages.outputs)[1])
+        assert len(stages.sent) == early, (queued, pool_tokens)
+    assert outputs[0] == outputs[1] == outputs[2]
 
 
 def test_a_prompt_served_beside_others_goes_to_prefill_though_decode_is_idle(decode_server, decode_load, monkeypatch):

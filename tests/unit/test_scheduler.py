@@ -284,7 +284,7 @@ def test_state_reports_are_spaced_while_running_and_the_idle_state_is_reported_a
 
 def test_the_sequences_held_are_published_as_they_come_and_go():
     loads, recorder = [], Recorder()
-    scheduler = DecodeScheduler(RecordingBatch(), on_load=loads.append)
+    scheduler = DecodeScheduler(RecordingBatch(), on_load=lambda held, queued: loads.append(held))
     gate = threading.Event()
 
     def held_start():
@@ -314,6 +314,22 @@ def test_the_sequences_held_are_published_as_they_come_and_go():
     scheduler.close()
     assert loads[-1] == 0, "the scheduler went idle without publishing it"
     assert loads[0] == 1 and set(loads) == {0, 1}
+
+
+def test_jobs_left_queued_at_the_limits_are_published_as_queued():
+    """What chat reads before it sends a first output ahead of decode (DecodeLoad.at_limits)."""
+    loads, recorder = [], Recorder()
+    scheduler = DecodeScheduler(RecordingBatch(), Limits(max_running=1), on_load=lambda *counts: loads.append(counts))
+    for name in ("a", "b"):
+        scheduler.submit(recorder.job(CountingGeneration(name, 3)))
+    for _ in range(200):
+        if "b:end" in recorder.events:
+            break
+        threading.Event().wait(0.01)
+    threading.Event().wait(0.05)
+    scheduler.close()
+    assert (2, 1) in loads, "b waiting for a's row was not published as queued"
+    assert loads[-1] == (0, 0)
 
 
 def test_a_job_that_comes_and_goes_between_two_reports_gets_the_idle_state_reported_again():

@@ -87,7 +87,9 @@ class TritonPythonModel:
         # About one step's responses may wait for the outbox before the scheduler waits too.
         self.outbox = Outbox("pdchat-decode-outbox", max_pending=2 * self.options.max_running)
         # What chat reads to let an idle decode prefill a prompt itself (setting local_prefill_when_idle).
-        self.load = LoadSlot(server_directory(os.getppid()), args["model_instance_name"])
+        self.load = LoadSlot(
+            server_directory(os.getppid()), args["model_instance_name"], limits.kv_blocks * limits.block_tokens
+        )
         self.scheduler = DecodeScheduler(
             DecodeBatch(self.model.engine),
             limits,

@@ -120,14 +120,15 @@ class DecodeScheduler:
         name: str = "pdchat-decode",
         on_state: Callable[[SchedulerState], None] | None = None,
         state_interval_s: float = 0.1,
-        on_load: Callable[[int], None] | None = None,
+        on_load: Callable[[int, int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         cpus: frozenset[int] | None = None,
     ):
         """`cpus`: the CPUs the scheduler's thread (and the torch threads it starts) runs on
-        (pdchat.core.placement); None: wherever it was started. `on_load(n)`: called on the
-        scheduler's thread with the sequences it holds (queued, prefilling, running) at the
-        start and end of each pass, unthrottled: it must be cheap
+        (pdchat.core.placement); None: wherever it was started. `on_load(held, queued)`: called
+        on the scheduler's thread with the sequences it holds (queued, prefilling, running)
+        and those the last admission left queued for room (the limits), at the start and end
+        of each pass, unthrottled: it must be cheap
         (pdchat.ensemble.decode_load.LoadSlot.set)."""
         self._batch = batch
         self._cpus = cpus
@@ -144,6 +145,7 @@ class DecodeScheduler:
         self._waiting: list[_Entry] = []
         self._prefilling: list[_Entry] = []
         self._running: list[_Entry] = []  # in the batch's row order
+        self._queued_for_room = 0  # jobs the last admission left waiting (at the limits)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -216,6 +218,10 @@ class DecodeScheduler:
         self._leave([row for row, entry in enumerate(self._running) if cancelled(entry)])
 
     def _admit(self) -> None:
+        self._admit_while_room()
+        self._queued_for_room = len(self._waiting)
+
+    def _admit_while_room(self) -> None:
         limits = self._limits
         while self._waiting:
             entry = self._waiting[0]
@@ -337,7 +343,7 @@ class DecodeScheduler:
 
     def _publish_load(self) -> None:
         if self._on_load is not None:
-            self._on_load(self._held())
+            self._on_load(self._held(), self._queued_for_room)
 
     def _report(self) -> None:
         """Tell `on_state` of a changed state at most every `state_interval_s` while work
