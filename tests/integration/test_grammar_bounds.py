@@ -161,4 +161,7 @@ def test_prefill_compiles_beside_the_prompts_it_computes(trusted_server, trusted
     time.sleep(0.3)  # the grammar request reached prefill and is compiling
     run("plain", {"messages": PROMPT, "max_tokens": 2, "temperature": 0})
     slow.join(120)
-    assert finished == ["plain", "grammar"]
+    # On a slow host the compile may pass its bound (grammar_compile_timeout_s) instead of
+    # finishing: either way it ended after the plain prompt, which did not wait for it.
+    assert finished[0] == "plain" and len(finished) == 2, finished
+    assert finished[1] == "grammar" or "to compile and was abandoned" in finished[1], finished
