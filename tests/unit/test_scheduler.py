@@ -282,6 +282,16 @@ def test_state_reports_are_spaced_while_running_and_the_idle_state_is_reported_a
     assert 1 <= len(running) <= 6, states
 
 
+def close_after(scheduler: DecodeScheduler, recorder: Recorder, event: str) -> None:
+    """Close `scheduler` once `event` is recorded (or 2 s passed) and its last pass published."""
+    for _ in range(200):
+        if event in recorder.events:
+            break
+        threading.Event().wait(0.01)
+    threading.Event().wait(0.05)
+    scheduler.close()
+
+
 def test_the_sequences_held_are_published_as_they_come_and_go():
     loads, recorder = [], Recorder()
     scheduler = DecodeScheduler(RecordingBatch(), on_load=lambda held, queued: loads.append(held))
@@ -306,28 +316,18 @@ def test_the_sequences_held_are_published_as_they_come_and_go():
         threading.Event().wait(0.01)
     assert loads[-1] == 1, "a job taken in but not yet started counts"
     gate.set()
-    for _ in range(200):
-        if "a:end" in recorder.events:
-            break
-        threading.Event().wait(0.01)
-    threading.Event().wait(0.05)
-    scheduler.close()
+    close_after(scheduler, recorder, "a:end")
     assert loads[-1] == 0, "the scheduler went idle without publishing it"
     assert loads[0] == 1 and set(loads) == {0, 1}
 
 
 def test_jobs_left_queued_at_the_limits_are_published_as_queued():
-    """What chat reads before it sends a first output ahead of decode (DecodeLoad.at_limits)."""
+    """What chat reads before it sends a first output ahead of decode (DecodeLoad.has_room)."""
     loads, recorder = [], Recorder()
     scheduler = DecodeScheduler(RecordingBatch(), Limits(max_running=1), on_load=lambda *counts: loads.append(counts))
     for name in ("a", "b"):
         scheduler.submit(recorder.job(CountingGeneration(name, 3)))
-    for _ in range(200):
-        if "b:end" in recorder.events:
-            break
-        threading.Event().wait(0.01)
-    threading.Event().wait(0.05)
-    scheduler.close()
+    close_after(scheduler, recorder, "b:end")
     assert (2, 1) in loads, "b waiting for a's row was not published as queued"
     assert loads[-1] == (0, 0)
 
