@@ -12,14 +12,16 @@ import json
 import queue
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 import numpy as np
+from tritonclient.grpc import InferResult
 
 from pdchat import tensors
+from pdchat.clients.grpc_streams import StreamCall, StreamLoop, infer_request
 from pdchat.core.errors import ErrorCode, PdchatError, parse_tag
 from pdchat.core.output.responses import FAILED
 
@@ -126,6 +128,24 @@ def collect(outputs: Iterator[ChatOutput]) -> ChatResult:
     return ChatResult(list(outputs))
 
 
+def _output_values(response: Any) -> dict[str, list[Any]]:
+    """A ModelInferResponse's outputs by name, each a flat list: BYTES as bytes, numbers as
+    Python numbers (read straight from the raw contents: a streamed token's response is
+    parsed once, on the loop that received it)."""
+    from tritonclient.utils import deserialize_bytes_tensor, triton_to_np_dtype
+
+    if len(response.raw_output_contents) != len(response.outputs):  # not the raw form Triton sends
+        result = InferResult(response)
+        return {out.name: np.asarray(result.as_numpy(out.name)).reshape(-1).tolist() for out in response.outputs}
+    values: dict[str, list[Any]] = {}
+    for output, raw in zip(response.outputs, response.raw_output_contents, strict=True):
+        if output.datatype == "BYTES":
+            values[output.name] = deserialize_bytes_tensor(raw).tolist()
+        else:
+            values[output.name] = np.frombuffer(raw, dtype=triton_to_np_dtype(output.datatype)).tolist()
+    return values
+
+
 def _to_output(get: Callable[[str], Any]) -> ChatOutput:
     """One response from `get(output name)`, which gives None for absent outputs."""
 
@@ -136,7 +156,11 @@ def _to_output(get: Callable[[str], Any]) -> ChatOutput:
 
     def ids(name: str) -> list[int]:
         value = get(name)
-        return [] if value is None else [int(v) for v in np.asarray(value).reshape(-1)]
+        if value is None:
+            return []
+        if isinstance(value, list) and (not value or isinstance(value[0], int)):
+            return value
+        return [int(v) for v in np.asarray(value).reshape(-1)]
 
     body, handoff = text(tensors.RESPONSE), text(tensors.KV_TRANSFER_PARAMS)
     if text(tensors.FINISH_REASON) == FAILED:  # a stream that failed mid-way (chat_ensemble, decode)
@@ -149,6 +173,18 @@ def _to_output(get: Callable[[str], Any]) -> ChatOutput:
         text(tensors.FINISH_REASON),
         handoff,
     )
+
+
+class _Arrival:
+    """A response of a stream (a ModelInferResponse) or its error, read as it arrives."""
+
+    __slots__ = ("response", "error", "final", "values", "is_ticket")
+
+    def __init__(self, response: Any, error: Any):
+        self.response, self.error = response, error
+        self.final = error is None and response.parameters["triton_final_response"].bool_param
+        self.values = {} if error is not None or not response.outputs else _output_values(response)
+        self.is_ticket = tensors.STAGE_SEAL in self.values  # chat's ticket: decode's sealed inputs
 
 
 class Waiting(enum.Enum):
@@ -189,15 +225,14 @@ class GrpcChat:
         wanted = outputs
         if outputs is not None and decode_direct:  # chat's answer may be a ticket
             wanted = tuple(dict.fromkeys(outputs + tensors.DECODE_TICKET_OUTPUTS))
-        self._outputs = None if wanted is None else [grpcclient.InferRequestedOutput(name) for name in wanted]
+        self._outputs = None if wanted is None else list(wanted)
         self._decode_outputs = None  # None: every output of decode (all client outputs)
         if outputs is not None:
-            self._decode_outputs = [
-                grpcclient.InferRequestedOutput(name) for name in outputs if name in tensors.CLIENT_OUTPUTS
-            ]
-        # Called on the stream's reader thread after each response (or error) arrives.
+            self._decode_outputs = [name for name in outputs if name in tensors.CLIENT_OUTPUTS]
+        # Called on the stream loop's thread after each response (or error) arrives.
         self.on_arrival: Callable[[], None] | None = None
         self._responses: queue.Queue | None = None  # the running stream's, as they arrived
+        self._call: StreamCall | None = None  # the running stream
         self._ending = False  # the running stream's final response was taken: its next `next` closes it
 
     def stream(
@@ -207,7 +242,7 @@ class GrpcChat:
         the client sets itself)."""
         responses: queue.Queue = queue.Queue()
         self._responses, self._ending = responses, False
-        self.client.start_stream(callback=functools.partial(self._arrived, responses))
+        call = self._call = StreamLoop.shared().open(self.url, functools.partial(self._arrived, responses))
         finished = False
         # A whole answer comes at its end: empty responses meanwhile keep it inside timeout_s.
         heartbeats = {tensors.HEARTBEAT_MS: max(1, round(1000 * self.timeout_s / 3))}
@@ -217,65 +252,37 @@ class GrpcChat:
                 chat_parameters = {**heartbeats, **(parameters or {})}
                 if self.decode_direct:
                     chat_parameters[tensors.DECODE_TICKET] = True
-                infer_inputs = _infer_inputs(self._grpc, inputs.items())
-                self._send(self.model, infer_inputs, self._outputs, request_id, chat_parameters)
-            except Exception as exc:  # noqa: BLE001 - tritonclient raises several kinds
+                call.write(infer_request(self.model, inputs, self._outputs, request_id, chat_parameters))
+            except Exception as exc:  # noqa: BLE001 - a request that cannot be built (its inputs or parameters)
                 finished = True
-                raise self._broken(responses, exc) from exc
+                raise ChatError(f"the request could not be sent: {exc}", ErrorCode.INVALID_ARG) from exc
             while True:
                 try:
-                    result, error = responses.get(timeout=self.timeout_s)
+                    arrival: _Arrival = responses.get(timeout=self.timeout_s)
                 except queue.Empty:  # unfinished: leaving cancels the request on the server
                     raise ServerSilent(f"{self.url} sent nothing for {self.timeout_s:g} s") from None
-                if error is not None:
+                if arrival.error is not None:
                     finished = True  # an error ends the request
-                    raise _grpc_error(error)
-                response = result.get_response()
-                final = response.parameters["triton_final_response"].bool_param
-                if self.decode_direct and not ticketed and result.as_numpy(tensors.STAGE_SEAL) is not None:
+                    raise _grpc_error(arrival.error)
+                if self.decode_direct and not ticketed and arrival.is_ticket:
                     ticketed = True
-                    ticket = ((name, result.as_numpy(name)) for name in tensors.DECODE_TICKET_OUTPUTS)
-                    decode_inputs = _infer_inputs(self._grpc, ((n, a) for n, a in ticket if a is not None))
-                    try:
-                        self._send(tensors.DECODE, decode_inputs, self._decode_outputs, request_id, heartbeats)
-                    except Exception as exc:  # noqa: BLE001 - tritonclient raises several kinds
-                        finished = True
-                        raise self._broken(responses, exc) from exc
+                    ticket = InferResult(arrival.response)
+                    arrays = {name: ticket.as_numpy(name) for name in tensors.DECODE_TICKET_OUTPUTS}
+                    decode_inputs = {name: array for name, array in arrays.items() if array is not None}
+                    decode = infer_request(tensors.DECODE, decode_inputs, self._decode_outputs, request_id, heartbeats)
+                    call.write(decode)
                     continue
-                self._ending = final
-                if response.outputs:  # not a heartbeat, nor the bare final flag
-                    yield _to_output(result.as_numpy)
-                if final:
+                self._ending = arrival.final
+                if arrival.values:  # not a heartbeat, nor the bare final flag
+                    yield _to_output(arrival.values.get)
+                if arrival.final:
                     finished = True
                     return
         finally:
             # Leaving early (client gone) cancels the request on the server; cancelling a
             # finished one would race its completion, so only unfinished ones are cancelled.
-            self._responses = None
-            self._stop_stream(cancel=not finished)
-
-    def _send(
-        self, model: str, inputs: list[Any], outputs: list[Any] | None, request_id: str, parameters: dict[str, Any]
-    ) -> None:
-        """One request on the running stream."""
-        self.client.async_stream_infer(
-            model,
-            inputs,
-            outputs=outputs,
-            request_id=request_id,
-            enable_empty_final_response=True,
-            parameters=parameters,
-        )
-
-    @staticmethod
-    def _broken(responses: queue.Queue, exc: Exception) -> ChatError:
-        """Why a request could not be sent: a stream that broke at once reports it (with its
-        status) through the callback."""
-        try:
-            _, error = responses.get(timeout=1.0)
-        except queue.Empty:
-            error = None
-        return _grpc_error(error or exc)
+            self._responses = self._call = None
+            call.cancel() if not finished else call.close()
 
     def waiting(self) -> Waiting:
         """What the running stream's `next` would take now (heartbeats skipped): OUTPUT, an
@@ -285,23 +292,23 @@ class GrpcChat:
         if responses is None or self._ending:
             return Waiting.OTHER
         with responses.mutex:
-            for result, error in responses.queue:
-                response = None if error is not None else result.get_response()
-                if response is None or response.parameters["triton_final_response"].bool_param:
+            for arrival in responses.queue:
+                if arrival.error is not None or arrival.final or arrival.is_ticket:
                     return Waiting.OTHER
-                if response.outputs:
+                if arrival.values:
                     return Waiting.OUTPUT
         return Waiting.NOTHING
 
-    def _arrived(self, responses: queue.Queue, result: Any, error: Any) -> None:
-        responses.put((result, error))
+    def _arrived(self, responses: queue.Queue, response: Any, error: Any) -> None:
+        responses.put(_Arrival(response, error))
         if (on_arrival := self.on_arrival) is not None:
             on_arrival()
 
     def cancel(self) -> None:
         """Close the running stream from any thread, its request cancelled on the server: the
         stream's reader ends with the cancellation as its error."""
-        self._stop_stream(cancel=True)
+        if (call := self._call) is not None:
+            call.cancel()
 
     def answer(self, model: str, name: str, body: bytes, request_id: str = "") -> dict[str, Any]:
         """The JSON `response` a non-decoupled `model` answers to one JSON input `name` (the
@@ -322,19 +329,6 @@ class GrpcChat:
 
     def close(self) -> None:
         self.client.close()
-
-    def _stop_stream(self, cancel: bool) -> None:
-        """Close the running stream (if any); `cancel`: cancel its request on the server.
-
-        NOTE: tritonclient 2.50's `stop_stream(cancel_requests=True)` cancels the call but
-        never ends the iterator that feeds it requests, so gRPC's thread reading that
-        iterator (holding the call) waited forever: one thread, its stack and its call
-        leaked per cancelled stream, and a front whose clients leave grew without bound
-        (+50 MiB over the chaos run). The iterator ends at a None in its queue."""
-        stream = getattr(self.client, "_stream", None)
-        self.client.stop_stream(cancel_requests=cancel)
-        if cancel and stream is not None:
-            stream._request_queue.put(None)
 
 
 class HttpChat:
@@ -417,22 +411,6 @@ def _json_value(array: np.ndarray) -> Any:
         return array.tolist()
     value = array[0]
     return value.decode() if isinstance(value, bytes) else value.item()
-
-
-def _infer_inputs(grpcclient: Any, arrays: Iterable[tuple[str, np.ndarray]]) -> list[Any]:
-    """tritonclient gRPC inputs of these arrays, by name."""
-    infer_inputs = []
-    for name, array in arrays:
-        tensor = grpcclient.InferInput(name, list(array.shape), _triton_dtype(array))
-        tensor.set_data_from_numpy(array)
-        infer_inputs.append(tensor)
-    return infer_inputs
-
-
-def _triton_dtype(array: np.ndarray) -> str:
-    from tritonclient.utils import np_to_triton_dtype
-
-    return "BYTES" if array.dtype == np.object_ else np_to_triton_dtype(array.dtype)
 
 
 def connect(url: str, protocol: str = "grpc", model: str = DEFAULT_MODEL) -> GrpcChat | HttpChat:

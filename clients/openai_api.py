@@ -53,6 +53,7 @@ import pdchat
 from pdchat import tensors
 from pdchat.clients.chat import ChatError, ChatOutput, Waiting
 from pdchat.clients.choices import fan_out
+from pdchat.clients.grpc_streams import StreamLoop
 from pdchat.clients.router import ClientLeft, Draining, RequestStreams, UpstreamTimeout
 from pdchat.core.errors import ErrorCode
 from pdchat.core.settings import DRAIN_TIMEOUT_S
@@ -263,7 +264,7 @@ class _Arrivals:
         in_thread: Callable[..., Awaitable[ChatOutput | None]],
     ):
         self._outputs, self._streams, self._in_thread = outputs, streams, in_thread
-        self._loop = asyncio.get_running_loop()
+        self._loop, self._thread_id = asyncio.get_running_loop(), threading.get_ident()
         self._arrived = asyncio.Event()
         streams.on_arrival = self._on_arrival
 
@@ -283,7 +284,10 @@ class _Arrivals:
                 break
         return await self._in_thread(next, self._outputs, None)
 
-    def _on_arrival(self) -> None:  # on a stream's reader thread
+    def _on_arrival(self) -> None:  # on the streams' loop: this one (StreamLoop.attach), or another's thread
+        if threading.get_ident() == self._thread_id:
+            self._arrived.set()
+            return
         try:
             self._loop.call_soon_threadsafe(self._arrived.set)
         except RuntimeError:  # the loop closed: the front is gone, nobody waits
@@ -336,6 +340,7 @@ class _Front:
         if self.draining:
             raise ApiError(503, "this front is draining: it takes no new requests", "draining", close=True)
         body = await self._json_body(request)
+        StreamLoop.attach(asyncio.get_running_loop())  # this loop reads its requests' streams
         streams = RequestStreams()
         serve = functools.partial(self.router.chat, streams=streams)
         outputs = fan_out(serve, body, request.state.request_id, GENERATION_FORMS[request.url.path])

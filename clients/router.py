@@ -80,7 +80,7 @@ class RequestStreams:
     ClientLeft, cancelled on their servers, and any it would open after. Each HTTP request
     has its own: no id a client sends can reach another's.
 
-    `on_arrival`: called (on a reader thread) when a response of one of them arrives; with
+    `on_arrival`: called (on the streams' loop, StreamLoop) when a response of one of them arrives; with
     `waiting`, a front on an event loop takes a stream's outputs as they come without
     a thread waiting for each (clients/openai_api.py)."""
 

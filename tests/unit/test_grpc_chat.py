@@ -1,12 +1,12 @@
 """GrpcChat's cancelled streams leave nothing running: a front whose clients leave mid-stream,
-or whose servers stall, keeps its thread count (and memory) flat. And what `waiting` says
-of a stream's next response, which a front reads on its event loop only when it is an output.
+or whose servers stall, keeps its thread count (and memory) flat and its server's streams
+closed. And what `waiting` says of a stream's next response, which a front reads on its
+event loop only when it is an output.
 
 Stand-in gRPC servers: one whose ModelStreamInfer reads requests and never answers, as a
 stalled decode server does; one that sends the responses a test hands it, when it does."""
 
 import queue
-import sys
 import threading
 import time
 from concurrent import futures
@@ -15,10 +15,10 @@ import grpc
 import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
-from tritonclient.utils import serialize_byte_tensor
+from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
 
 from pdchat import tensors
-from pdchat.clients.chat import ChatError, GrpcChat, ServerSilent, Waiting, chat_inputs
+from pdchat.clients.chat import DEFAULT_MODEL, ChatError, GrpcChat, ServerSilent, Waiting, _Arrival, chat_inputs
 from pdchat.clients.router import RequestStreams
 from tests.integration.helpers import wait_for
 
@@ -52,13 +52,14 @@ class Scripted(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def __init__(self):
         self.responses: queue.Queue = queue.Queue()
+        self.requests: list[service_pb2.ModelInferRequest] = []  # as they came
 
     def ModelStreamInfer(self, request_iterator, context):  # noqa: N802 - the gRPC method's name
-        next(request_iterator)
+        self.requests.append(next(request_iterator))
 
         def until_closed() -> None:
-            for _ in request_iterator:
-                pass
+            for request in request_iterator:
+                self.requests.append(request)
             self.responses.put(None)
 
         threading.Thread(target=until_closed, daemon=True).start()
@@ -66,13 +67,19 @@ class Scripted(service_pb2_grpc.GRPCInferenceServiceServicer):
             yield service_pb2.ModelStreamInferResponse(infer_response=response)
 
 
-def response(text: str | None, final: bool = False) -> service_pb2.ModelInferResponse:
-    """A chat response carrying `text` as its `response` JSON, or none (a heartbeat)."""
+def response(text: str | None, final: bool = False, **more: np.ndarray) -> service_pb2.ModelInferResponse:
+    """A chat response carrying `text` as its `response` JSON, or none (a heartbeat), and
+    `more` outputs by name."""
     reply = service_pb2.ModelInferResponse(model_name="chat")
     reply.parameters["triton_final_response"].bool_param = final
-    if text is not None:
-        reply.outputs.add(name=tensors.RESPONSE, datatype="BYTES", shape=[1])
-        reply.raw_output_contents.append(serialize_byte_tensor(np.array([text.encode()], dtype=np.object_)).item())
+    arrays = {tensors.RESPONSE: np.array([text.encode()], dtype=np.object_)} if text is not None else {}
+    for name, array in {**arrays, **more}.items():
+        if array.dtype == np.object_:
+            reply.outputs.add(name=name, datatype="BYTES", shape=list(array.shape))
+            reply.raw_output_contents.append(serialize_byte_tensor(array).item())
+        else:
+            reply.outputs.add(name=name, datatype=np_to_triton_dtype(array.dtype), shape=list(array.shape))
+            reply.raw_output_contents.append(array.tobytes())
     return reply
 
 
@@ -101,31 +108,32 @@ def scripted_server():
     server.stop(grace=None)
 
 
-def feeders() -> int:
-    """gRPC's threads that feed a stream's requests to its call, one per open stream."""
-    count = 0
-    for frame in sys._current_frames().values():
-        while frame is not None and frame.f_code.co_name != "consume_request_iterator":
-            frame = frame.f_back
-        count += frame is not None
-    return count
+def threads() -> int:
+    """This client's threads (the stand-in server's pool left out)."""
+    return sum(not thread.name.startswith("ThreadPoolExecutor") for thread in threading.enumerate())
 
 
 def test_a_stalled_stream_leaves_no_thread_behind(silent_server):
     url, servicer = silent_server
     chat = GrpcChat(url, timeout_s=0.2)
-    before = feeders()
+    with pytest.raises(ServerSilent):  # the first starts the streams' loop and gRPC's poller
+        list(chat.stream(chat_inputs(HI)))
+    before = threads()
     for _ in range(3):
         with pytest.raises(ServerSilent):
             list(chat.stream(chat_inputs(HI)))
-    assert wait_for(lambda: feeders() == before and servicer.open == 0, timeout=5)
+    assert wait_for(lambda: threads() == before and servicer.open == 0, timeout=5)
     chat.close()
 
 
 def test_a_stream_cancelled_from_another_thread_leaves_no_thread_behind(silent_server):
     url, servicer = silent_server
-    chat = GrpcChat(url, timeout_s=30)
-    before = feeders()
+    chat = GrpcChat(url, timeout_s=0.2)
+    with pytest.raises(ServerSilent):  # the first starts the streams' loop and gRPC's poller
+        list(chat.stream(chat_inputs(HI)))
+    chat.timeout_s = 30
+    assert wait_for(lambda: servicer.open == 0, timeout=5)
+    before = threads()
     errors: list[BaseException] = []
 
     def read() -> None:
@@ -140,7 +148,7 @@ def test_a_stream_cancelled_from_another_thread_leaves_no_thread_behind(silent_s
     chat.cancel()  # as a draining router ends its streams
     reader.join(5)
     assert not reader.is_alive() and len(errors) == 1
-    assert wait_for(lambda: feeders() == before and servicer.open == 0, timeout=5)
+    assert wait_for(lambda: threads() == before and servicer.open == 0, timeout=5)
     chat.close()
 
 
@@ -187,4 +195,52 @@ def test_waiting_is_other_for_a_bare_final_response(scripted_server):
     assert wait_for(lambda: chat.waiting() is not Waiting.NOTHING, timeout=5)
     assert chat.waiting() is Waiting.OTHER
     assert list(outputs) == []
+    chat.close()
+
+
+def test_an_output_carries_its_ids_and_finish_reason(scripted_server):
+    url, servicer = scripted_server
+    chat = GrpcChat(url, timeout_s=10)
+    outputs = chat.stream(chat_inputs(HI))
+    ids = np.array([7, 8, 9], dtype=np.int32)
+    servicer.responses.put(
+        response(
+            '{"n": 0}',
+            final=True,
+            **{
+                tensors.PROMPT_TOKEN_IDS: ids,
+                tensors.FINISH_REASON: np.array([b"length"], dtype=np.object_),
+            },
+        )
+    )
+    [output] = list(outputs)
+    assert output.prompt_token_ids == [7, 8, 9] and output.finish_reason == "length"
+    assert output.output_token_ids == [] and output.text == ""  # outputs not sent read as empty
+    chat.close()
+
+
+def test_a_ticket_is_not_an_output_to_take_on_the_loop():
+    """A ticket's `next` sends decode's request and then waits for decode: never on a loop."""
+    seal = {tensors.STAGE_SEAL: np.array([b"seal"], dtype=np.object_)}
+    assert _Arrival(response(None, **seal), None).is_ticket
+    assert not _Arrival(response('{"n": 0}'), None).is_ticket
+
+
+def test_a_ticket_sends_decode_its_request_on_the_same_stream(scripted_server):
+    url, servicer = scripted_server
+    chat = GrpcChat(url, timeout_s=10, decode_direct=True)
+    outputs = chat.stream(chat_inputs(HI))
+    ids = np.array([1, 2], dtype=np.int32)
+    ticket = {tensors.STAGE_SEAL: np.array([b"seal"], dtype=np.object_), tensors.PROMPT_TOKEN_IDS: ids}
+    servicer.responses.put(response(None, **ticket))
+    servicer.responses.put(response('{"n": 0}', final=True))
+    assert [output.response for output in outputs] == [{"n": 0}]
+    assert wait_for(lambda: len(servicer.requests) == 2, timeout=5)
+    chat_request, decode_request = servicer.requests
+    assert chat_request.model_name == DEFAULT_MODEL and chat_request.parameters[tensors.DECODE_TICKET].bool_param
+    assert decode_request.model_name == tensors.DECODE
+    sent = {
+        tensor.name: raw for tensor, raw in zip(decode_request.inputs, decode_request.raw_input_contents, strict=True)
+    }
+    assert np.frombuffer(sent[tensors.PROMPT_TOKEN_IDS], dtype=np.int32).tolist() == [1, 2]
     chat.close()
