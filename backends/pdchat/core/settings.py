@@ -240,6 +240,19 @@ TORCH_THREADS = Setting(
     "threads spin against each other.",
 )
 
+PREFILL_THREADS_WHEN_IDLE = Setting(
+    "prefill_threads_when_idle",
+    "prefill_threads_when_idle",
+    "PDCHAT_PREFILL_THREADS_WHEN_IDLE",
+    "auto",
+    or_auto(INTEGER),
+    ("prefill",),
+    "The most torch threads a prompt's pass in prefill takes: before each pass it adds one to torch_threads per "
+    "core of its own that sat idle since the pass before (/proc/stat), so a lone prompt on a quiet server takes "
+    "the cores decode leaves free, and a busy server's passes keep torch_threads. auto: every core this process "
+    "may run on; torch_threads or fewer: off (docs/batching.md#prefill).",
+)
+
 
 def _cpus(text: str) -> frozenset[int] | str:
     return text if text in ("auto", "none") else parse_cpus(text)
@@ -885,6 +898,13 @@ def torch_threads(parameters: dict[str, str], environ: os._Environ | dict | None
     process may run on (its affinity, not the host's), at least 1."""
     threads = TORCH_THREADS.get(parameters, environ)
     return max(1, len(os.sched_getaffinity(0)) // 2) if threads is None else threads
+
+
+def prefill_threads_when_idle(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> int:
+    """The most torch threads a prompt's pass in prefill takes (PREFILL_THREADS_WHEN_IDLE);
+    auto: every core this process may run on."""
+    threads = PREFILL_THREADS_WHEN_IDLE.get(parameters, environ)
+    return len(os.sched_getaffinity(0)) if threads is None else threads
 
 
 # docs/configuration.md: a hand-written intro, then this table between the markers.

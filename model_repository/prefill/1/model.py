@@ -20,9 +20,10 @@ import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
 from pdchat.core.generation.generation import PrefillJob, TextModel
+from pdchat.core.generation.pass_threads import PassThreads
 from pdchat.core.generation.prefill_scheduler import PrefillScheduler, PrefillTask
 from pdchat.core.kv.connector import Connectors
-from pdchat.core.settings import batching_options, keep_off_decode_cpus, kv_options
+from pdchat.core.settings import batching_options, keep_off_decode_cpus, kv_options, prefill_threads_when_idle
 from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
 from pdchat.registry import SHM
@@ -51,7 +52,9 @@ class TritonPythonModel:
         self.vllm_metrics = VllmMetrics(settings.served_name, args["model_instance_name"])  # vLLM's names
         self.connectors = Connectors(on_sweep=self._on_sweep, **kv_options(parameters))
         self.outbox = Outbox("pdchat-prefill-outbox")
-        self.scheduler = PrefillScheduler()
+        # A pass takes more torch threads while this process's other cores sit idle.
+        threads = PassThreads.for_engine(self.model.engine.device, prefill_threads_when_idle(parameters))
+        self.scheduler = PrefillScheduler(before_pass=threads.before_pass)
 
     def execute(self, requests):
         for request in requests:

@@ -38,7 +38,11 @@ class PrefillTask:
 
 
 class PrefillScheduler:
-    def __init__(self, name: str = "pdchat-prefill"):
+    """`before_pass`: called on the scheduler thread before each chunk's pass (prefill's
+    PassThreads.before_pass: the torch threads it takes)."""
+
+    def __init__(self, name: str = "pdchat-prefill", before_pass: Callable[[], object] | None = None):
+        self._before_pass = before_pass
         self._incoming: queue.SimpleQueue[PrefillTask | None] = queue.SimpleQueue()
         self._turns: deque[tuple[PrefillTask, Prefilling]] = deque()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -56,6 +60,8 @@ class PrefillScheduler:
         while self._take_incoming(block=not self._turns):
             task, job = self._turns.popleft()
             try:
+                if self._before_pass is not None:
+                    self._before_pass()
                 result = job.step()
             except Exception as exc:  # noqa: BLE001 - every failure must reach its client
                 job.abandon()

@@ -1,0 +1,116 @@
+"""How many torch threads a prompt's pass takes: more while the host's other cores sit idle.
+
+A stage model runs on `torch_threads` threads (TORCH_THREADS: half the cores by default), so
+that prefill and decode, sharing a server's cores, do not spin their OpenMP threads against
+each other. But a lone prompt (a quiet server, concurrency 1) leaves the other cores idle
+while its pass runs, and that pass is most of its first token's time. So before each pass
+prefill looks at how busy its cores were since the pass before (`/proc/stat`) and takes one
+more thread per core that sat idle, up to `most`. At concurrency 1 on 2 cores about 0.7 of
+a core sits idle between passes (decode streams the answer before on the other), at 16
+about 0.1: so half a core idle counts as one, and under load a pass keeps its threads.
+
+The pass's numbers do not change with its threads: oneDNN's GEMMs and torch's attention
+split their work by rows and heads, never a sum (tests/unit/test_pass_threads.py checks the
+logits bit for bit). No Triton import here: tested without a server.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+
+# /proc/stat's time columns after the name: user nice system idle iowait irq softirq steal
+# (guest time is inside user already).
+_IDLE_COLUMNS = (3, 4)
+_COUNTED_COLUMNS = 8
+
+
+def read_proc_stat(path: str = "/proc/stat") -> str:
+    with open(path) as stat:
+        return stat.read()
+
+
+def cpu_times(stat: str, cpus: Iterable[int]) -> tuple[int, int]:
+    """(idle, total) clock ticks summed over `cpus` from /proc/stat's text; (0, 0) if none is listed."""
+    wanted = {f"cpu{cpu}" for cpu in cpus}
+    idle = total = 0
+    for line in stat.splitlines():
+        name, _, rest = line.partition(" ")
+        if name in wanted:
+            ticks = [int(field) for field in rest.split()[:_COUNTED_COLUMNS]]
+            idle += sum(ticks[column] for column in _IDLE_COLUMNS)
+            total += sum(ticks)
+    return idle, total
+
+
+class IdleCores:
+    """How many of `cpus` sat idle, on average, since the last `since_last()`.
+
+    NOTE: the first call has no window before it and says 0 (nothing known to be idle), as
+    does a host without /proc/stat."""
+
+    def __init__(self, cpus: Iterable[int], read: Callable[[], str] = read_proc_stat):
+        self._cpus, self._read = frozenset(cpus), read
+        self._last: tuple[int, int] | None = None
+
+    def since_last(self) -> float:
+        try:
+            now = cpu_times(self._read(), self._cpus)
+        except (OSError, ValueError):
+            return 0.0
+        last, self._last = self._last, now
+        if last is None or now[1] <= last[1]:
+            return 0.0
+        return len(self._cpus) * (now[0] - last[0]) / (now[1] - last[1])
+
+
+def round_half_up(cores: float) -> int:
+    return int(cores + 0.5)
+
+
+class PassThreads:
+    """The torch threads for each pass: `base`, plus one per core idle since the pass before
+    (IdleCores; half a core idle or more counts as one), at most `most`; set through
+    `set_threads` (torch.set_num_threads) on the thread that runs the passes, only when it
+    changes.
+
+    `min_window_s`: passes closer together than this (a long prompt's chunks) keep the
+    count the first of them took."""
+
+    def __init__(
+        self,
+        base: int,
+        most: int,
+        idle: IdleCores,
+        set_threads: Callable[[int], None],
+        min_window_s: float = 0.02,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.base, self.most = base, max(base, most)
+        self._idle, self._set_threads, self._min_window_s, self._clock = idle, set_threads, min_window_s, clock
+        self.current = base
+        self._decided_at: float | None = None
+
+    @classmethod
+    def for_engine(cls, device: str, most: int) -> PassThreads:
+        """torch's threads now (the stage's) as `base`, over the cores this process may run
+        on (its affinity); on CPU only (elsewhere `most` is `base`)."""
+        import torch
+
+        base = torch.get_num_threads()
+        return cls(base, most if device == "cpu" else base, IdleCores(os.sched_getaffinity(0)), torch.set_num_threads)
+
+    def before_pass(self) -> int:
+        """The threads the next pass takes (set now if they changed)."""
+        if self.most == self.base:
+            return self.base
+        now = self._clock()
+        if self._decided_at is not None and now - self._decided_at < self._min_window_s:
+            return self.current
+        self._decided_at = now
+        threads = min(self.most, self.base + round_half_up(self._idle.since_last()))
+        if threads != self.current:
+            self._set_threads(threads)
+            self.current = threads
+        return threads
