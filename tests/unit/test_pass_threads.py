@@ -81,8 +81,8 @@ def threads_for(*idle_cores: float, base: int = 1, most: int = 4) -> tuple[list[
 
 
 def test_a_pass_takes_a_thread_per_idle_core_up_to_most():
-    taken, calls = threads_for(0.0, 0.7, 0.4, 2.6, 9.0, 0.1)
-    assert taken == [1, 2, 1, 4, 4, 1]  # half a core idle counts as one
+    taken, calls = threads_for(0.0, 0.7, 0.55, 2.6, 9.0, 0.1)
+    assert taken == [1, 2, 1, 4, 4, 1]  # six tenths of a core idle count as one
     assert calls == [2, 1, 4, 1]  # set only when it changes
 
 

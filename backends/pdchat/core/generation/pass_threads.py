@@ -5,9 +5,9 @@ that prefill and decode, sharing a server's cores, do not spin their OpenMP thre
 each other. But a lone prompt (a quiet server, concurrency 1) leaves the other cores idle
 while its pass runs, and that pass is most of its first token's time. So before each pass
 prefill looks at how busy its cores were since the pass before (`/proc/stat`) and takes one
-more thread per core that sat idle, up to `most`. At concurrency 1 on 2 cores about 0.7 of
-a core sits idle between passes (decode streams the answer before on the other), at 16
-about 0.1: so half a core idle counts as one, and under load a pass keeps its threads.
+more thread per core that sat idle, up to `most` (IDLE_CORE of a core counts as one: at
+concurrency 1 decode streams the answer before on the other core meanwhile). Under load
+the cores are busy and a pass keeps its threads.
 
 The pass's numbers do not change with its threads: oneDNN's GEMMs and torch's attention
 split their work by rows and heads, never a sum (tests/unit/test_pass_threads.py checks the
@@ -65,13 +65,19 @@ class IdleCores:
         return len(self._cpus) * (now[0] - last[0]) / (now[1] - last[1])
 
 
-def round_half_up(cores: float) -> int:
-    return int(cores + 0.5)
+# The share of a core that must have sat idle to count as one: at concurrency 1 on 2 cores
+# 0.64-0.81 of a core sits idle between passes, at 4 up to 0.55, at 16 about 0.1.
+IDLE_CORE = 0.6
+
+
+def idle_whole_cores(cores: float) -> int:
+    """`cores` idle on average as whole cores, IDLE_CORE of one counting as one."""
+    return int(cores + 1 - IDLE_CORE)
 
 
 class PassThreads:
     """The torch threads for each pass: `base`, plus one per core idle since the pass before
-    (IdleCores; half a core idle or more counts as one), at most `most`; set through
+    (IdleCores; IDLE_CORE of a core counts as one), at most `most`; set through
     `set_threads` (torch.set_num_threads) on the thread that runs the passes, only when it
     changes.
 
@@ -109,7 +115,7 @@ class PassThreads:
         if self._decided_at is not None and now - self._decided_at < self._min_window_s:
             return self.current
         self._decided_at = now
-        threads = min(self.most, self.base + round_half_up(self._idle.since_last()))
+        threads = min(self.most, self.base + idle_whole_cores(self._idle.since_last()))
         if threads != self.current:
             self._set_threads(threads)
             self.current = threads
