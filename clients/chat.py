@@ -11,6 +11,7 @@ import enum
 import functools
 import json
 import queue
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -259,6 +260,9 @@ class GrpcChat:
         self.on_arrival: Callable[[], None] | None = None
         self._responses: _ArrivalQueue | None = None  # the running stream's, as they arrived
         self._call: StreamCall | None = None  # the running stream
+        # cancel() came before the stream's call was made: the call is cancelled once made.
+        self._cancel_pending = False
+        self._call_lock = threading.Lock()
         self._ending = False  # the running stream's final response was taken: its next `next` closes it
 
     def stream(
@@ -268,7 +272,11 @@ class GrpcChat:
         the client sets itself)."""
         responses = _ArrivalQueue()
         self._responses, self._ending = responses, False
-        call = self._call = StreamLoop.shared().open(self.url, functools.partial(self._arrived, responses))
+        call = StreamLoop.shared().open(self.url, functools.partial(self._arrived, responses))
+        with self._call_lock:
+            self._call, cancelled, self._cancel_pending = call, self._cancel_pending, False
+        if cancelled:  # the reader reports the cancellation, as for a stream cancelled later
+            call.cancel()
         finished = False
         # A whole answer comes at its end: empty responses meanwhile keep it inside timeout_s.
         heartbeats = {tensors.HEARTBEAT_MS: max(1, round(1000 * self.timeout_s / 3))}
@@ -307,7 +315,8 @@ class GrpcChat:
         finally:
             # Leaving early (client gone) cancels the request on the server; cancelling a
             # finished one would race its completion, so only unfinished ones are cancelled.
-            self._responses = self._call = None
+            with self._call_lock:
+                self._responses = self._call = None
             call.cancel() if not finished else call.close()
 
     def waiting(self) -> Waiting:
@@ -329,10 +338,21 @@ class GrpcChat:
         if (on_arrival := self.on_arrival) is not None:
             on_arrival()
 
+    def forget_cancel(self) -> None:
+        """Drop a cancel() that came after the last stream ended (before its caller let go
+        of this client): a pooled client's next stream must not inherit it."""
+        with self._call_lock:
+            self._cancel_pending = False
+
     def cancel(self) -> None:
         """Close the running stream from any thread, its request cancelled on the server: the
-        stream's reader ends with the cancellation as its error."""
-        if (call := self._call) is not None:
+        stream's reader ends with the cancellation as its error. A stream whose call is not
+        made yet (its `next` is on the way there) is cancelled as soon as it is."""
+        with self._call_lock:
+            call = self._call
+            if call is None:
+                self._cancel_pending = True
+        if call is not None:
             call.cancel()
 
     def answer(self, model: str, name: str, body: bytes, request_id: str = "") -> dict[str, Any]:

@@ -168,6 +168,7 @@ class Backend:
         except BaseException:
             chat.close()  # a client that saw a broken stream is not reused
             raise
+        chat.forget_cancel()  # no request holds it now (RequestStreams, BackendPool)
         self.idle.put(chat)
 
 

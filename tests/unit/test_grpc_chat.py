@@ -244,3 +244,21 @@ def test_a_ticket_sends_decode_its_request_on_the_same_stream(scripted_server):
     }
     assert np.frombuffer(sent[tensors.PROMPT_TOKEN_IDS], dtype=np.int32).tolist() == [1, 2]
     chat.close()
+
+
+def test_a_cancel_before_the_stream_starts_cancels_it(silent_server):
+    """As a router's abort or a leaving client may, between taking a client and its first `next`."""
+    url, servicer = silent_server
+    chat = GrpcChat(url, timeout_s=30)
+    chat.cancel()
+    started = time.monotonic()
+    with pytest.raises(ChatError, match="cancelled"):
+        list(chat.stream(chat_inputs(HI)))
+    assert time.monotonic() - started < 5
+    chat.forget_cancel()
+    chat.cancel()
+    chat.forget_cancel()  # a pooled client: what came after its stream is dropped
+    chat.timeout_s = 0.2
+    with pytest.raises(ServerSilent):
+        list(chat.stream(chat_inputs(HI)))
+    chat.close()
