@@ -38,6 +38,15 @@ CANCELLED_MESSAGE = "Locally cancelled by application!"
 OnResponse = Callable[[service_pb2.ModelInferResponse | None, InferenceServerException | None], None]
 
 
+def raw_tensor(array: np.ndarray) -> tuple[str, bytes]:
+    """`array`'s Triton datatype and raw contents, as a request's input or a response's output
+    carries them (object arrays as BYTES: each element length-prefixed)."""
+    if array.dtype == np.object_:
+        serialized = serialize_byte_tensor(array)
+        return "BYTES", serialized.item() if serialized.size else b""
+    return np_to_triton_dtype(array.dtype), np.ascontiguousarray(array).tobytes()
+
+
 def infer_request(
     model: str,
     arrays: Mapping[str, np.ndarray],
@@ -50,14 +59,9 @@ def infer_request(
     (bool, int, float or str), and an empty final response asked for."""
     request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
     for name, array in arrays.items():
-        tensor = request.inputs.add(name=name, shape=list(array.shape))
-        if array.dtype == np.object_:
-            tensor.datatype = "BYTES"
-            serialized = serialize_byte_tensor(array)
-            request.raw_input_contents.append(serialized.item() if serialized.size else b"")
-        else:
-            tensor.datatype = np_to_triton_dtype(array.dtype)
-            request.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
+        datatype, content = raw_tensor(array)
+        request.inputs.add(name=name, datatype=datatype, shape=list(array.shape))
+        request.raw_input_contents.append(content)
     for name in outputs or ():
         request.outputs.add(name=name)
     for key, value in parameters.items():
@@ -132,6 +136,9 @@ class StreamLoop:
             for channel, _ in self._channels.values():
                 await channel.close()
             self._channels.clear()
+            # The streams' readers end with their channels, then their writers: let them.
+            if tasks := asyncio.all_tasks() - {asyncio.current_task()}:
+                await asyncio.wait(tasks, timeout=timeout / 2)
 
         try:
             asyncio.run_coroutine_threadsafe(close(), self.loop).result(timeout)

@@ -15,10 +15,10 @@ import grpc
 import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
-from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
 
 from pdchat import tensors
 from pdchat.clients.chat import DEFAULT_MODEL, ChatError, GrpcChat, ServerSilent, Waiting, _Arrival, chat_inputs
+from pdchat.clients.grpc_streams import raw_tensor
 from pdchat.clients.router import RequestStreams
 from tests.integration.helpers import wait_for
 
@@ -74,12 +74,9 @@ def response(text: str | None, final: bool = False, **more: np.ndarray) -> servi
     reply.parameters["triton_final_response"].bool_param = final
     arrays = {tensors.RESPONSE: np.array([text.encode()], dtype=np.object_)} if text is not None else {}
     for name, array in {**arrays, **more}.items():
-        if array.dtype == np.object_:
-            reply.outputs.add(name=name, datatype="BYTES", shape=list(array.shape))
-            reply.raw_output_contents.append(serialize_byte_tensor(array).item())
-        else:
-            reply.outputs.add(name=name, datatype=np_to_triton_dtype(array.dtype), shape=list(array.shape))
-            reply.raw_output_contents.append(array.tobytes())
+        datatype, content = raw_tensor(array)
+        reply.outputs.add(name=name, datatype=datatype, shape=list(array.shape))
+        reply.raw_output_contents.append(content)
     return reply
 
 

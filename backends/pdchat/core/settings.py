@@ -249,9 +249,8 @@ PREFILL_THREADS_WHEN_IDLE = Setting(
     ("prefill",),
     "The most torch threads a prompt's pass in prefill takes: before each pass it adds one to torch_threads per "
     "core of its own that sat idle since the pass before (/proc/stat; 0.6 of a core counts), so a lone prompt "
-    "on a quiet server takes "
-    "the cores decode leaves free, and a busy server's passes keep torch_threads. auto: every core this process "
-    "may run on; torch_threads or fewer: off (docs/batching.md#prefill).",
+    "on a quiet server takes the cores decode leaves free, and a busy server's passes keep torch_threads. auto: "
+    "every core this process may run on; torch_threads or fewer: off (docs/batching.md#prefill).",
 )
 
 
