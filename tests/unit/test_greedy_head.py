@@ -1,6 +1,6 @@
-"""GreedyHead: the greedy token from the hidden state through a bf16 screen of the vocabulary
-projection, decided exactly: the argmax of the exact logits on every row, whatever rows are
-beside it, the first on a tie; rows it cannot decide come back -1 and the engine's step then
+"""GreedyHead: the greedy token from the hidden state through a screen of the vocabulary
+projection (bf16 or int8, whichever this host's build has), decided exactly: the argmax of
+the exact logits on every row, whatever rows are beside it, the first on a tie; rows it cannot decide come back -1 and the engine's step then
 projects them in full; wrong tensors are refused before C reads them."""
 
 import pytest
@@ -15,24 +15,26 @@ VOCAB, WIDTH = 4096, 96
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
     loaded = cpu_kernels.load(tmp_path_factory.mktemp("kernels"))
-    if loaded is None or not loaded.bf16_screen:
+    if loaded is None or not loaded.head_screens:
         pytest.skip(
             "no C compiler, or a CPU with neither AVX-512 BF16 nor AVX2 and FMA, on this host: the screen is optional"
         )
     return loaded
 
 
-# The head's two ways to a token, forced: the bf16 screen at every row count, or fp32's projection.
-WAYS = {"bf16 screen": frozenset(cpu_kernels.SCREEN_BUCKETS), "fp32 projection": frozenset()}
+# The head's ways to a token, each forced at every row count: a screen, or fp32's projection.
+WAYS = ("int8", "bf16", "fp32")
 
 
-@pytest.fixture(params=list(WAYS))
-def way(request):
-    return WAYS[request.param]
+@pytest.fixture(params=WAYS)
+def way(request, kernels):
+    if request.param != "fp32" and request.param not in kernels.head_screens:
+        pytest.skip(f"this host's build has no {request.param} screen")
+    return request.param
 
 
 def _head(kernels, weight, way, **options):
-    return cpu_kernels.GreedyHead(kernels, weight, screen_rows=way, **options)
+    return cpu_kernels.GreedyHead(kernels, weight, way=way, **options)
 
 
 def _weight(seed=0, vocab=VOCAB, width=WIDTH):
@@ -58,14 +60,33 @@ def test_a_rows_token_does_not_depend_on_the_rows_beside_it(kernels, way):
     assert head.argmax(hidden) == [head.argmax(hidden[row : row + 1])[0] for row in range(21)]
 
 
-def test_a_tie_closer_than_bf16_can_tell_is_decided_exactly_the_first_index_winning(kernels, way):
+def test_a_tie_closer_than_the_screen_can_tell_is_decided_exactly_the_first_index_winning(kernels, way):
     weight = _weight()
-    weight[700] = weight[3000]  # an exact tie, and a near one bf16 rounds to the same value
+    weight[700] = weight[3000]  # an exact tie, and a near one the screen rounds to the same value
     weight[1200] = weight[3000] * (1 - 1e-6)
     hidden = (weight[3000] * 40).view(1, -1)
     assert _head(kernels, weight, way).argmax(hidden) == [700]
-    weight[1200] = weight[3000] * (1 + 1e-6)  # now the near one is the larger, by less than bf16's step
+    weight[1200] = weight[3000] * (1 + 1e-6)  # now the near one is the larger, by less than the screen's step
     assert _head(kernels, weight, way).argmax(hidden) == [1200]
+
+
+def test_hidden_states_and_weights_far_from_uniform_are_decided_exactly(kernels, way):
+    # What quantizing by a row's largest value handles worst: one outlier per hidden state
+    # (a real model's final norm has some), vocabulary rows of very different scales, rows of zeros.
+    weight = _weight(seed=5)
+    weight[::7] *= 30
+    weight[::11] *= 1e-3
+    weight[100:108] = 0
+    hidden = torch.randn(12, WIDTH, generator=torch.Generator().manual_seed(6))
+    hidden[:, 3] *= 50
+    hidden[5] *= 1e6
+    tokens = _head(kernels, weight, way).argmax(hidden)
+    exact = _exact_argmax(hidden, weight)
+    assert all(token in (-1, best) for token, best in zip(tokens, exact, strict=True))
+    assert tokens.count(-1) <= 2, "an outlier widens the bound, but seldom past the candidates' limit"
+    tiny, huge = torch.randn(1, WIDTH) * 2.0**-40, torch.randn(1, WIDTH) * 2.0**40
+    for row in (tiny, huge):  # out of the int8 screen's range: undecided, never wrong
+        assert _head(kernels, weight, way).argmax(row)[0] in (-1, _exact_argmax(row, weight)[0])
 
 
 def test_rows_it_cannot_decide_come_back_undecided(kernels, way):
@@ -83,8 +104,11 @@ def test_tensors_it_does_not_compute_are_refused_not_read(kernels, way):
     for hidden in (torch.randn(2, WIDTH + 2), torch.randn(2, WIDTH, dtype=torch.float64), torch.randn(WIDTH)):
         with pytest.raises(ValueError):
             head.argmax(hidden)
-    assert not cpu_kernels.GreedyHead.fits(kernels, _weight(vocab=VOCAB + 8))  # vocabulary not in blocks of 16
+    assert not cpu_kernels.GreedyHead.fits(kernels, _weight(vocab=VOCAB + 4))  # vocabulary not in blocks of 8 or 16
     assert not cpu_kernels.GreedyHead.fits(kernels, _weight(width=WIDTH + 1))  # odd width
+    if kernels.head_screens == ("int8",):  # each row's scale and products kept normal floats
+        assert not cpu_kernels.GreedyHead.fits(kernels, _weight() * 2.0**-64)
+        assert not cpu_kernels.GreedyHead.fits(kernels, _weight() * 2.0**40)
     assert not cpu_kernels.GreedyHead.fits(None, _weight())
     assert cpu_kernels.GreedyHead.fits(kernels, _weight())
 
@@ -129,13 +153,27 @@ def test_a_greedy_prompts_first_token_comes_from_its_last_prefill_chunk_without_
         torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
 
 
-def test_both_ways_give_the_same_exact_tokens_whichever_way_the_timing_picks(kernels):
+def test_every_way_gives_the_same_exact_tokens_whichever_the_timing_picks(kernels):
     weight = _weight(seed=3)
     hidden = torch.randn(40, WIDTH, generator=torch.Generator().manual_seed(4))
-    screened, projected = (_head(kernels, weight, way).argmax(hidden) for way in WAYS.values())
-    assert screened == projected == _exact_argmax(hidden, weight)
-    timed = cpu_kernels.GreedyHead(kernels, weight)  # times both ways on a bucket's first batch
-    assert timed.screen_rows == frozenset()  # nothing timed yet
-    assert timed.argmax(hidden) == screened  # 40 rows: the last bucket, timed now
-    assert timed.argmax(hidden[:3]) == screened[:3]  # the 4-row bucket
-    assert timed.screen_rows <= {4, 32}
+    ways = [way for way in WAYS if way == "fp32" or way in kernels.head_screens]
+    tokens = [_head(kernels, weight, way).argmax(hidden) for way in ways]
+    assert all(each == _exact_argmax(hidden, weight) for each in tokens)
+    timed = cpu_kernels.GreedyHead(kernels, weight)  # times every way on a bucket's first batch
+    assert timed.ways == {}  # nothing timed yet
+    assert timed.argmax(hidden) == tokens[0]  # 40 rows: the last bucket, timed now
+    assert timed.argmax(hidden[:3]) == tokens[0][:3]  # the 4-row bucket
+    assert set(timed.ways) == {4, 32} and set(timed.ways.values()) <= set(ways)
+
+
+def test_a_screen_that_leaves_every_row_undecided_loses_the_timing(kernels):
+    # Logits closer together than a screen's bound but not fp32's: the screens leave every
+    # row undecided (the full projection follows), fp32's projection decides them all.
+    vocab = 16384
+    base = _weight(seed=7, vocab=1)
+    weight = base * (1 + 1e-4 * torch.arange(vocab, dtype=torch.float32)[:, None])
+    hidden = base.repeat(16, 1) * (1 + 0.01 * torch.arange(16, dtype=torch.float32)[:, None])
+    timed = cpu_kernels.GreedyHead(kernels, weight)
+    assert timed.argmax(hidden) == _exact_argmax(hidden, weight) == [vocab - 1] * 16
+    assert all(each == [-1] * 16 for each in (_head(kernels, weight, way).argmax(hidden) for way in kernels.head_screens))
+    assert timed.ways[16] == "fp32"

@@ -68,6 +68,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -88,15 +89,19 @@ _SIGNATURES = {
     "silu_mul": ([_P, _N, _N, _P], None),
     "argmax": ([_P, _N, _N, _P], None),
     "pack_head_bf16": ([_P, _N, _N, _P], None),
+    "head_screens": ([], ctypes.c_int),
 }
 # Called through a GIL-releasing handle (see GreedyHead).
 _RELEASING_SIGNATURES = {
-    "head_argmax": ([_P, _N, _N, _P, _P, _P, _N, _F, _F, _N, _P, _P], ctypes.c_int),
+    "head_argmax": ([ctypes.c_int, _P, _N, _N] + [_P] * 6 + [_N, _F, _F, _N, _P, _P], ctypes.c_int),
     "decide_rows": ([_P, _N, _N, _P, _P, _N, _P, _F, _F, _N, _P], None),
 }
 # Row-count buckets the GreedyHead times its two ways in, once each, on its first batch: a
 # batch takes its bucket's winner (the smallest bucket at least its size; the last beyond it).
 SCREEN_BUCKETS = (1, 2, 4, 8, 16, 32)
+# decode_kernels.c's screens of the GreedyHead, by their codes there.
+_HEAD_BF16, _HEAD_INT8 = 1, 2
+_HEAD_SCREENS = {"int8": _HEAD_INT8, "bf16": _HEAD_BF16}
 # bf16 keeps 8 significant bits: each of x and W rounds by at most 2^-8 of itself.
 _BF16_UNIT = 2.0**-8
 _FP32_UNIT = 2.0**-24
@@ -112,8 +117,9 @@ class DecodeKernels:
                 function = getattr(loaded, f"pdchat_{name}")
                 function.argtypes, function.restype = argtypes, restype
                 setattr(self, f"_{name}", function)
-        probe = torch.empty(0, dtype=torch.int64)  # no rows: -1 only where the build has no screen's ISA
-        self.bf16_screen = self._head_argmax(*[probe.data_ptr()] * 6, 16, 0.0, 0.0, 0, probe.data_ptr(), 0) == 0
+        # The GreedyHead's screens in this build: "int8" (AVX2), "bf16" (AVX-512 BF16, or AVX2 with FMA).
+        screens = self._head_screens()
+        self.head_screens = tuple(name for name, code in _HEAD_SCREENS.items() if screens & code)
 
     def attention(
         self,
@@ -251,17 +257,31 @@ class DecodeKernels:
         return out.tolist()
 
 
+@dataclass(frozen=True)
+class _Screen:
+    """One screen's copy of the head's weight, as decode_kernels.c's pdchat_head_argmax takes it."""
+
+    code: int  # _HEAD_BF16 or _HEAD_INT8
+    packed: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    err_norms: torch.Tensor
+    q_norms: torch.Tensor
+    err_scale: float
+
+
 class GreedyHead:
     """Each row's greedy token of `hidden @ weight^T` without its logits (see the module
     docstring): `argmax(hidden)` -> a token per row, -1 where the row is undecided.
 
     `project` computes the fp32 logits of rows (hidden [rows, width] -> [rows, vocab]; the
-    engine's vocabulary projection, `hidden @ weight^T` by default). `screen_rows`: the
-    buckets (SCREEN_BUCKETS) the bf16 screen serves, the others projecting in fp32; None
-    times both ways on a bucket's first batch and keeps the faster for it.
+    engine's vocabulary projection, `hidden @ weight^T` by default). `way`: the way every
+    batch takes ("int8", "bf16": that screen; "fp32": the projection); None times each way
+    this host has on a row-count bucket's first batch (with the full projection its
+    undecided rows then take) and keeps the fastest for the bucket.
 
-    NOTE: holds a bf16 copy of the weight (half its size again), made here. One thread
-    at a time: the scratch buffer is shared by calls."""
+    NOTE: holds each screen's copy of the weight (a quarter of its size in int8, half in
+    bf16), made here. One thread at a time: the scratch buffer is shared by calls."""
 
     def __init__(
         self,
@@ -269,47 +289,47 @@ class GreedyHead:
         weight: torch.Tensor,
         max_candidates: int = 64,
         project: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        screen_rows: frozenset[int] | None = None,
+        way: str | None = None,
     ):
-        vocab, width = weight.shape
+        width = weight.shape[1]
         self._kernels, self._weight, self._max_candidates = kernels, weight.detach().contiguous(), max_candidates
         self._project = project or (lambda hidden: hidden @ self._weight.t())
-        self._packed = torch.empty(vocab * width, dtype=torch.int16)
-        kernels._pack_head_bf16(self._weight.data_ptr(), vocab, width, self._packed.data_ptr())
-        self._norms = self._weight.double().norm(dim=1).float()
+        self._norms = _rounded_up(self._weight.double().norm(dim=1))
         self._scratch = torch.empty(0)  # grown to rows x vocab floats as batches need
-        # The error bound, by |x| |w_v| (Cauchy-Schwarz): both roundings to bf16, then fp32's
-        # sums of `width` products (gamma_n), with 1% to spare for the norms' own rounding.
         gamma = width * _FP32_UNIT / (1 - width * _FP32_UNIT)
-        self._slack_scale = 1.01 * ((2 * _BF16_UNIT + _BF16_UNIT**2) + gamma * (1 + _BF16_UNIT) ** 2)
         self._fp32_slack_scale = 1.01 * gamma  # fp32's sums alone, any order
-        # What flushing bf16 denormals (below 2^-126) to zero can add, per logit.
+        # What flushing denormals (below 2^-126) to zero can add, per logit.
         self._slack_floor = width * 2.0**-126 * float(self._weight.abs().max()) * 4 + 2.0**-100
-        # bucket -> whether the screen serves it; a bucket not in it yet is timed on its first batch
-        self._screen_wins = {} if screen_rows is None else {size: size in screen_rows for size in SCREEN_BUCKETS}
+        self._screens = {name: self._screen(name, gamma) for name in _screens_fitting(kernels, self._weight)}
+        self.way_names = (*self._screens, "fp32")
+        if way is not None and way not in self.way_names:
+            raise ValueError(f"GreedyHead way {way!r} is not one of {self.way_names} here")
+        # bucket -> the way its batches take; a bucket not in it yet is timed on its first batch
+        self.ways: dict[int, str] = {} if way is None else dict.fromkeys(SCREEN_BUCKETS, way)
 
-    @property
-    def screen_rows(self) -> frozenset[int]:
-        """The buckets, given or timed so far, that the bf16 screen serves."""
-        return frozenset(size for size, wins in self._screen_wins.items() if wins)
+    def _screen(self, name: str, gamma: float) -> _Screen:
+        if name == "int8":  # the C code bounds each row by its own quantization: no err_scale
+            packed, scales, offsets, err_norms, q_norms = _int8_head(self._weight)
+            return _Screen(_HEAD_INT8, packed, scales, offsets, err_norms, q_norms, 0.0)
+        vocab, width = self._weight.shape
+        packed = torch.empty(vocab * width, dtype=torch.int16)
+        self._kernels._pack_head_bf16(self._weight.data_ptr(), vocab, width, packed.data_ptr())
+        # The error bound, by |x| |w_v| (Cauchy-Schwarz): both roundings to bf16, then fp32's
+        # sums of `width` products (gamma_n), with 1% to spare.
+        err_scale = 1.01 * ((2 * _BF16_UNIT + _BF16_UNIT**2) + gamma * (1 + _BF16_UNIT) ** 2)
+        unused = torch.empty(0)
+        return _Screen(_HEAD_BF16, packed, unused, unused.int(), self._norms, self._norms, err_scale)
 
     @classmethod
     def fits(cls, kernels: DecodeKernels | None, weight: torch.Tensor) -> bool:
-        """Whether a GreedyHead can serve `weight` [vocab, width] here."""
-        return (
-            kernels is not None
-            and kernels.bf16_screen
-            and _fp32_cpu(weight)
-            and weight.dim() == 2
-            and weight.shape[0] % 16 == 0
-            and weight.shape[1] % 2 == 0
-            and bool(torch.isfinite(weight).all())
-        )
+        """Whether a GreedyHead can serve `weight` [vocab, width] here (a screen of this
+        host's build takes it)."""
+        return bool(_screens_fitting(kernels, weight))
 
     def argmax(self, hidden: torch.Tensor) -> list[int]:
         """hidden [rows, width], fp32: each row's greedy token, -1 where undecided (more
-        than `max_candidates` close to the best, or a hidden state too large to bound)."""
-        vocab, width = self._weight.shape
+        than `max_candidates` close to the best, or a hidden state out of a screen's range)."""
+        width = self._weight.shape[1]
         _check(_fp32_cpu(hidden) and hidden.dim() == 2 and hidden.shape[1] == width)
         hidden = hidden.contiguous()
         rows = hidden.shape[0]
@@ -320,35 +340,41 @@ class GreedyHead:
         if not bool(bounded.all()):
             return [-1] * rows
         bucket = next((size for size in SCREEN_BUCKETS if size >= rows), SCREEN_BUCKETS[-1])
-        if bucket not in self._screen_wins:
-            self._screen_wins[bucket] = self._screen_is_faster(hidden)
-            way = "bf16 screen" if self._screen_wins[bucket] else "fp32 projection"
-            log.info("GreedyHead: batches of up to %d rows take the %s", bucket, way)
-        return self._screened(hidden) if self._screen_wins[bucket] else self._decided(hidden)
+        if bucket not in self.ways:
+            self.ways[bucket] = self._fastest_way(hidden)
+            log.info("GreedyHead: batches of up to %d rows take the %s way", bucket, self.ways[bucket])
+        return self._tokens(self.ways[bucket], hidden)
 
-    def _screened(self, hidden: torch.Tensor) -> list[int]:
-        """The bf16 screen, then the candidates in double."""
+    def _tokens(self, way: str, hidden: torch.Tensor) -> list[int]:
+        return self._decided(hidden) if way == "fp32" else self._screened(self._screens[way], hidden)
+
+    def _screened(self, screen: _Screen, hidden: torch.Tensor) -> list[int]:
+        """The screen, then the candidates in double."""
         vocab = self._weight.shape[0]
         rows = hidden.shape[0]
         if self._scratch.numel() < rows * vocab:
             self._scratch = torch.empty(rows * vocab)
         out = torch.empty(rows, dtype=torch.int64)
         status = self._kernels._head_argmax(
+            screen.code,
             hidden.data_ptr(),
             rows,
             hidden.shape[1],
-            self._packed.data_ptr(),
+            screen.packed.data_ptr(),
+            screen.scales.data_ptr(),
+            screen.offsets.data_ptr(),
             self._weight.data_ptr(),
-            self._norms.data_ptr(),
+            screen.err_norms.data_ptr(),
+            screen.q_norms.data_ptr(),
             vocab,
-            self._slack_scale,
+            screen.err_scale,
             self._slack_floor,
             self._max_candidates,
             self._scratch.data_ptr(),
             out.data_ptr(),
         )
         if status != 0:
-            raise RuntimeError(f"the bf16 screen of the vocabulary projection failed ({status})")
+            raise RuntimeError(f"the screen of the vocabulary projection failed ({status})")
         return out.tolist()
 
     def _decided(self, hidden: torch.Tensor) -> list[int]:
@@ -372,16 +398,59 @@ class GreedyHead:
         )
         return out.tolist()
 
-    def _screen_is_faster(self, hidden: torch.Tensor, rounds: int = 5) -> bool:
-        """Whether the screen beats the fp32 projection on `hidden` here (best of `rounds`,
-        the two interleaved). Both give the same tokens."""
-        best = {self._screened: float("inf"), self._decided: float("inf")}
+    def _fastest_way(self, hidden: torch.Tensor, rounds: int = 5) -> str:
+        """The fastest way on `hidden` here (best of `rounds`, the ways interleaved), each
+        timed with the full projection of the rows it leaves undecided. All give the same tokens."""
+        best = dict.fromkeys(self.way_names, float("inf"))
         for _ in range(rounds):
             for way in best:
                 started = time.perf_counter()
-                way(hidden)
+                undecided = [row for row, token in enumerate(self._tokens(way, hidden)) if token < 0]
+                if undecided:
+                    self._project(hidden[undecided]).argmax(dim=-1)
                 best[way] = min(best[way], time.perf_counter() - started)
-        return best[self._screened] <= best[self._decided]
+        return min(best, key=best.__getitem__)
+
+
+def _screens_fitting(kernels: DecodeKernels | None, weight: torch.Tensor) -> tuple[str, ...]:
+    """The screens of this host's build that can take `weight` [vocab, width], fp32."""
+    if kernels is None or not _fp32_cpu(weight) or weight.dim() != 2:
+        return ()
+    weight = weight.detach()
+    vocab, width = weight.shape
+    largest = weight.abs().amax(dim=1)
+    if not bool(torch.isfinite(largest).all()):
+        return ()
+    fitting = []
+    # int8: each row's scale stays a normal float, and its products too
+    in_range = bool(((largest == 0) | (largest >= 2.0**-60)).all()) and float(largest.max()) <= 2.0**32
+    if "int8" in kernels.head_screens and vocab % 8 == 0 and width % 4 == 0 and in_range:
+        fitting.append("int8")
+    if "bf16" in kernels.head_screens and vocab % 16 == 0 and width % 2 == 0:
+        fitting.append("bf16")
+    return tuple(fitting)
+
+
+def _int8_head(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """weight [vocab, width] as the int8 screen takes it (decode_kernels.c, HEAD_INT8):
+    (packed q [vocab / 8][width / 4][8][4], scales s, offsets 128 * sum q, err_norms >=
+    |w - s q|, q_norms >= |s q|), one of each per vocabulary row."""
+    vocab, width = weight.shape
+    scales = (weight.abs().amax(dim=1) / 64).float()
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales)).double()
+    q = torch.round(weight.double() / safe[:, None]).clamp(-64, 64)
+    dequantized = q * scales.double()[:, None]  # exactly s q: a float times a small integer
+    err_norms = _rounded_up((weight.double() - dequantized).norm(dim=1))
+    q_norms = _rounded_up(dequantized.norm(dim=1))
+    offsets = (128 * q.sum(dim=1)).to(torch.int32)
+    packed = q.to(torch.int8).view(vocab // 8, 8, width // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return packed, scales.contiguous(), offsets.contiguous(), err_norms, q_norms
+
+
+def _rounded_up(values: torch.Tensor) -> torch.Tensor:
+    """Non-negative doubles as floats no smaller than each."""
+    rounded = values.float()
+    return torch.where(rounded.double() < values, torch.nextafter(rounded, torch.tensor(float("inf"))), rounded)
 
 
 def _fp32_cpu(*tensors: torch.Tensor) -> bool:

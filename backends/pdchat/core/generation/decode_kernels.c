@@ -155,24 +155,39 @@ void pdchat_argmax(const float *restrict x, int64_t rows, int64_t cols, int64_t 
     }
 }
 
-/* The greedy token of a vocabulary projection, screened in bf16 and decided in double.
+/* The greedy token of a vocabulary projection: its logits screened with a bound on their
+ * error, the few close to the best decided in double.
  *
- * packed: W [n, k] in bf16 (round to nearest even), as [n / 16][k / 2][16][2]: sixteen
- * vocabulary rows' pairs of columns side by side, what AVX-512 BF16's dot product takes
- * (AVX2 widens each pair to two fp32 lanes).
- * pdchat_pack_head_bf16 writes it; n % 16 == 0 and k even.
+ * Two screens; a build has the first its CPU can run, and pdchat_head_screen() says which:
  *
- * pdchat_head_argmax: for each row r of x [rows, k], approx[v] = x~ . w~_v (x and W in
- * bf16, sums in fp32), bounded: |approx[v] - x . w_v| <= slack_scale * |x| * norms[v] +
- * slack_floor, where the caller's slack covers bf16's rounding, fp32's sums and the
- * flushing of denormals (Cauchy-Schwarz bounds sum |x_i w_vi| by |x| |w_v|). Every v
- * whose upper bound reaches the largest lower bound is a candidate, and the true argmax
- * is among them; each is recomputed in double from the fp32 W, and out[r] is the largest
- * (the first on a tie). out[r] = -1 where more than max_candidates qualify: the caller
- * then computes that row's logits in full. scratch: rows * n floats. The caller passes
- * only finite x. Returns 0, or -1 where this build has neither AVX-512 BF16 nor AVX2 with
- * FMA (nothing written).
+ * HEAD_BF16 (AVX-512 BF16): packed W [n, k] in bf16 (round to nearest even), as
+ * [n / 16][k / 2][16][2] (sixteen vocabulary rows' pairs of columns side by side, what the
+ * pair dot product takes; pdchat_pack_head_bf16 writes it; n % 16 == 0, k even). approx[v]
+ * = x~ . w~_v (x and W in bf16, sums in fp32), and |approx[v] - x . w_v| <= err_scale *
+ * |x| * err_norms[v] + slack_floor, the caller's err_scale covering bf16's rounding and
+ * fp32's sums (Cauchy-Schwarz bounds sum |x_i w_vi| by |x| |w_v|); q_norms unused.
+ *
+ * HEAD_INT8 (AVX2): packed W in int8, q_v = round(w_v / s_v) with s_v = max |w_v| / 64, as
+ * [n / 8][k / 4][8][4] (eight vocabulary rows' quads of columns side by side); scales[v] =
+ * s_v; offsets[v] = 128 * sum_i q_vi; err_norms[v] >= |w_v - s_v q_v|; q_norms[v] >=
+ * |s_v q_v| (n % 8 == 0, k % 4 == 0: the caller packs it). Each row of x is quantized
+ * alone, p = round(x / t) with t = max |x| / 127, and x . w_v = t s_v (p . q_v) + x . (w_v
+ * - s_v q_v) + (x - t p) . s_v q_v: the integer dot is exact (AVX2's u8 x s8 pairs, p
+ * offset by 128 into u8: 255 * 64 * 2 fits int16), and the two other terms are bounded by
+ * |x| err_norms[v] and |x - t p| q_norms[v]; 2^-21 |t p| q_norms[v] covers the floats the
+ * approx and its bound are rounded to. A row with max |x| outside [2^-30, 2^32] comes back
+ * -1 (the caller keeps max |w| in [2^-60, 2^32] for rows not all zero: no float in here
+ * underflows or overflows).
+ *
+ * Every v whose upper bound reaches the largest lower bound is a candidate, and the true
+ * argmax is among them; each is recomputed in double from the fp32 W, and out[r] is the
+ * largest (the first on a tie). out[r] = -1 where more than max_candidates qualify: the
+ * caller then computes that row's logits in full. scratch: rows * n floats. The caller
+ * passes only finite x. Returns 0, or -1 where the build has no screen (nothing written).
  */
+#define HEAD_BF16 1
+#define HEAD_INT8 2
+
 static uint16_t to_bf16(float value) {
     union { float f; uint32_t u; } bits = {value};
     return (uint16_t)((bits.u + 0x7FFFu + ((bits.u >> 16) & 1u)) >> 16);
@@ -187,21 +202,26 @@ void pdchat_pack_head_bf16(const float *restrict w, int64_t n, int64_t k, uint16
                         to_bf16(w[(block * 16 + lane) * k + pair * 2 + half]);
 }
 
-static int64_t decide_row(const float *restrict x, int64_t k, const float *restrict w, const float *restrict norms,
-                          int64_t n, const float *restrict approx, float slack_scale, float slack_floor,
-                          int64_t max_candidates) {
+static double norm_of(const float *restrict x, int64_t k) {
     double squares = 0.0;
     for (int64_t i = 0; i < k; i++) squares += (double)x[i] * x[i];
-    const float scale = (float)(sqrt(squares) * slack_scale);
+    return sqrt(squares);
+}
+
+/* The exact argmax among approx's candidates, each v's slack being
+ * err_scale * err_norms[v] + q_scale * q_norms[v] + slack_floor. */
+static int64_t decide_row(const float *restrict x, int64_t k, const float *restrict w, int64_t n,
+                          const float *restrict approx, const float *restrict err_norms, float err_scale,
+                          const float *restrict q_norms, float q_scale, float slack_floor, int64_t max_candidates) {
     float floor_ = -FLT_MAX;
     for (int64_t v = 0; v < n; v++) {
-        float lower = approx[v] - (scale * norms[v] + slack_floor);
+        float lower = approx[v] - (err_scale * err_norms[v] + q_scale * q_norms[v] + slack_floor);
         if (lower > floor_) floor_ = lower;
     }
     int64_t candidates = 0, best = -1;
     double best_value = 0.0;
     for (int64_t v = 0; v < n; v++) {
-        if (approx[v] + (scale * norms[v] + slack_floor) < floor_) continue;
+        if (approx[v] + (err_scale * err_norms[v] + q_scale * q_norms[v] + slack_floor) < floor_) continue;
         if (++candidates > max_candidates) return -1;
         const float *row = w + v * k;
         double value = 0.0;
@@ -213,9 +233,13 @@ static int64_t decide_row(const float *restrict x, int64_t k, const float *restr
     }
     return best;
 }
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__) || defined(__AVX512BF16__)
 #include <immintrin.h>
-#define HAS_SCREEN 1
+#include <string.h>
+#endif
+
+#if defined(__AVX512BF16__)
+#define HAS_BF16_SCREEN 1
 
 /* approx [R, n] (row stride n) of R rows of pairs [R, k / 2] (row stride k / 2). */
 #define SCREEN_TILE(R)                                                                             \
@@ -239,16 +263,17 @@ SCREEN_TILE(4)
 SCREEN_TILE(8)
 SCREEN_TILE(16)
 
-/* The screen's approx [rows, n] by AVX-512 BF16's pair dot products: x in bf16 pairs. */
-static int screen(const float *restrict x, int64_t rows, int64_t k, const uint16_t *restrict packed, int64_t n,
-                  float *restrict scratch) {
+/* The bf16 screen's approx [rows, n] by AVX-512 BF16's pair dot products. */
+static int screen_bf16(const float *restrict x, int64_t rows, int64_t k, const uint16_t *restrict packed, int64_t n,
+                       float *restrict scratch) {
     const int64_t half_k = k / 2;
     uint32_t *pairs = malloc((size_t)(rows * half_k) * sizeof(uint32_t));
     if (pairs == NULL) return -2;
-    for (int64_t r = 0; r < rows; r++)
+    for (int64_t r = 0; r < rows; r++) {
         for (int64_t j = 0; j < half_k; j++)
             pairs[r * half_k + j] =
                 (uint32_t)to_bf16(x[r * k + 2 * j]) | ((uint32_t)to_bf16(x[r * k + 2 * j + 1]) << 16);
+    }
     for (int64_t r = 0; r < rows;) {
         const int64_t left = rows - r, tile = left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : 1;
         const uint32_t *tile_pairs = pairs + r * half_k;
@@ -264,8 +289,7 @@ static int screen(const float *restrict x, int64_t rows, int64_t k, const uint16
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define HAS_SCREEN 1
+#define HAS_BF16_SCREEN 1
 
 /* One block of 16 vocabulary rows for R rows of xs [R, k] (x rounded to bf16, held as
  * fp32): each bf16 pair widened to two fp32 lanes, then FMAs. A bf16 times a bf16 is exact
@@ -301,10 +325,10 @@ SCREEN_TILE_AVX2(2)
 SCREEN_TILE_AVX2(3)
 SCREEN_TILE_AVX2(4)
 
-/* The screen's approx [rows, n] by AVX2 FMAs: each block of the weight (k * 32 bytes,
+/* The bf16 screen's approx [rows, n] by AVX2 FMAs: each block of the weight (k * 32 bytes,
  * in L1) serves every row, four at a time, before the next block is read. */
-static int screen(const float *restrict x, int64_t rows, int64_t k, const uint16_t *restrict packed, int64_t n,
-                  float *restrict scratch) {
+static int screen_bf16(const float *restrict x, int64_t rows, int64_t k, const uint16_t *restrict packed, int64_t n,
+                       float *restrict scratch) {
     float *xs = malloc((size_t)(rows * k) * sizeof(float));
     if (xs == NULL) return -2;
     for (int64_t i = 0; i < rows * k; i++) {
@@ -329,21 +353,144 @@ static int screen(const float *restrict x, int64_t rows, int64_t k, const uint16
 }
 #endif
 
-int pdchat_head_argmax(const float *restrict x, int64_t rows, int64_t k, const uint16_t *restrict packed,
-                       const float *restrict w, const float *restrict norms, int64_t n, float slack_scale,
-                       float slack_floor, int64_t max_candidates, float *restrict scratch, int64_t *restrict out) {
-#ifdef HAS_SCREEN
-    if (rows <= 0) return 0;
-    const int status = screen(x, rows, k, packed, n, scratch);
-    if (status != 0) return status;
+#if defined(__AVX2__)
+#define HAS_INT8_SCREEN 1
+
+/* One block of 8 vocabulary rows (w: k / 4 quads of 32 bytes) for R rows of xu [R, k]
+ * (p + 128): approx[r][lane] = t[r] * scales[lane] * (xu . q - offsets[lane]). */
+#define SCREEN_TILE_INT8(R)                                                                        \
+    static void int8_block_##R(const uint8_t *restrict xu, const float *restrict t, int64_t k,  \
+                                 const int8_t *restrict w, const float *restrict scales,          \
+                                 const int32_t *restrict offsets, int64_t n, float *restrict approx) { \
+        const __m256i ones = _mm256_set1_epi16(1);                                                \
+        __m256i acc[R];                                                                           \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();      \
+        for (int64_t j = 0; j < k / 4; j++) {                                                     \
+            const __m256i quads = _mm256_loadu_si256((const __m256i *)(w + j * 32));              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                 \
+                int32_t four;                                                                     \
+                memcpy(&four, xu + r * k + 4 * j, sizeof four);                                   \
+                const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi32(four), quads);       \
+                acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs, ones));                \
+            }                                                                                     \
+        }                                                                                         \
+        const __m256i offset = _mm256_loadu_si256((const __m256i *)offsets);                      \
+        const __m256 scale = _mm256_loadu_ps(scales);                                             \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                     \
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r], offset));              \
+            _mm256_storeu_ps(approx + r * n, _mm256_mul_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(t[r])))); \
+        }                                                                                         \
+    }
+SCREEN_TILE_INT8(1)
+SCREEN_TILE_INT8(2)
+SCREEN_TILE_INT8(4)
+SCREEN_TILE_INT8(8)
+
+/* Row r of x quantized into xu (p + 128) and t[r]; its slack scales: err_scales[r] >= |x|,
+ * q_scales[r] >= |x - t p| + 2^-21 |t p|. False for a row out of the screen's range. */
+static int quantize_row(const float *restrict x, int64_t k, uint8_t *restrict xu, float *restrict t,
+                        float *restrict err_scale, float *restrict q_scale) {
+    float largest = 0.0f;
+    for (int64_t i = 0; i < k; i++) largest = fmaxf(largest, fabsf(x[i]));
+    if (!(largest >= 0x1p-30f && largest <= 0x1p32f)) return 0;
+    const float step = largest / 127.0f;
+    double residual = 0.0, quantized = 0.0;
+    for (int64_t i = 0; i < k; i++) {
+        float p = rintf(x[i] / step);
+        p = fminf(fmaxf(p, -127.0f), 127.0f);
+        xu[i] = (uint8_t)((int)p + 128);
+        const double left = (double)x[i] - (double)step * p;
+        residual += left * left;
+        quantized += (double)p * p;
+    }
+    *t = step;
+    *err_scale = (float)(norm_of(x, k) * 1.01);
+    *q_scale = (float)((sqrt(residual) + 0x1p-21 * step * sqrt(quantized)) * 1.01);
+    return 1;
+}
+
+/* The screen's approx [rows, n] in int8, each block of the weight (k * 8 bytes, in L1)
+ * serving every row, eight at a time, before the next is read. A row out of range gets
+ * err_scales[r] = -1 (undecided). */
+static int screen_int8(const float *restrict x, int64_t rows, int64_t k, const int8_t *restrict packed,
+                       const float *restrict scales, const int32_t *restrict offsets, int64_t n,
+                       float *restrict scratch, float *restrict err_scales, float *restrict q_scales) {
+    uint8_t *xu = malloc((size_t)(rows * k));
+    float *t = malloc((size_t)rows * sizeof(float));
+    if (xu == NULL || t == NULL) {
+        free(xu);
+        free(t);
+        return -2;
+    }
     for (int64_t r = 0; r < rows; r++)
-        out[r] = decide_row(x + r * k, k, w, norms, n, scratch + r * n, slack_scale, slack_floor, max_candidates);
+        if (!quantize_row(x + r * k, k, xu + r * k, t + r, err_scales + r, q_scales + r)) {
+            memset(xu + r * k, 128, (size_t)k);  /* screened as zeros, then left undecided */
+            t[r] = 0.0f;
+            err_scales[r] = -1.0f;
+        }
+    for (int64_t block = 0; block < n / 8; block++) {
+        const int8_t *w = packed + block * k * 8;
+        for (int64_t r = 0; r < rows;) {
+            const int64_t left = rows - r, tile = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+            const uint8_t *tile_x = xu + r * k;
+            float *approx = scratch + r * n + block * 8;
+            const float *s = scales + block * 8;
+            const int32_t *o = offsets + block * 8;
+            if (tile == 8) int8_block_8(tile_x, t + r, k, w, s, o, n, approx);
+            else if (tile == 4) int8_block_4(tile_x, t + r, k, w, s, o, n, approx);
+            else if (tile == 2) int8_block_2(tile_x, t + r, k, w, s, o, n, approx);
+            else int8_block_1(tile_x, t + r, k, w, s, o, n, approx);
+            r += tile;
+        }
+    }
+    free(xu);
+    free(t);
     return 0;
-#else
-    (void)x; (void)rows; (void)k; (void)packed; (void)w; (void)norms; (void)n; (void)slack_scale;
-    (void)slack_floor; (void)max_candidates; (void)scratch; (void)out;
-    return -1;
+}
 #endif
+
+/* Which screens this build has: HEAD_BF16 | HEAD_INT8, or 0. */
+int pdchat_head_screens(void) {
+    int screens = 0;
+#ifdef HAS_BF16_SCREEN
+    screens |= HEAD_BF16;
+#endif
+#ifdef HAS_INT8_SCREEN
+    screens |= HEAD_INT8;
+#endif
+    return screens;
+}
+
+/* Screen `screen` (HEAD_BF16: packed bf16, err_scale, scales/offsets/q_norms unused;
+ * HEAD_INT8: packed int8 with its scales, offsets and q_norms), then decide each row. */
+int pdchat_head_argmax(int screen, const float *restrict x, int64_t rows, int64_t k, const void *restrict packed,
+                       const float *restrict scales, const int32_t *restrict offsets, const float *restrict w,
+                       const float *restrict err_norms, const float *restrict q_norms, int64_t n, float err_scale,
+                       float slack_floor, int64_t max_candidates, float *restrict scratch, int64_t *restrict out) {
+    (void)packed; (void)scales; (void)offsets; (void)err_scale;  /* unused by a build without the screen */
+    if (!(pdchat_head_screens() & screen)) return -1;
+    if (rows <= 0) return 0;
+    float *slacks = malloc((size_t)(2 * rows) * sizeof(float));
+    if (slacks == NULL) return -2;
+    int status = -1;
+#ifdef HAS_BF16_SCREEN
+    if (screen == HEAD_BF16) {
+        status = screen_bf16(x, rows, k, packed, n, scratch);
+        for (int64_t r = 0; r < rows; r++) {
+            slacks[r] = (float)(norm_of(x + r * k, k) * err_scale);
+            slacks[rows + r] = 0.0f;
+        }
+    }
+#endif
+#ifdef HAS_INT8_SCREEN
+    if (screen == HEAD_INT8) status = screen_int8(x, rows, k, packed, scales, offsets, n, scratch, slacks, slacks + rows);
+#endif
+    for (int64_t r = 0; r < rows && status == 0; r++)
+        out[r] = slacks[r] < 0.0f ? -1
+                                  : decide_row(x + r * k, k, w, n, scratch + r * n, err_norms, slacks[r], q_norms,
+                                               slacks[rows + r], slack_floor, max_candidates);
+    free(slacks);
+    return status;
 }
 
 /*
@@ -356,5 +503,6 @@ void pdchat_decide_rows(const float *restrict x, int64_t rows, int64_t k, const 
                         const float *restrict norms, int64_t n, const float *restrict logits, float slack_scale,
                         float slack_floor, int64_t max_candidates, int64_t *restrict out) {
     for (int64_t r = 0; r < rows; r++)
-        out[r] = decide_row(x + r * k, k, w, norms, n, logits + r * n, slack_scale, slack_floor, max_candidates);
+        out[r] = decide_row(x + r * k, k, w, n, logits + r * n, norms, (float)(norm_of(x + r * k, k) * slack_scale),
+                            norms, 0.0f, slack_floor, max_candidates);
 }
