@@ -175,5 +175,7 @@ def test_a_screen_that_leaves_every_row_undecided_loses_the_timing(kernels):
     hidden = base.repeat(16, 1) * (1 + 0.01 * torch.arange(16, dtype=torch.float32)[:, None])
     timed = cpu_kernels.GreedyHead(kernels, weight)
     assert timed.argmax(hidden) == _exact_argmax(hidden, weight) == [vocab - 1] * 16
-    assert all(each == [-1] * 16 for each in (_head(kernels, weight, way).argmax(hidden) for way in kernels.head_screens))
+    assert all(
+        each == [-1] * 16 for each in (_head(kernels, weight, way).argmax(hidden) for way in kernels.head_screens)
+    )
     assert timed.ways[16] == "fp32"
