@@ -182,8 +182,13 @@ def cpu_seconds(groups: list[int]) -> dict[str, float]:
     return used
 
 
+class IncompleteRun(RuntimeError):
+    """A benchmark run in which some requests failed: its numbers are not kept."""
+
+
 def bench_serve(vllm: Path, system: System, args: argparse.Namespace, concurrency: int, prompts: int) -> dict:
-    """One `vllm bench serve` run against `system`; the metrics of METRICS."""
+    """One `vllm bench serve` run against `system`; the metrics of METRICS. IncompleteRun
+    when a request failed."""
     with tempfile.TemporaryDirectory() as out:
         command = [
             str(vllm),
@@ -227,7 +232,7 @@ def bench_serve(vllm: Path, system: System, args: argparse.Namespace, concurrenc
         after = cpu_seconds(system.groups)
         result = json.loads((Path(out) / "result.json").read_text())
     if result.get("completed") != prompts:
-        raise RuntimeError(f"{system.name} c={concurrency}: {result.get('completed')} of {prompts} completed ({log})")
+        raise IncompleteRun(f"{system.name} c={concurrency}: {result.get('completed')} of {prompts} completed ({log})")
     measured = {ours: float(result[theirs]) for ours, theirs in METRICS.items()}
     tokens = float(result["total_output_tokens"])
     measured["cpu_ms_per_token"] = {
@@ -257,7 +262,11 @@ def run(args: argparse.Namespace) -> None:
                     for concurrency in args.concurrency:
                         prompts = max(args.min_prompts, args.prompts_per_stream * concurrency)
                         print(f"  c={concurrency}: {prompts} requests", file=sys.stderr, flush=True)
-                        measured = bench_serve(vllm, system, args, concurrency, prompts)
+                        try:
+                            measured = bench_serve(vllm, system, args, concurrency, prompts)
+                        except IncompleteRun as incomplete:  # vLLM's server drops a connection now and then
+                            print(f"  {incomplete}; once more", file=sys.stderr, flush=True)
+                            measured = bench_serve(vllm, system, args, concurrency, prompts)
                         rounds.setdefault(model, {}).setdefault(name, {}).setdefault(str(concurrency), []).append(
                             measured
                         )

@@ -7,7 +7,7 @@ What: for one query token per row (decode's steps), fp32 on CPU,
 - `silu_mul`: the SwiGLU activation of a fused gate/up projection;
 - `argmax`: each row's greedy token;
 - `GreedyHead`: each row's greedy token straight from the hidden state, the vocabulary
-  projection screened in bf16 and its few close candidates decided in double (below).
+  projection screened in int8 or bf16 and its few close candidates decided in double (below).
 
 Why: at decode's sizes each of these is a handful of torch ops of a few microseconds of
 work and more of dispatch each (rotary alone is six), and attention on the torch path
@@ -38,20 +38,22 @@ computed alone in a fixed order, so a row's result does not depend on the batch 
 
 `GreedyHead`: a greedy row needs only the argmax of its logits, and the vocabulary projection
 is most of a small model's decode step (49152 x 256 on tiny: memory-bound at one row, and
-beside it at 16). With AVX-512 BF16, or AVX2 with FMA, the projection is screened on a
-bf16 copy of the weight (half the bytes; AVX-512 BF16 also twice the multiply rate, while
-AVX2 widens each bf16 pair to fp32 lanes and multiplies those exactly), with a bound on
-each logit's error (the same for both: a bf16 product is exact in fp32); the tokens
-whose bound reaches the best are recomputed exactly (in double, from the fp32 weight), so
-the token is the exact argmax, not bf16's: a true tie within double's rounding aside, the
-token fp32 logits would give, and the same whatever rows are beside it. A row whose
-candidates exceed `max_candidates` comes back undecided (-1) and takes the full projection.
-Where the fp32 projection (oneDNN) is the faster for a batch's row count on this host, as
-it can be for many rows when the weight sits in a large cache, the head projects in fp32
-and takes the same exact decision on those logits with fp32's bound (`decide_rows`): the
-tokens are the same either way. Which is faster is timed once per row-count bucket, on the
-first batch of that size. Its calls release the GIL (ctypes.CDLL): they last milliseconds, and the
-outbox thread sends the previous step's responses meanwhile.
+beside it at 16). The projection is screened on a copy of the weight, with a bound on each
+logit's error, and the tokens whose bound reaches the best are recomputed exactly (in
+double, from the fp32 weight), so the token is the exact argmax, not the screen's: a true
+tie within double's rounding aside, the token fp32 logits would give, and the same whatever
+rows are beside it. Two screens (decode_kernels.c has their bounds): int8 (AVX2: weight rows
+and hidden states each quantized by their own largest value, exact integer dot products,
+about twice bf16's rate on AVX2) and bf16 (AVX-512 BF16's pair dot products, or AVX2 FMAs
+on bf16 pairs widened to fp32). int8's bound follows each row's actual quantization error,
+so hidden states with outlier channels (SmolLM2's) widen it until every token is a
+candidate. A row whose candidates exceed `max_candidates` comes back undecided (-1) and takes
+the full projection. The head times each way the host has (the screens, and oneDNN's fp32
+projection with the same exact decision on its logits under fp32's bound: `decide_rows`) on
+the first batch of each row-count bucket, charging each the full projection of the rows it
+left undecided, and keeps the fastest: the tokens are the same either way. Its calls release
+the GIL (ctypes.CDLL): they last milliseconds, and the outbox thread sends the previous
+step's responses meanwhile.
 """
 
 from __future__ import annotations

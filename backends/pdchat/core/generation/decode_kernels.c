@@ -158,11 +158,12 @@ void pdchat_argmax(const float *restrict x, int64_t rows, int64_t cols, int64_t 
 /* The greedy token of a vocabulary projection: its logits screened with a bound on their
  * error, the few close to the best decided in double.
  *
- * Two screens; a build has the first its CPU can run, and pdchat_head_screen() says which:
+ * Two screens; a build has those its CPU can run, and pdchat_head_screens() says which:
  *
- * HEAD_BF16 (AVX-512 BF16): packed W [n, k] in bf16 (round to nearest even), as
+ * HEAD_BF16 (AVX-512 BF16, or AVX2 with FMA): packed W [n, k] in bf16 (round to nearest even), as
  * [n / 16][k / 2][16][2] (sixteen vocabulary rows' pairs of columns side by side, what the
- * pair dot product takes; pdchat_pack_head_bf16 writes it; n % 16 == 0, k even). approx[v]
+ * pair dot product takes, AVX2 widening each pair to two fp32 lanes; pdchat_pack_head_bf16
+ * writes it; n % 16 == 0, k even). approx[v]
  * = x~ . w~_v (x and W in bf16, sums in fp32), and |approx[v] - x . w_v| <= err_scale *
  * |x| * err_norms[v] + slack_floor, the caller's err_scale covering bf16's rounding and
  * fp32's sums (Cauchy-Schwarz bounds sum |x_i w_vi| by |x| |w_v|); q_norms unused.
@@ -269,11 +270,10 @@ static int screen_bf16(const float *restrict x, int64_t rows, int64_t k, const u
     const int64_t half_k = k / 2;
     uint32_t *pairs = malloc((size_t)(rows * half_k) * sizeof(uint32_t));
     if (pairs == NULL) return -2;
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t r = 0; r < rows; r++)
         for (int64_t j = 0; j < half_k; j++)
             pairs[r * half_k + j] =
                 (uint32_t)to_bf16(x[r * k + 2 * j]) | ((uint32_t)to_bf16(x[r * k + 2 * j + 1]) << 16);
-    }
     for (int64_t r = 0; r < rows;) {
         const int64_t left = rows - r, tile = left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : 1;
         const uint32_t *tile_pairs = pairs + r * half_k;
