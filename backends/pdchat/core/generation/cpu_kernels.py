@@ -98,7 +98,7 @@ _RELEASING_SIGNATURES = {
     "head_argmax": ([ctypes.c_int, _P, _N, _N] + [_P] * 6 + [_N, _F, _F, _N, _P, _P], ctypes.c_int),
     "decide_rows": ([_P, _N, _N, _P, _P, _N, _P, _F, _F, _N, _P], None),
 }
-# Row-count buckets the GreedyHead times its two ways in, once each, on its first batch: a
+# Row-count buckets the GreedyHead times its ways in, once each, on its first batch: a
 # batch takes its bucket's winner (the smallest bucket at least its size; the last beyond it).
 SCREEN_BUCKETS = (1, 2, 4, 8, 16, 32)
 # decode_kernels.c's screens of the GreedyHead, by their codes there.
