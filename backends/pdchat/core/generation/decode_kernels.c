@@ -358,33 +358,34 @@ static int screen_bf16(const float *restrict x, int64_t rows, int64_t k, const u
 
 /* One block of 8 vocabulary rows (w: k / 4 quads of 32 bytes) for R rows of xu [R, k]
  * (p + 128): approx[r][lane] = t[r] * scales[lane] * (xu . q - offsets[lane]). */
-#define SCREEN_TILE_INT8(R)                                                                        \
-    static void int8_block_##R(const uint8_t *restrict xu, const float *restrict t, int64_t k,  \
-                                 const int8_t *restrict w, const float *restrict scales,          \
-                                 const int32_t *restrict offsets, int64_t n, float *restrict approx) { \
-        const __m256i ones = _mm256_set1_epi16(1);                                                \
-        __m256i acc[R];                                                                           \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();      \
-        for (int64_t j = 0; j < k / 4; j++) {                                                     \
-            const __m256i quads = _mm256_loadu_si256((const __m256i *)(w + j * 32));              \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                 \
-                int32_t four;                                                                     \
-                memcpy(&four, xu + r * k + 4 * j, sizeof four);                                   \
-                const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi32(four), quads);       \
-                acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs, ones));                \
-            }                                                                                     \
-        }                                                                                         \
-        const __m256i offset = _mm256_loadu_si256((const __m256i *)offsets);                      \
-        const __m256 scale = _mm256_loadu_ps(scales);                                             \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                     \
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r], offset));              \
-            _mm256_storeu_ps(approx + r * n, _mm256_mul_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(t[r])))); \
-        }                                                                                         \
+#define INT8_BLOCK(R)                                                                                \
+    static void int8_block_##R(const uint8_t *restrict xu, const float *restrict t, int64_t k,       \
+                               const int8_t *restrict w, const float *restrict scales,               \
+                               const int32_t *restrict offsets, int64_t n, float *restrict approx) { \
+        const __m256i ones = _mm256_set1_epi16(1);                                                   \
+        __m256i acc[R];                                                                              \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();         \
+        for (int64_t j = 0; j < k / 4; j++) {                                                        \
+            const __m256i quads = _mm256_loadu_si256((const __m256i *)(w + j * 32));                 \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                    \
+                int32_t four;                                                                        \
+                memcpy(&four, xu + r * k + 4 * j, sizeof four);                                      \
+                const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi32(four), quads);          \
+                acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs, ones));                   \
+            }                                                                                        \
+        }                                                                                            \
+        const __m256i offset = _mm256_loadu_si256((const __m256i *)offsets);                         \
+        const __m256 scale = _mm256_loadu_ps(scales);                                                \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                        \
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r], offset));                 \
+            const __m256 row_scale = _mm256_mul_ps(scale, _mm256_set1_ps(t[r]));                     \
+            _mm256_storeu_ps(approx + r * n, _mm256_mul_ps(dot, row_scale));                         \
+        }                                                                                            \
     }
-SCREEN_TILE_INT8(1)
-SCREEN_TILE_INT8(2)
-SCREEN_TILE_INT8(4)
-SCREEN_TILE_INT8(8)
+INT8_BLOCK(1)
+INT8_BLOCK(2)
+INT8_BLOCK(4)
+INT8_BLOCK(8)
 
 /* Row r of x quantized into xu (p + 128) and t[r]; its slack scales: err_scales[r] >= |x|,
  * q_scales[r] >= |x - t p| + 2^-21 |t p|. False for a row out of the screen's range. */
@@ -483,7 +484,8 @@ int pdchat_head_argmax(int screen, const float *restrict x, int64_t rows, int64_
     }
 #endif
 #ifdef HAS_INT8_SCREEN
-    if (screen == HEAD_INT8) status = screen_int8(x, rows, k, packed, scales, offsets, n, scratch, slacks, slacks + rows);
+    if (screen == HEAD_INT8)
+        status = screen_int8(x, rows, k, packed, scales, offsets, n, scratch, slacks, slacks + rows);
 #endif
     for (int64_t r = 0; r < rows && status == 0; r++)
         out[r] = slacks[r] < 0.0f ? -1
