@@ -264,7 +264,10 @@ def run(args: argparse.Namespace) -> None:
                         print(f"  c={concurrency}: {prompts} requests", file=sys.stderr, flush=True)
                         try:
                             measured = bench_serve(vllm, system, args, concurrency, prompts)
-                        except IncompleteRun as incomplete:  # vLLM's server drops a connection now and then
+                        except IncompleteRun as incomplete:
+                            if name != "vllm":  # pdchat's failed requests are a fault to see, not noise
+                                raise
+                            # vLLM's server drops a connection now and then ("Server disconnected")
                             print(f"  {incomplete}; once more", file=sys.stderr, flush=True)
                             measured = bench_serve(vllm, system, args, concurrency, prompts)
                         rounds.setdefault(model, {}).setdefault(name, {}).setdefault(str(concurrency), []).append(
