@@ -1,4 +1,5 @@
-"""Every relative link in README.md and docs/**/*.md points at a file or directory that exists.
+"""Every relative link in README.md and docs/**/*.md points at a file or directory that exists
+and, in a git checkout, that git does not ignore (a clean clone has it too).
 
 Links are markdown inline links and images (`[text](path)`, `[text](path#anchor)`) and
 reference definitions (`[id]: path`). Web and mail links (http, https, mailto) and links to
@@ -9,6 +10,8 @@ Code blocks and code spans are skipped: what they hold is code, not links.
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -51,16 +54,37 @@ def local_path(target: str) -> str | None:
     return unquote(target.split("#", 1)[0])
 
 
+def ignored_by_git(paths: list[Path]) -> set[Path]:
+    """Those of `paths` that git ignores; empty where ROOT is not a git checkout or git is absent."""
+    if not paths or shutil.which("git") is None or not (ROOT / ".git").exists():
+        return set()
+    listed = subprocess.run(
+        ["git", "-C", str(ROOT), "check-ignore", "--stdin"],
+        input="\n".join(str(p) for p in paths),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return {Path(line).resolve() for line in listed.stdout.splitlines() if line}
+
+
 def broken_links(document: Path) -> list[str]:
-    broken = []
+    """One line per link of `document` whose target is missing or, in a git checkout, ignored by git."""
+    checked = []
     for line, text, target in links(document.read_text(encoding="utf-8")):
         path = local_path(target)
         if path is None:
             continue
-        resolved = ROOT / path.lstrip("/") if path.startswith("/") else document.parent / path
+        resolved = (ROOT / path.lstrip("/") if path.startswith("/") else document.parent / path).resolve()
+        checked.append((line, text, target, resolved))
+    ignored = ignored_by_git([resolved for *_, resolved in checked if resolved.exists()])
+    broken = []
+    for line, text, target, resolved in checked:
+        shown = resolved.relative_to(ROOT) if resolved.is_relative_to(ROOT) else resolved
         if not resolved.exists():
-            shown = resolved.relative_to(ROOT) if resolved.is_relative_to(ROOT) else resolved
             broken.append(f"line {line}: [{text}]({target}) -> {shown} does not exist")
+        elif resolved in ignored:
+            broken.append(f"line {line}: [{text}]({target}) -> {shown} is ignored by git (a clone lacks it)")
     return broken
 
 
