@@ -16,6 +16,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAS_AVX2_FMA 1
+#endif
+
 #define PREFETCH_AHEAD 8
 
 static void prefetch_slot(const float *slot, int64_t floats) {
@@ -209,6 +214,13 @@ static double norm_of(const float *restrict x, int64_t k) {
     return sqrt(squares);
 }
 
+/* x . row in double: each product exact, the sum in order. */
+static double exact_dot(const float *restrict x, const float *restrict row, int64_t k) {
+    double value = 0.0;
+    for (int64_t i = 0; i < k; i++) value += (double)x[i] * row[i];
+    return value;
+}
+
 /* The exact argmax among approx's candidates, each v's slack being
  * err_scale * err_norms[v] + q_scale * q_norms[v] + slack_floor. */
 static int64_t decide_row(const float *restrict x, int64_t k, const float *restrict w, int64_t n,
@@ -219,14 +231,33 @@ static int64_t decide_row(const float *restrict x, int64_t k, const float *restr
         float lower = approx[v] - (err_scale * err_norms[v] + q_scale * q_norms[v] + slack_floor);
         if (lower > floor_) floor_ = lower;
     }
-    int64_t candidates = 0, best = -1;
+    int64_t candidates = 0, best = -1, v = 0;
     double best_value = 0.0;
-    for (int64_t v = 0; v < n; v++) {
+#ifdef HAS_AVX2_FMA
+    /* Eight v at a time, the tail one at a time below: the same upper bound, its float
+     * operations in an order -ffast-math may pick for the scalar loop too (the slack's
+     * margin covers either); only the lanes that reach the floor go on, in order of v. */
+    const __m256 floors = _mm256_set1_ps(floor_), errs = _mm256_set1_ps(err_scale), qs = _mm256_set1_ps(q_scale);
+    const __m256 slack = _mm256_set1_ps(slack_floor);
+    for (; v + 8 <= n; v += 8) {
+        const __m256 q_slack = _mm256_mul_ps(qs, _mm256_loadu_ps(q_norms + v));
+        const __m256 v_slack = _mm256_fmadd_ps(errs, _mm256_loadu_ps(err_norms + v), q_slack);
+        const __m256 upper = _mm256_add_ps(_mm256_loadu_ps(approx + v), _mm256_add_ps(v_slack, slack));
+        for (int reach = _mm256_movemask_ps(_mm256_cmp_ps(upper, floors, _CMP_GE_OQ)); reach; reach &= reach - 1) {
+            const int64_t u = v + __builtin_ctz((unsigned)reach);
+            if (++candidates > max_candidates) return -1;
+            const double value = exact_dot(x, w + u * k, k);
+            if (best < 0 || value > best_value) {
+                best = u;
+                best_value = value;
+            }
+        }
+    }
+#endif
+    for (; v < n; v++) {
         if (approx[v] + (err_scale * err_norms[v] + q_scale * q_norms[v] + slack_floor) < floor_) continue;
         if (++candidates > max_candidates) return -1;
-        const float *row = w + v * k;
-        double value = 0.0;
-        for (int64_t i = 0; i < k; i++) value += (double)x[i] * row[i];
+        const double value = exact_dot(x, w + v * k, k);
         if (best < 0 || value > best_value) {
             best = v;
             best_value = value;
