@@ -77,7 +77,8 @@ def broken_links(document: Path) -> list[str]:
             continue
         resolved = (ROOT / path.lstrip("/") if path.startswith("/") else document.parent / path).resolve()
         checked.append((line, text, target, resolved))
-    ignored = ignored_by_git([resolved for *_, resolved in checked if resolved.exists()])
+    inside = [resolved for *_, resolved in checked if resolved.exists() and resolved.is_relative_to(ROOT)]
+    ignored = ignored_by_git(inside)  # git refuses a whole batch holding a path outside the checkout
     broken = []
     for line, text, target, resolved in checked:
         shown = resolved.relative_to(ROOT) if resolved.is_relative_to(ROOT) else resolved
