@@ -214,11 +214,26 @@ static double norm_of(const float *restrict x, int64_t k) {
     return sqrt(squares);
 }
 
-/* x . row in double: each product exact, the sum in order. */
-static double exact_dot(const float *restrict x, const float *restrict row, int64_t k) {
+/* A row's decision so far: the candidates taken, and the best of them (-1: none yet). */
+typedef struct {
+    int64_t candidates, best;
+    double best_value;
+} Decision;
+
+/* Take v as a candidate: its logit x . w_v in double (each product exact, the sum in
+ * order), kept when larger than the best before it (the first wins a tie). False once
+ * more than max_candidates were taken. */
+static int take_candidate(Decision *decision, const float *restrict x, const float *restrict w, int64_t k, int64_t v,
+                          int64_t max_candidates) {
+    if (++decision->candidates > max_candidates) return 0;
+    const float *row = w + v * k;
     double value = 0.0;
     for (int64_t i = 0; i < k; i++) value += (double)x[i] * row[i];
-    return value;
+    if (decision->best < 0 || value > decision->best_value) {
+        decision->best = v;
+        decision->best_value = value;
+    }
+    return 1;
 }
 
 /* The exact argmax among approx's candidates, each v's slack being
@@ -231,8 +246,8 @@ static int64_t decide_row(const float *restrict x, int64_t k, const float *restr
         float lower = approx[v] - (err_scale * err_norms[v] + q_scale * q_norms[v] + slack_floor);
         if (lower > floor_) floor_ = lower;
     }
-    int64_t candidates = 0, best = -1, v = 0;
-    double best_value = 0.0;
+    Decision decision = {0, -1, 0.0};
+    int64_t v = 0;
 #ifdef HAS_AVX2_FMA
     /* Eight v at a time, the tail one at a time below: the same upper bound, its float
      * operations in an order -ffast-math may pick for the scalar loop too (the slack's
@@ -243,27 +258,15 @@ static int64_t decide_row(const float *restrict x, int64_t k, const float *restr
         const __m256 q_slack = _mm256_mul_ps(qs, _mm256_loadu_ps(q_norms + v));
         const __m256 v_slack = _mm256_fmadd_ps(errs, _mm256_loadu_ps(err_norms + v), q_slack);
         const __m256 upper = _mm256_add_ps(_mm256_loadu_ps(approx + v), _mm256_add_ps(v_slack, slack));
-        for (int reach = _mm256_movemask_ps(_mm256_cmp_ps(upper, floors, _CMP_GE_OQ)); reach; reach &= reach - 1) {
-            const int64_t u = v + __builtin_ctz((unsigned)reach);
-            if (++candidates > max_candidates) return -1;
-            const double value = exact_dot(x, w + u * k, k);
-            if (best < 0 || value > best_value) {
-                best = u;
-                best_value = value;
-            }
-        }
+        for (int reach = _mm256_movemask_ps(_mm256_cmp_ps(upper, floors, _CMP_GE_OQ)); reach; reach &= reach - 1)
+            if (!take_candidate(&decision, x, w, k, v + __builtin_ctz((unsigned)reach), max_candidates)) return -1;
     }
 #endif
     for (; v < n; v++) {
         if (approx[v] + (err_scale * err_norms[v] + q_scale * q_norms[v] + slack_floor) < floor_) continue;
-        if (++candidates > max_candidates) return -1;
-        const double value = exact_dot(x, w + v * k, k);
-        if (best < 0 || value > best_value) {
-            best = v;
-            best_value = value;
-        }
+        if (!take_candidate(&decision, x, w, k, v, max_candidates)) return -1;
     }
-    return best;
+    return decision.best;
 }
 #if defined(__AVX2__) || defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -319,7 +322,7 @@ static int screen_bf16(const float *restrict x, int64_t rows, int64_t k, const u
     return 0;
 }
 
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(HAS_AVX2_FMA)
 #define HAS_BF16_SCREEN 1
 
 /* One block of 16 vocabulary rows for R rows of xs [R, k] (x rounded to bf16, held as
