@@ -23,9 +23,11 @@ import numpy as np
 from tritonclient.grpc import InferResult
 
 from pdchat import tensors
+from pdchat.clients.decode_feed import DecodeFeed
 from pdchat.clients.grpc_streams import StreamCall, StreamLoop, infer_request
 from pdchat.core.errors import ErrorCode, PdchatError, parse_tag
 from pdchat.core.output.responses import FAILED
+from pdchat.core.settings import DECODE_FEED
 
 DEFAULT_MODEL = "chat"
 # Longest wait for a server's next response (a front passes its own stall deadline).
@@ -178,15 +180,28 @@ def _to_output(get: Callable[[str], Any]) -> ChatOutput:
 
 
 class _Arrival:
-    """A response of a stream (a ModelInferResponse) or its error, read as it arrives."""
+    """A response of a stream (a ModelInferResponse) or its error, read as it arrives; or
+    (`fed`) an output that came through decode's feed."""
 
-    __slots__ = ("response", "error", "final", "values", "is_ticket")
+    __slots__ = ("response", "error", "final", "values", "is_ticket", "through_feed", "fed_outputs")
 
     def __init__(self, response: Any, error: Any):
         self.response, self.error = response, error
         self.final = error is None and response.parameters["triton_final_response"].bool_param
         self.values = {} if error is not None or not response.outputs else _output_values(response)
         self.is_ticket = tensors.STAGE_SEAL in self.values  # chat's ticket: decode's sealed inputs
+        self.through_feed = False
+        self.fed_outputs = self.values.get(tensors.FED_OUTPUTS, [0])[0]  # a fed stream's last: the feed's count
+
+    @classmethod
+    def fed(cls, body: bytes) -> _Arrival:
+        """An output of the stream that decode's feed brought (its RESPONSE JSON only)."""
+        arrival = cls.__new__(cls)
+        arrival.response = arrival.error = None
+        arrival.final = arrival.is_ticket = False
+        arrival.values = {tensors.RESPONSE: [body]}
+        arrival.through_feed, arrival.fed_outputs = True, 0
+        return arrival
 
 
 class _ArrivalQueue:
@@ -229,7 +244,11 @@ class GrpcChat:
 
     `decode_direct` (model `chat` only): ask chat for a ticket (tensors.DECODE_TICKET) and
     stream the answer from `decode` itself, on the same gRPC stream; a route that answers
-    without decode (a prefill leg) answers as it always does."""
+    without decode (a prefill leg) answers as it always does. `decode_feed` (None: setting
+    DECODE_FEED): such answers take their outputs but the last through the server's
+    decode feed (pdchat.clients.decode_feed), where `outputs` names no output but the
+    response JSON, finish reason and KV transfer params (tensors.FRONT_OUTPUTS): a fed
+    output carries its response JSON only."""
 
     def __init__(
         self,
@@ -238,6 +257,7 @@ class GrpcChat:
         timeout_s: float = TIMEOUT_S,
         outputs: tuple[str, ...] | None = None,
         decode_direct: bool = False,
+        decode_feed: bool | None = None,
     ):
         import tritonclient.grpc as grpcclient
 
@@ -256,6 +276,12 @@ class GrpcChat:
         self._decode_outputs = None  # None: every output of decode (all client outputs)
         if outputs is not None:
             self._decode_outputs = [name for name in outputs if name in tensors.CLIENT_OUTPUTS]
+        # What a fed output gives in full: its JSON; the others are empty until an answer's last.
+        fed_only = {tensors.RESPONSE, tensors.FINISH_REASON, tensors.KV_TRANSFER_PARAMS}
+        fed_ready = outputs is not None and set(outputs) <= fed_only
+        self.decode_feed = decode_direct and fed_ready and (DECODE_FEED.get() if decode_feed is None else decode_feed)
+        if self.decode_feed:
+            self._decode_outputs = [*self._decode_outputs, tensors.FED_OUTPUTS]
         # Called on the stream loop's thread after each response (or error) arrives.
         self.on_arrival: Callable[[], None] | None = None
         self._responses: _ArrivalQueue | None = None  # the running stream's, as they arrived
@@ -281,6 +307,9 @@ class GrpcChat:
         # A whole answer comes at its end: empty responses meanwhile keep it inside timeout_s.
         heartbeats = {tensors.HEARTBEAT_MS: max(1, round(1000 * self.timeout_s / 3))}
         ticketed = False  # chat answered with a ticket: the responses from here on are decode's
+        feed, feed_key = None, ""  # decode's feed this answer's outputs come through (decode_feed)
+        fed = 0  # outputs taken from the feed
+        last: _Arrival | None = None  # the last output, come before some of those the feed sent
         try:
             try:
                 chat_parameters = {**heartbeats, **(parameters or {})}
@@ -303,18 +332,39 @@ class GrpcChat:
                     ticket = InferResult(arrival.response)
                     arrays = {name: ticket.as_numpy(name) for name in tensors.DECODE_TICKET_OUTPUTS}
                     decode_inputs = {name: array for name, array in arrays.items() if array is not None}
-                    decode = infer_request(tensors.DECODE, decode_inputs, self._decode_outputs, request_id, heartbeats)
+                    decode_parameters: dict[str, Any] = heartbeats
+                    if self.decode_feed:
+                        feed = DecodeFeed.of(self.url)
+                        feed_key = feed.register(
+                            functools.partial(self._fed, responses), functools.partial(self._arrived, responses, None)
+                        )
+                        feed_parameters = {tensors.DECODE_FEED: feed.id, tensors.DECODE_FEED_KEY: feed_key}
+                        decode_parameters = {**heartbeats, **feed_parameters}
+                    decode = infer_request(
+                        tensors.DECODE, decode_inputs, self._decode_outputs, request_id, decode_parameters
+                    )
                     call.write(decode)
                     continue
-                self._ending = arrival.final
+                if arrival.through_feed:
+                    fed += 1
+                elif arrival.final and arrival.fed_outputs > fed:
+                    last, self._ending = arrival, True  # the feed's outputs before it are on their way
+                    continue
+                self._ending = self._ending or arrival.final
                 if arrival.values:  # not a heartbeat, nor the bare final flag
                     yield _to_output(arrival.values.get)
+                if last is not None and fed >= last.fed_outputs:
+                    arrival = last
+                    if arrival.values:
+                        yield _to_output(arrival.values.get)
                 if arrival.final:
                     finished = True
                     return
         finally:
             # Leaving early (client gone) cancels the request on the server; cancelling a
             # finished one would race its completion, so only unfinished ones are cancelled.
+            if feed is not None:
+                feed.unregister(feed_key)
             with self._call_lock:
                 self._responses = self._call = None
             call.cancel() if not finished else call.close()
@@ -334,7 +384,13 @@ class GrpcChat:
         return Waiting.NOTHING
 
     def _arrived(self, responses: _ArrivalQueue, response: Any, error: Any) -> None:
-        responses.put(_Arrival(response, error))
+        self._put(responses, _Arrival(response, error))
+
+    def _fed(self, responses: _ArrivalQueue, body: bytes) -> None:
+        self._put(responses, _Arrival.fed(body))
+
+    def _put(self, responses: _ArrivalQueue, arrival: _Arrival) -> None:
+        responses.put(arrival)
         if (on_arrival := self.on_arrival) is not None:
             on_arrival()
 

@@ -574,7 +574,9 @@ class PDRouter(ChatFront):
             decode_urls, "decode", stall_timeout_s=stall_timeout_s, outputs=outputs, decode_direct=direct
         )
         super().__init__(decode, served_model_names)
-        self.prefill = BackendPool(prefill_urls, "prefill", stall_timeout_s=stall_timeout_s, outputs=outputs)
+        # A prefill leg's answer also gives the prompt ids the decode leg is forwarded.
+        prefill_outputs = None if outputs is None else tuple(dict.fromkeys((*outputs, tensors.PROMPT_TOKEN_IDS)))
+        self.prefill = BackendPool(prefill_urls, "prefill", stall_timeout_s=stall_timeout_s, outputs=prefill_outputs)
         self.decode = self.serving
         self.forward_ids = forward_ids
         block_size = KV_BLOCK_TOKENS.get() if kv_event_block_size is None else kv_event_block_size

@@ -44,6 +44,20 @@ HEARTBEAT_MS = "heartbeat_ms"
 # from `decode` on the same server itself, sending it those outputs as inputs (the OpenAI fronts do,
 # setting decode_direct). A ticket opens decode once, within stage_seal_ttl_s.
 DECODE_TICKET = "decode_ticket"
+# decode's feed: a caller streaming many answers from decode at once (the OpenAI fronts, setting
+# decode_feed) opens one request whose parameter DECODE_FEED_OPEN names the feed (a random string;
+# the request carries nothing else but an empty STAGE_SEAL and ends when its caller cancels it).
+# Each ticket request that names the feed (parameters DECODE_FEED, and DECODE_FEED_KEY, its own
+# key there) gets its outputs but the last through it: one response per decode step for all its
+# streams, FEED_KEYS [n] and FEED_RESPONSES [n] (each output's RESPONSE JSON, nothing else); its
+# last output comes on its own stream with FED_OUTPUTS, how many went through the feed (requested
+# by the caller). A stream whose feed decode does not hold at its first output is not fed.
+DECODE_FEED_OPEN = "decode_feed_open"
+DECODE_FEED = "decode_feed"
+DECODE_FEED_KEY = "decode_feed_key"
+FEED_KEYS = "feed_keys"
+FEED_RESPONSES = "feed_responses"
+FED_OUTPUTS = "fed_outputs"
 # A streamed answer's first output goes to the client once prefill chose its token, not once
 # decode sent it (core.generation.generation.TextModel.first_output); decode then skips it.
 # Request parameters of chat (bools): FIRST_OUTPUT_EARLY on a prefill leg (do_remote_decode)
@@ -85,10 +99,13 @@ SCALAR_INPUTS = {
 
 CLIENT_INPUTS = (REQUEST, TEXT_INPUT, *SCALAR_INPUTS)
 CLIENT_OUTPUTS = (TEXT_OUTPUT, RESPONSE, PROMPT_TOKEN_IDS, OUTPUT_TOKEN_IDS, FINISH_REASON)
-# What the router and the OpenAI fronts read of chat's outputs (the JSON carries the text and ids).
-FRONT_OUTPUTS = (RESPONSE, PROMPT_TOKEN_IDS, FINISH_REASON, KV_TRANSFER_PARAMS)
+# What the router and the OpenAI fronts read of chat's outputs (the JSON carries the text and ids),
+# (the router's prefill legs add the prompt ids it forwards to the decode leg).
+FRONT_OUTPUTS = (RESPONSE, FINISH_REASON, KV_TRANSFER_PARAMS)
 # A ticket (DECODE_TICKET): the sealed inputs of decode, as chat's outputs of the same names.
 DECODE_TICKET_OUTPUTS = (PROMPT_TOKEN_IDS, GENERATION_PARAMS, KV_HANDLE, STAGE_SEAL, FIRST_OUTPUT_SENT)
+# decode's outputs beside the client contract's: its feed's (DECODE_FEED_OPEN).
+DECODE_FEED_OUTPUTS = (FEED_KEYS, FEED_RESPONSES, FED_OUTPUTS)
 
 
 class TensorSpec(NamedTuple):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from tritonclient.utils import np_to_triton_dtype
 
 from pdchat import tensors
 from pdchat.clients.chat import ChatError, GrpcChat, chat_inputs, collect
+from pdchat.clients.decode_feed import DecodeFeed
 from pdchat.clients.router import ServerFront
 from pdchat.core.errors import ErrorCode
 from tests.conversations import PARITY_CASES, chat_body
@@ -179,3 +182,76 @@ def test_a_refusal_of_chat_reaches_a_direct_client_as_chat_s_error(server):
     with pytest.raises(ChatError) as info:
         collect(client.stream(chat_inputs({**BODY, "max_tokens": 10**6})))
     assert info.value.code is ErrorCode.INVALID_ARG and "max_tokens" in str(info.value)
+
+
+def front_answer(server, body, decode_feed):
+    client = GrpcChat(server.grpc_url, outputs=tensors.FRONT_OUTPUTS, decode_direct=True, decode_feed=decode_feed)
+    assert client.decode_feed is decode_feed
+    return [(o.response.get("choices"), o.finish_reason) for o in collect(client.stream(chat_inputs(body))).outputs]
+
+
+@pytest.mark.parametrize(
+    ("case", "stream"), [("tool_required", True), ("reasoning_open", False), ("stop_strings", True)]
+)
+def test_answers_through_decode_s_feed_are_those_of_its_own_stream(server, case, stream):
+    """The feed changes how decode's outputs travel (one response per step for every fed
+    stream), not what they say, nor their order."""
+    body = {**PARITY_CASES[case], "max_tokens": 24, "temperature": 0, "stream": stream}
+    fed = front_answer(server, body, decode_feed=True)
+    assert fed == front_answer(server, body, decode_feed=False) and fed[-1][1]
+
+
+def test_concurrent_answers_share_the_feed_each_getting_its_own(server):
+    bodies = [chat_body("single_turn", max_tokens=8 + i, temperature=0, stream=True) for i in range(6)]
+    alone = [front_answer(server, body, decode_feed=False) for body in bodies]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        together = list(pool.map(lambda body: front_answer(server, body, decode_feed=True), bodies))
+    assert together == alone
+
+
+def test_a_feed_that_ends_mid_answer_fails_its_answers_then_a_new_one_serves(server):
+    client = GrpcChat(server.grpc_url, outputs=tensors.FRONT_OUTPUTS, decode_direct=True, decode_feed=True)
+    outputs = client.stream(chat_inputs(chat_body("single_turn", max_tokens=400, temperature=0, stream=True)))
+    next(outputs)
+    feed = DecodeFeed.of(server.grpc_url)
+    feed._call.cancel()  # as when the connection under it breaks
+    with pytest.raises(ChatError) as info:
+        collect(outputs)
+    assert info.value.code is ErrorCode.UNAVAILABLE and "decode feed" in str(info.value)
+    body = chat_body("single_turn", max_tokens=6, temperature=0, stream=True)
+    assert front_answer(server, body, decode_feed=True) == front_answer(server, body, decode_feed=False)
+    assert DecodeFeed.of(server.grpc_url) is not feed
+
+
+@pytest.mark.parametrize(
+    ("parameters", "named"),
+    [
+        ({tensors.DECODE_FEED_OPEN: ""}, tensors.DECODE_FEED_OPEN),
+        ({tensors.DECODE_FEED: "x"}, tensors.DECODE_FEED_KEY),
+        ({tensors.DECODE_FEED: "x" * 129, tensors.DECODE_FEED_KEY: "k"}, tensors.DECODE_FEED),
+    ],
+)
+def test_bad_feed_parameters_are_refused_naming_them(server, parameters, named):
+    ticket = ticket_of(server, chat_body("single_turn", max_tokens=4, temperature=0, stream=True))
+    [(_, error)] = stream_raw(server, "decode", ticket, parameters)
+    assert error is not None and f"'{named}'" in error.message()
+
+
+def test_decode_holds_a_bounded_number_of_feeds(server):
+    """A feed opens without a seal: past DecodeFeeds.MAX_FEEDS (64) more are refused, naming it."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    arrived: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: arrived.put(error))
+    seal = grpcclient.InferInput(tensors.STAGE_SEAL, [1], "BYTES")
+    seal.set_data_from_numpy(np.array([b""], dtype=np.object_))
+    try:
+        for index in range(65):
+            client.async_stream_infer("decode", [seal], parameters={tensors.DECODE_FEED_OPEN: f"test-{index}"})
+        error = arrived.get(timeout=30)
+        assert error is not None and "feeds, its most" in error.message()
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    time.sleep(1)  # decode closes the cancelled feeds at its next poll
+    body = chat_body("single_turn", max_tokens=6, temperature=0, stream=True)
+    assert front_answer(server, body, decode_feed=True) == front_answer(server, body, decode_feed=False)

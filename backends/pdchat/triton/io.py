@@ -206,6 +206,32 @@ def ticket_requested(request) -> bool:
     return bool_parameter(request, tensors.DECODE_TICKET)
 
 
+def feed_opened(request) -> str | None:
+    """The feed `request` opens (its parameter tensors.DECODE_FEED_OPEN), None for any other
+    request; InvalidRequest for an id that is not a string of 1 to 128 characters."""
+    return _feed_id(_parameters(request), tensors.DECODE_FEED_OPEN)
+
+
+def feed_named(request) -> tuple[str | None, str]:
+    """The feed `request`'s outputs go through, and its key there (tensors.DECODE_FEED and
+    DECODE_FEED_KEY); (None, "") where it names none."""
+    parameters = _parameters(request)
+    feed = _feed_id(parameters, tensors.DECODE_FEED)
+    key = _feed_id(parameters, tensors.DECODE_FEED_KEY)
+    if (feed is None) != (key is None):
+        raise InvalidRequest(f"request parameters '{tensors.DECODE_FEED}' and '{tensors.DECODE_FEED_KEY}' go together")
+    return feed, key or ""
+
+
+def _feed_id(parameters: dict[str, Any], name: str) -> str | None:
+    value = parameters.get(name)
+    if value is None:
+        return None
+    if type(value) is not str or not 0 < len(value) <= 128:
+        raise InvalidRequest(f"request parameter '{name}' must be a string of 1 to 128 characters, got {value!r}")
+    return value
+
+
 def bool_parameter(request, name: str) -> bool:
     """Request parameter `name` (False when absent); InvalidRequest for a value that is not a bool."""
     value = _parameters(request).get(name, False)

@@ -33,6 +33,7 @@ from pdchat.ensemble.decode_load import LoadSlot
 from pdchat.ensemble.seal import StageSeal, server_directory
 from pdchat.models import resolve_model
 from pdchat.triton import io
+from pdchat.triton.feeds import DecodeFeeds
 from pdchat.triton.kv_events import KVEvents
 from pdchat.triton.metrics import DecodeMetrics, KVPoolMetrics, VllmMetrics
 from pdchat.triton.outbox import Outbox
@@ -56,6 +57,9 @@ class _Stream:
     open: bool = True
     given_first: bool = False  # its first output token was prefill's (vLLM's metrics count it there)
     outputs: int = 0  # outputs sent
+    feed: str | None = None  # the feed its caller named (tensors.DECODE_FEED); None once not fed
+    feed_key: str = ""
+    fed: int = 0  # outputs sent through the feed
 
 
 class TritonPythonModel:
@@ -86,6 +90,7 @@ class TritonPythonModel:
         )
         # About one step's responses may wait for the outbox before the scheduler waits too.
         self.outbox = Outbox("pdchat-decode-outbox", max_pending=2 * self.options.max_running)
+        self.feeds = DecodeFeeds()  # on the outbox thread
         # What chat reads to let an idle decode prefill a prompt itself (setting local_prefill_when_idle).
         self.load = LoadSlot(
             server_directory(os.getppid()), args["model_instance_name"], limits.kv_blocks * limits.block_tokens
@@ -95,6 +100,7 @@ class TritonPythonModel:
             limits,
             on_state=self._on_state,
             on_load=self.load.set,
+            on_emitted=functools.partial(self.outbox.call, self.feeds.flush),
             cpus=cpus and cpus.decode,
         )
         if cpus is not None:
@@ -104,6 +110,12 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
+                feed = io.feed_opened(request)
+                if feed is not None:
+                    self.feeds.reserve()
+                    self.outbox.call(functools.partial(self.feeds.open, feed, sender))
+                    self.outbox.watch(feed, sender.is_cancelled, functools.partial(self._close_feed, feed))
+                    continue
                 cancel = io.input_text(request, tensors.CANCEL_REQUEST_ID)
                 if cancel is not None:
                     self.seal.check_cancel(cancel, io.input_text(request, tensors.STAGE_SEAL))
@@ -123,6 +135,7 @@ class TritonPythonModel:
         self.load.close()
         self.kv_events.close()
         self.model.close()
+        self.outbox.call(self.feeds.close_all)
         self.outbox.close()
         self.connectors.close()
         self.metrics.close()
@@ -156,6 +169,7 @@ class TritonPythonModel:
             io.heartbeat_s(request),
             given_first=first is not None,
         )
+        stream.feed, stream.feed_key = io.feed_named(request)
         self.outbox.call(functools.partial(self.vllm_metrics.arrived, stream.key, time.monotonic()))
 
         def start():  # on the scheduler thread, on admission
@@ -210,10 +224,18 @@ class TritonPythonModel:
         if not stream.open:
             return
         try:
+            if stream.feed is not None and stream.outputs == 0 and not self.feeds.holds(stream.feed):
+                stream.feed = None  # fed from its first output on or not at all: its outputs stay in order
             for output in stream.assembler.on_delta(delta):
-                io.send_tensors(
-                    stream.sender, io.client_tensors(output, stream.wanted), flags=FINAL if output.final else 0
-                )
+                if stream.feed is not None and not output.final:
+                    if self.feeds.add(stream.feed, stream.feed_key, output.response):
+                        stream.fed += 1
+                        continue
+                output_tensors = io.client_tensors(output, stream.wanted)
+                if stream.feed is not None and output.final:
+                    self.feeds.flush()  # its fed outputs leave before its last
+                    output_tensors.append(io.int32_tensor(tensors.FED_OUTPUTS, [stream.fed]))
+                io.send_tensors(stream.sender, output_tensors, flags=FINAL if output.final else 0)
                 stream.sent_at = time.monotonic()
             if stream.heartbeat_s is not None and time.monotonic() - stream.sent_at >= stream.heartbeat_s:
                 stream.sender.send(io.heartbeat())  # a whole answer still being made
@@ -228,6 +250,9 @@ class TritonPythonModel:
         self.vllm_metrics.emitted(stream.key, max(len(delta.token_ids) - given, 0))
         if delta.finish_reason:
             self._close(stream, "finished", send=False)  # its last output was sent FINAL
+
+    def _close_feed(self, feed: str) -> None:
+        self.feeds.close(feed)
 
     def _close_failed(self, stream: _Stream, exc: Exception) -> None:
         self._close(stream, "failed", io.failed_tensors(exc))

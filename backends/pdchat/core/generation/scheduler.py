@@ -121,6 +121,7 @@ class DecodeScheduler:
         on_state: Callable[[SchedulerState], None] | None = None,
         state_interval_s: float = 0.1,
         on_load: Callable[[int, int], None] | None = None,
+        on_emitted: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         cpus: frozenset[int] | None = None,
     ):
@@ -129,12 +130,14 @@ class DecodeScheduler:
         on the scheduler's thread with the sequences it holds (queued, prefilling, running)
         and those the last admission left queued for room (the limits), at the start and end
         of each pass, unthrottled: it must be cheap
-        (pdchat.ensemble.decode_load.LoadSlot.set)."""
+        (pdchat.ensemble.decode_load.LoadSlot.set). `on_emitted()`: called on the scheduler's
+        thread once a step's outputs were handed to their jobs (`emit`), before its forward pass."""
         self._batch = batch
         self._cpus = cpus
         self._limits = limits
         self._on_state = on_state
         self._on_load = on_load
+        self._on_emitted = on_emitted
         self._state_interval_s = state_interval_s
         self._clock = clock
         self._state: SchedulerState | None = None
@@ -308,6 +311,8 @@ class DecodeScheduler:
                 continue
             if entry.decoding.finished:
                 ended.append(row)
+        if self._on_emitted is not None and self._running:
+            self._on_emitted()
         self._leave(ended)
         if not self._running:
             return
