@@ -55,7 +55,10 @@ class Scripted(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.requests: list[service_pb2.ModelInferRequest] = []  # as they came
 
     def ModelStreamInfer(self, request_iterator, context):  # noqa: N802 - the gRPC method's name
-        self.requests.append(next(request_iterator))
+        yield from self._answer(next(request_iterator), request_iterator)
+
+    def _answer(self, first, request_iterator):
+        self.requests.append(first)
 
         def until_closed() -> None:
             for request in request_iterator:
@@ -64,6 +67,22 @@ class Scripted(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         threading.Thread(target=until_closed, daemon=True).start()
         while (response := self.responses.get()) is not None:
+            yield service_pb2.ModelStreamInferResponse(infer_response=response)
+
+
+class WithFeed(Scripted):
+    """Scripted, and a decode feed (tensors.DECODE_FEED_OPEN) answered from `feed_responses`."""
+
+    def __init__(self):
+        super().__init__()
+        self.feed_responses: queue.Queue = queue.Queue()
+
+    def ModelStreamInfer(self, request_iterator, context):  # noqa: N802 - the gRPC method's name
+        first = next(request_iterator)
+        if tensors.DECODE_FEED_OPEN not in first.parameters:
+            yield from self._answer(first, request_iterator)
+            return
+        while (response := self.feed_responses.get()) is not None:
             yield service_pb2.ModelStreamInferResponse(infer_response=response)
 
 
@@ -102,6 +121,16 @@ def scripted_server():
     server, url = serve(servicer)
     yield url, servicer
     servicer.responses.put(None)
+    server.stop(grace=None)
+
+
+@pytest.fixture
+def feed_server():
+    servicer = WithFeed()
+    server, url = serve(servicer)
+    yield url, servicer
+    servicer.responses.put(None)
+    servicer.feed_responses.put(None)
     server.stop(grace=None)
 
 
@@ -258,4 +287,37 @@ def test_a_cancel_before_the_stream_starts_cancels_it(silent_server):
     chat.timeout_s = 0.2
     with pytest.raises(ServerSilent):
         list(chat.stream(chat_inputs(HI)))
+    chat.close()
+
+
+def test_a_fed_answer_s_last_output_waits_for_those_its_feed_brings(feed_server):
+    """The feed and an answer's own stream are not ordered against each other: the last output
+    says how many came through the feed, and goes to the caller after them."""
+    url, servicer = feed_server
+    chat = GrpcChat(url, timeout_s=10, outputs=tensors.FRONT_OUTPUTS, decode_direct=True, decode_feed=True)
+    taken: list = []
+    reader = threading.Thread(target=lambda: taken.extend(o.response for o in chat.stream(chat_inputs(HI))))
+    reader.start()
+    servicer.responses.put(response(None, **{tensors.STAGE_SEAL: np.array([b"seal"], dtype=np.object_)}))
+    assert wait_for(lambda: len(servicer.requests) == 2, timeout=5)
+    decode_request = servicer.requests[1]
+    key = decode_request.parameters[tensors.DECODE_FEED_KEY].string_param
+    assert decode_request.parameters[tensors.DECODE_FEED].string_param and key
+    assert tensors.FED_OUTPUTS in [output.name for output in decode_request.outputs]
+    servicer.responses.put(response('{"n": 2}', final=True, **{tensors.FED_OUTPUTS: np.array([2], dtype=np.int32)}))
+    time.sleep(0.3)
+    assert taken == []  # held for the two the feed has not brought yet
+    fed = service_pb2.ModelInferResponse(model_name="decode")
+    fed.parameters["triton_final_response"].bool_param = False
+    for name, values in ((tensors.FEED_KEYS, [key, "another"]), (tensors.FEED_RESPONSES, ['{"n": 0}', '{"x": 1}'])):
+        datatype, content = raw_tensor(np.array([value.encode() for value in values], dtype=np.object_))
+        fed.outputs.add(name=name, datatype=datatype, shape=[2])
+        fed.raw_output_contents.append(content)
+    servicer.feed_responses.put(fed)
+    fed_again = service_pb2.ModelInferResponse()
+    fed_again.CopyFrom(fed)
+    fed_again.raw_output_contents[1] = raw_tensor(np.array([b'{"n": 1}', b'{"x": 2}'], dtype=np.object_))[1]
+    servicer.feed_responses.put(fed_again)
+    reader.join(5)
+    assert taken == [{"n": 0}, {"n": 1}, {"n": 2}]  # another stream's outputs not among them
     chat.close()
