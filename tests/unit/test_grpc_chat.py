@@ -115,23 +115,25 @@ def silent_server():
     server.stop(grace=None)
 
 
+def serving(servicer, *ends: queue.Queue):
+    """A fixture's body: `servicer` served; after the test, each of `ends` ended, then the server."""
+    server, url = serve(servicer)
+    yield url, servicer
+    for end in ends:
+        end.put(None)
+    server.stop(grace=None)
+
+
 @pytest.fixture
 def scripted_server():
     servicer = Scripted()
-    server, url = serve(servicer)
-    yield url, servicer
-    servicer.responses.put(None)
-    server.stop(grace=None)
+    yield from serving(servicer, servicer.responses)
 
 
 @pytest.fixture
 def feed_server():
     servicer = WithFeed()
-    server, url = serve(servicer)
-    yield url, servicer
-    servicer.responses.put(None)
-    servicer.feed_responses.put(None)
-    server.stop(grace=None)
+    yield from serving(servicer, servicer.responses, servicer.feed_responses)
 
 
 def threads() -> int:
