@@ -24,7 +24,7 @@ from tritonclient.grpc import InferResult
 
 from pdchat import tensors
 from pdchat.clients.decode_feed import DecodeFeed
-from pdchat.clients.grpc_streams import StreamCall, StreamLoop, infer_request
+from pdchat.clients.grpc_streams import StreamCall, StreamLoop, infer_request, output_values
 from pdchat.core.errors import ErrorCode, PdchatError, parse_tag
 from pdchat.core.output.responses import FAILED
 from pdchat.core.settings import DECODE_FEED
@@ -132,24 +132,6 @@ def collect(outputs: Iterator[ChatOutput]) -> ChatResult:
     return ChatResult(list(outputs))
 
 
-def _output_values(response: Any) -> dict[str, list[Any]]:
-    """A ModelInferResponse's outputs by name, each a flat list: BYTES as bytes, numbers as
-    Python numbers (read straight from the raw contents: a streamed token's response is
-    parsed once, on the loop that received it)."""
-    from tritonclient.utils import deserialize_bytes_tensor, triton_to_np_dtype
-
-    if len(response.raw_output_contents) != len(response.outputs):  # not the raw form Triton sends
-        result = InferResult(response)
-        return {out.name: np.asarray(result.as_numpy(out.name)).reshape(-1).tolist() for out in response.outputs}
-    values: dict[str, list[Any]] = {}
-    for output, raw in zip(response.outputs, response.raw_output_contents, strict=True):
-        if output.datatype == "BYTES":
-            values[output.name] = deserialize_bytes_tensor(raw).tolist()
-        else:
-            values[output.name] = np.frombuffer(raw, dtype=triton_to_np_dtype(output.datatype)).tolist()
-    return values
-
-
 def _to_output(get: Callable[[str], Any]) -> ChatOutput:
     """One response from `get(output name)`, which gives None for absent outputs."""
 
@@ -188,7 +170,7 @@ class _Arrival:
     def __init__(self, response: Any, error: Any):
         self.response, self.error = response, error
         self.final = error is None and response.parameters["triton_final_response"].bool_param
-        self.values = {} if error is not None or not response.outputs else _output_values(response)
+        self.values = {} if error is not None or not response.outputs else output_values(response)
         self.is_ticket = tensors.STAGE_SEAL in self.values  # chat's ticket: decode's sealed inputs
         self.through_feed = False
         self.fed_outputs = self.values.get(tensors.FED_OUTPUTS, [0])[0]  # a fed stream's last: the feed's count

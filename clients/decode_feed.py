@@ -17,10 +17,10 @@ import uuid
 from collections.abc import Callable
 
 import numpy as np
-from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
+from tritonclient.utils import InferenceServerException
 
 from pdchat import tensors
-from pdchat.clients.grpc_streams import StreamLoop, infer_request
+from pdchat.clients.grpc_streams import StreamLoop, infer_request, output_values
 from pdchat.core.errors import ErrorCode, tag
 
 log = logging.getLogger(__name__)
@@ -67,9 +67,8 @@ class DecodeFeed:
 
     def _arrived(self, response, error: InferenceServerException | None) -> None:  # on the loop's thread
         if error is None and response.outputs:
-            raw = dict(zip((output.name for output in response.outputs), response.raw_output_contents, strict=True))
-            keys = deserialize_bytes_tensor(raw[tensors.FEED_KEYS])
-            for key, body in zip(keys, deserialize_bytes_tensor(raw[tensors.FEED_RESPONSES]), strict=True):
+            values = output_values(response)
+            for key, body in zip(values[tensors.FEED_KEYS], values[tensors.FEED_RESPONSES], strict=True):
                 stream = self._streams.get(key.decode())
                 if stream is not None:  # not one whose caller left meanwhile
                     stream[0](body)

@@ -25,8 +25,14 @@ from typing import Any
 
 import grpc
 import numpy as np
-from tritonclient.grpc import service_pb2, service_pb2_grpc
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype, serialize_byte_tensor
+from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
+from tritonclient.utils import (
+    InferenceServerException,
+    deserialize_bytes_tensor,
+    np_to_triton_dtype,
+    serialize_byte_tensor,
+    triton_to_np_dtype,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +51,22 @@ def raw_tensor(array: np.ndarray) -> tuple[str, bytes]:
         serialized = serialize_byte_tensor(array)
         return "BYTES", serialized.item() if serialized.size else b""
     return np_to_triton_dtype(array.dtype), np.ascontiguousarray(array).tobytes()
+
+
+def output_values(response: Any) -> dict[str, list[Any]]:
+    """A ModelInferResponse's outputs by name, each a flat list: BYTES as bytes, numbers as
+    Python numbers (read straight from the raw contents: a streamed token's response is
+    parsed once, on the loop that received it)."""
+    if len(response.raw_output_contents) != len(response.outputs):  # not the raw form Triton sends
+        result = InferResult(response)
+        return {out.name: np.asarray(result.as_numpy(out.name)).reshape(-1).tolist() for out in response.outputs}
+    values: dict[str, list[Any]] = {}
+    for output, raw in zip(response.outputs, response.raw_output_contents, strict=True):
+        if output.datatype == "BYTES":
+            values[output.name] = deserialize_bytes_tensor(raw).tolist()
+        else:
+            values[output.name] = np.frombuffer(raw, dtype=triton_to_np_dtype(output.datatype)).tolist()
+    return values
 
 
 def infer_request(
