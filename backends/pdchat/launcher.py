@@ -69,7 +69,12 @@ def find_tritonserver() -> tuple[Path, Path | None, Path | None]:
 
 
 def assemble_backend_dir(pytriton_root: Path) -> Path:
-    """python/{libtriton_python.so, triton_python_backend_utils.py, stub for this Python}."""
+    """python/{libtriton_python.so, triton_python_backend_utils.py, stub for this Python},
+    copied from the wheel once (again where a file's size differs).
+
+    NOTE: servers started together call this at once, from threads or processes: each
+    copies to a temporary name of its own and renames it into place, so none sees a
+    partial file and none removes another's temporary."""
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     target = cache_dir() / "backends" / f"py{version}"
     python_dir = target / "python"
@@ -85,7 +90,7 @@ def assemble_backend_dir(pytriton_root: Path) -> Path:
             raise ServerError(f"the pytriton wheel lacks {source} (Python {version} unsupported?)")
         dest = python_dir / name
         if not dest.exists() or dest.stat().st_size != source.stat().st_size:
-            temporary = dest.with_suffix(f".tmp{os.getpid()}")
+            temporary = dest.with_name(f"{name}.tmp{os.getpid()}-{threading.get_ident()}")
             shutil.copy2(source, temporary)
             temporary.replace(dest)
     return target
