@@ -111,8 +111,9 @@ def test_decode_steps_with_the_c_kernels_agree_to_rounding_and_pick_the_same_tok
 
 
 def test_prompts_with_the_c_kernels_agree_to_rounding_and_pick_the_same_tokens(tiny_model_dir, tmp_path):
-    """Prompts' passes (whole and in chunks) take their norms and SwiGLU from the kernels,
-    then batched steps all of theirs, beside the same passes on torch ops."""
+    """Prompts' passes (whole, over this pass's own keys, and in chunks, over the pool's) take
+    their norms, SwiGLU, rotary and KV store from the kernels, then batched steps all of
+    theirs, beside the same passes on torch ops."""
     kernels = cpu_kernels.load(tmp_path)
     if kernels is None:
         pytest.skip("no C compiler on this host: the kernels are optional")

@@ -34,7 +34,7 @@ import torch
 from torch.nn import functional
 
 from pdchat.core.generation.cpu_kernels import DecodeKernels
-from pdchat.core.generation.paged import PagedForward, paged_attention
+from pdchat.core.generation.paged import PagedForward, paged_attention, read_slots
 from pdchat.core.generation.projection import RowGemm
 
 # Rope types whose table does not depend on the sequence length (no dynamic scaling).
@@ -124,11 +124,13 @@ class LlamaForward:
         their KV written to the pool: [rows, queries, hidden], or [rows, 1, hidden] of each
         row's last query when `last_only`."""
         rows, queries = input_ids.shape
-        kernels = paged.decode_kernels  # prompts take the row-wise ones (the norms, SwiGLU)
-        if queries == 1 and kernels is not None:
+        kernels = paged.decode_kernels  # prompts take the row-wise ones (norms, SwiGLU, rotary and KV store)
+        if kernels is None:
+            attend = self._attention_on_torch(paged, rows, queries)
+        elif queries == 1:
             attend = self._attention_in_c(paged, kernels, rows)
         else:
-            attend = self._attention_on_torch(paged, rows, queries)
+            attend = self._prompt_attention(paged, kernels, rows, queries)
         hidden = functional.embedding(input_ids.reshape(-1), self.embedding)  # the residual stream, added into
         normed = self._rms_norm(kernels, hidden, self.layers[0].input_norm)
         prompt = queries > 1  # its GEMMs' rows bucketed (RowGemm): few shapes for all prompt lengths
@@ -175,6 +177,45 @@ class LlamaForward:
             kernels.rope_store(qkv, self.cos, self.sin, positions, write, keys, values, self.q_heads)
             query = qkv[:, :q_size].view(rows, self.q_heads, self.head_dim)
             return kernels.attention(query, keys, values, paged.read, lengths, self.scaling, None).view(rows, -1)
+
+        return attend
+
+    def _prompt_attention(self, paged: PagedForward, kernels: DecodeKernels, rows: int, queries: int) -> Callable:
+        """A prompt's queries: rotary with the KV store in C (as a decode step's), then SDPA
+        over this pass's own keys and values where they are all the row attends over
+        (`paged.causal`: no cached prefix), else over the pool's slots with the pass's mask.
+
+        NOTE: the pool holds exactly the keys and values the C store wrote, so both kinds of
+        pass attend over the same numbers."""
+        positions, write = paged.query_positions.reshape(-1), paged.write.reshape(-1)
+        q_size, kv_size = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+
+        def heads(
+            flat: torch.Tensor, count: int
+        ) -> torch.Tensor:  # [rows * queries, count * dim] -> [rows, count, queries, dim]
+            return flat.view(rows, queries, count, self.head_dim).transpose(1, 2)
+
+        def attend(layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
+            keys, values = paged.pool.keys[layer.module.layer_idx], paged.pool.values[layer.module.layer_idx]
+            kernels.rope_store(qkv, self.cos, self.sin, positions, write, keys, values, self.q_heads)
+            query = heads(qkv[:, :q_size], self.q_heads)
+            if paged.causal:
+                key, value = (
+                    heads(qkv[:, q_size : q_size + kv_size], self.kv_heads),
+                    heads(qkv[:, q_size + kv_size :], self.kv_heads),
+                )
+            else:
+                key, value = read_slots(paged, keys), read_slots(paged, values)
+            attended = functional.scaled_dot_product_attention(
+                query,
+                key,
+                value,
+                attn_mask=None if paged.causal or paged.full_rows else paged.mask(None),
+                is_causal=paged.causal,
+                scale=self.scaling,
+                enable_gqa=True,
+            )
+            return attended.transpose(1, 2).reshape(rows * queries, -1)
 
         return attend
 

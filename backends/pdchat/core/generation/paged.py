@@ -345,10 +345,7 @@ def paged_attention(
             query, pool_keys, pool_values, paged.read, paged.lengths(), scale, sliding_window
         )
         return out.view(rows, 1, -1, head_dim), None
-    columns = paged.read.shape[1]
-    flat = paged.read.reshape(-1)
-    keys = pool_keys.index_select(0, flat).view(rows, columns, kv_heads, head_dim).transpose(1, 2)
-    values = pool_values.index_select(0, flat).view(rows, columns, kv_heads, head_dim).transpose(1, 2)
+    keys, values = (read_slots(paged, slots) for slots in (pool_keys, pool_values))
     if s_aux is not None:
         out = _attention_with_sinks(query, keys, values, paged.mask(sliding_window), scaling, s_aux)
     else:
@@ -363,6 +360,13 @@ def paged_attention(
             enable_gqa=True,
         )
     return out.transpose(1, 2).contiguous(), None
+
+
+def read_slots(paged: PagedForward, slots: torch.Tensor) -> torch.Tensor:
+    """What each row attends over, from one layer's pool `slots` [slots, kv_heads, head_dim]:
+    [rows, kv_heads, columns, head_dim] (`paged.read`'s slots, gathered)."""
+    rows, columns = paged.read.shape
+    return slots.index_select(0, paged.read.reshape(-1)).view(rows, columns, *slots.shape[1:]).transpose(1, 2)
 
 
 def _attention_with_sinks(query, keys, values, mask, scaling, sinks) -> torch.Tensor:
