@@ -273,6 +273,12 @@ def run(args: argparse.Namespace) -> None:
                         rounds.setdefault(model, {}).setdefault(name, {}).setdefault(str(concurrency), []).append(
                             measured
                         )
+                        print(
+                            f"    {measured['output_tok_s']:.0f} tok/s, TTFT p50 {measured['ttft_p50_ms']:.1f} ms, "
+                            f"ITL p50 {measured['itl_p50_ms']:.1f} ms",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                 finally:
                     system.stop()
     results = {
