@@ -190,9 +190,8 @@ class LlamaForward:
         positions, write = paged.query_positions.reshape(-1), paged.write.reshape(-1)
         q_size, kv_size = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
 
-        def heads(
-            flat: torch.Tensor, count: int
-        ) -> torch.Tensor:  # [rows * queries, count * dim] -> [rows, count, queries, dim]
+        def heads(flat: torch.Tensor, count: int) -> torch.Tensor:
+            """[rows * queries, count * head_dim] -> [rows, count, queries, head_dim], a view."""
             return flat.view(rows, queries, count, self.head_dim).transpose(1, 2)
 
         def attend(layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
