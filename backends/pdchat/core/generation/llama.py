@@ -205,15 +205,7 @@ class LlamaForward:
                 )
             else:
                 key, value = read_slots(paged, keys), read_slots(paged, values)
-            attended = functional.scaled_dot_product_attention(
-                query,
-                key,
-                value,
-                attn_mask=None if paged.causal or paged.full_rows else paged.mask(None),
-                is_causal=paged.causal,
-                scale=self.scaling,
-                enable_gqa=True,
-            )
+            attended = paged.attend(query, key, value, self.scaling)
             return attended.transpose(1, 2).reshape(rows * queries, -1)
 
         return attend

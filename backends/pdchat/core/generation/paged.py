@@ -306,6 +306,29 @@ class PagedForward:
             self._masks[sliding_window] = self._build_mask(sliding_window)
         return self._masks[sliding_window]
 
+    def attend(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scaling: float | None,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """torch's SDPA of query [rows, q_heads, queries, dim] over keys and values [rows,
+        kv_heads, columns, dim] (grouped heads), masked as this pass needs: not at all where
+        every row attends over all its columns, causally by SDPA itself where `causal`, else
+        by `mask(sliding_window)`."""
+        plain = sliding_window is None and (self.full_rows or self.causal)
+        return torch.nn.functional.scaled_dot_product_attention(
+            query,
+            keys,
+            values,
+            attn_mask=None if plain else self.mask(sliding_window),
+            is_causal=plain and self.causal,
+            scale=scaling,
+            enable_gqa=True,
+        )
+
     def _build_mask(self, sliding_window: int | None) -> torch.Tensor:
         columns = torch.arange(self.read.shape[1], device=self.read.device).view(1, 1, -1)
         queries = self.query_positions.unsqueeze(-1)  # [rows, queries, 1]
@@ -349,16 +372,7 @@ def paged_attention(
     if s_aux is not None:
         out = _attention_with_sinks(query, keys, values, paged.mask(sliding_window), scaling, s_aux)
     else:
-        plain = sliding_window is None and (paged.full_rows or paged.causal)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query,
-            keys,
-            values,
-            attn_mask=None if plain else paged.mask(sliding_window),
-            is_causal=plain and paged.causal,
-            scale=scaling,
-            enable_gqa=True,
-        )
+        out = paged.attend(query, keys, values, scaling, sliding_window)
     return out.transpose(1, 2).contiguous(), None
 
 
