@@ -21,6 +21,7 @@ from tests.integration.conftest import GRAMMAR_COMPILE_TIMEOUT_S
 from tests.integration.helpers import ask
 
 PROMPT = [{"role": "user", "content": "Pick one"}]
+STALL_FLOOR_S = 0.5  # a pause in a stream this short is a busy host, not a compile it waited on
 
 
 @pytest.fixture
@@ -114,7 +115,10 @@ def test_decode_compiles_beside_its_running_batch(trusted_server, trusted, promp
     # A compile on decode's scheduler thread would stop the stream for nearly the whole request
     # (compile, transfer and load of the grammar). Off it, the stream only slows while the grammar
     # loads beside the step's threads: on two busy cores one step has taken 1.7 s of a 5.3 s request.
-    assert stream.longest_gap(started, ended) < (ended - started) / 2
+    # NOTE: where the compile is quick the request is too short to tell the two apart (a CI host
+    # answered in 0.6 s with one 0.39 s step), so a gap under STALL_FLOOR_S passes whatever the ratio.
+    gap = stream.longest_gap(started, ended)
+    assert gap < max((ended - started) / 2, STALL_FLOOR_S), (gap, ended - started)
 
 
 def test_a_compile_past_its_deadline_is_abandoned_and_refused(trusted):
