@@ -60,6 +60,19 @@ def test_a_rows_token_does_not_depend_on_the_rows_beside_it(kernels, way):
     assert head.argmax(hidden) == [head.argmax(hidden[row : row + 1])[0] for row in range(21)]
 
 
+@pytest.mark.parametrize("rows", [1, 29])
+def test_split_over_threads_the_screen_gives_the_same_tokens(kernels, way, rows):
+    """A pass that took more threads splits the screen's vocabulary blocks over them."""
+    head = _head(kernels, _weight(), way)
+    hidden = torch.randn(rows, WIDTH, generator=torch.Generator().manual_seed(9))
+    alone = head.argmax(hidden)
+    try:
+        kernels.set_threads(2)
+        assert head.argmax(hidden) == alone == _exact_argmax(hidden, weight=_weight())
+    finally:
+        kernels.set_threads(1)
+
+
 def test_a_tie_closer_than_the_screen_can_tell_is_decided_exactly_the_first_index_winning(kernels, way):
     weight = _weight()
     weight[700] = weight[3000]  # an exact tie, and a near one the screen rounds to the same value

@@ -123,7 +123,12 @@ def test_the_scheduler_asks_before_every_pass():
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return CausalLM(tiny_model_dir, "cpu")
+    """A stage's engine as prefill makes it: one torch thread, so the C kernels when this host builds them."""
+    before = torch.get_num_threads()
+    try:
+        return CausalLM(tiny_model_dir, "cpu", threads=1)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("tokens", [17, 300])
@@ -133,10 +138,11 @@ def test_the_logits_do_not_change_with_the_threads(engine, tokens):
     logits = []
     try:
         for index, threads in enumerate((1, 2)):
-            torch.set_num_threads(threads)
+            engine.set_threads(threads)  # torch's and the kernels' (which split rows past 16)
             prefill = PromptPrefill(engine, prompt, cache_salt=f"threads-{index}", chunk=512)
             logits.append(prefill.step()[0].clone())
             prefill.release()
     finally:
+        engine.set_threads(1)
         torch.set_num_threads(before)
     assert torch.equal(logits[0], logits[1])

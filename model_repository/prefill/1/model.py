@@ -53,7 +53,7 @@ class TritonPythonModel:
         self.connectors = Connectors(on_sweep=self._on_sweep, **kv_options(parameters))
         self.outbox = Outbox("pdchat-prefill-outbox")
         # A pass takes more torch threads while this process's other cores sit idle.
-        threads = PassThreads.for_engine(self.model.engine.device, prefill_threads_when_idle(parameters))
+        threads = PassThreads.for_engine(self.model.engine, prefill_threads_when_idle(parameters))
         self.scheduler = PrefillScheduler(before_pass=threads.before_pass)
 
     def execute(self, requests):

@@ -21,9 +21,11 @@ lasts microseconds to a fraction of a millisecond, and a thread that lets the GI
 mid-step waits, to take it back, for whatever Python the stage's outbox thread runs
 meanwhile (docs/architecture.md#the-forward-pass).
 
-They compute on one thread: the engine uses them when torch runs one thread per stage
-model (torch_threads; half the cores, so hosts of up to 3), and leaves the step to torch,
-which spreads over its threads, otherwise.
+The engine uses them when torch runs one thread per stage model (torch_threads; half the
+cores, so hosts of up to 3), and leaves the step to torch, which spreads over its threads,
+otherwise. A prompt's pass that takes more threads while the stage's cores sit idle
+(pass_threads) gives them to the kernels too (`set_threads`): the row kernels and the head's
+screen then split their rows, or the vocabulary's blocks, through OpenMP.
 
 The library is compiled on first use with the host's C compiler (`cc`, or `$CC`) for this
 CPU (-march=native) into the cache directory, keyed by its source, flags, compiler and the
@@ -78,7 +80,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_kernels.c")
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11", "-fopenmp")
 _lock = threading.Lock()
 _loaded: dict[Path, DecodeKernels | None] = {}
 _P, _N, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -92,6 +94,7 @@ _SIGNATURES = {
     "argmax": ([_P, _N, _N, _P], None),
     "pack_head_bf16": ([_P, _N, _N, _P], None),
     "head_screens": ([], ctypes.c_int),
+    "set_threads": ([ctypes.c_int], None),
 }
 # Called through a GIL-releasing handle (see GreedyHead).
 _RELEASING_SIGNATURES = {
@@ -122,6 +125,12 @@ class DecodeKernels:
         # The GreedyHead's screens in this build: "int8" (AVX2), "bf16" (AVX-512 BF16, or AVX2 with FMA).
         screens = self._head_screens()
         self.head_screens = tuple(name for name, code in _HEAD_SCREENS.items() if screens & code)
+
+    def set_threads(self, threads: int) -> None:
+        """Let the row kernels and the head's screen split their work over `threads` (the
+        stage's torch threads for its next pass); one keeps them on the calling thread.
+        NOTE: process-wide, as torch.set_num_threads is: one stage model per process."""
+        self._set_threads(threads)
 
     def attention(
         self,
@@ -532,7 +541,7 @@ def _compile(compiler: list[str], library: Path) -> None:
         obj, built = Path(scratch) / "kernel.o", Path(scratch) / "kernel.so"
         for command in (
             [*compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-            [*compiler, "-shared", str(obj), "-o", str(built), "-lm"],
+            [*compiler, "-shared", "-fopenmp", str(obj), "-o", str(built), "-lm"],
         ):
             done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=120)
             if done.returncode != 0:

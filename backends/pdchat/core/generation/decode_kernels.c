@@ -10,6 +10,12 @@
  * tables cos and sin [positions, dim] (rotate-half form); read [rows, cols], the slots
  * of each row's positions, with lengths [rows] of them attended over (from the first,
  * or the last `window` when window > 0). Query head h reads kv head h / (q_heads / kv_heads).
+ *
+ * Threads: the row kernels and the head's screen split their rows (or the vocabulary's blocks)
+ * over pdchat_set_threads' count, through OpenMP (torch's own runtime: the same libgomp is
+ * loaded first), when there is work for more than one: a prompt's pass on a stage that took
+ * more threads while its cores sat idle. Each row or block is still computed alone, so the
+ * results do not depend on the threads.
  */
 #include <float.h>
 #include <math.h>
@@ -22,6 +28,18 @@
 #endif
 
 #define PREFETCH_AHEAD 8
+/* Rows below which a kernel stays on the calling thread (a parallel region costs microseconds). */
+#define PARALLEL_ROWS 16
+
+static int pass_threads = 1;
+
+/* The threads the kernels below may split their work over (1: the calling thread alone). */
+void pdchat_set_threads(int threads) { pass_threads = threads > 1 ? threads : 1; }
+
+#define PRAGMA(text) _Pragma(#text)
+/* Before a for loop over `count` independent rows (or blocks): split it over pass_threads. */
+#define SPLIT_ROWS(count) \
+    PRAGMA(omp parallel for num_threads(pass_threads) schedule(static) if(pass_threads > 1 && (count) >= PARALLEL_ROWS))
 
 static void prefetch_slot(const float *slot, int64_t floats) {
     for (int64_t byte = 0; byte < floats * (int64_t)sizeof(float); byte += 64)
@@ -90,12 +108,14 @@ static void norm_row(const float *restrict x, const float *restrict weight, int6
 /* out [rows, width] = RMSNorm(x) * weight. */
 void pdchat_rms_norm(const float *restrict x, const float *restrict weight, int64_t rows, int64_t width, float eps,
                      float *restrict out) {
+    SPLIT_ROWS(rows)
     for (int64_t r = 0; r < rows; r++) norm_row(x + r * width, weight, width, eps, out + r * width);
 }
 
 /* hidden += delta (the residual), then out = RMSNorm(hidden) * weight; all [rows, width]. */
 void pdchat_add_rms_norm(float *restrict hidden, const float *restrict delta, const float *restrict weight,
                          int64_t rows, int64_t width, float eps, float *restrict out) {
+    SPLIT_ROWS(rows)
     for (int64_t r = 0; r < rows; r++) {
         float *h = hidden + r * width;
         const float *d = delta + r * width;
@@ -108,6 +128,7 @@ void pdchat_add_rms_norm(float *restrict hidden, const float *restrict delta, co
  * NOTE: exp's argument is capped at 80: past about 88.7 expf overflows to inf, and
  * -ffast-math's reciprocal turns gate / inf into NaN (silu there is -0 to float precision). */
 void pdchat_silu_mul(const float *restrict gate_up, int64_t rows, int64_t inter, float *restrict out) {
+    SPLIT_ROWS(rows)
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
         float *o = out + r * inter;
@@ -130,6 +151,7 @@ void pdchat_rope_store(float *restrict qkv, const float *restrict cos, const flo
                        const int64_t *restrict positions, const int64_t *restrict write, float *restrict keys,
                        float *restrict values, int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t dim) {
     const int64_t stride = (q_heads + 2 * kv_heads) * dim, width = kv_heads * dim;
+    SPLIT_ROWS(rows)
     for (int64_t r = 0; r < rows; r++) {
         float *row = qkv + r * stride;
         const float *c = cos + positions[r] * dim, *s = sin + positions[r] * dim;
@@ -280,6 +302,7 @@ static int64_t decide_row(const float *restrict x, int64_t k, const float *restr
 #define SCREEN_TILE(R)                                                                             \
     static void screen_tile_##R(const uint32_t *restrict pairs, int64_t half_k,                    \
                                 const uint16_t *restrict packed, int64_t n, float *restrict approx) { \
+        SPLIT_ROWS(n / 16)                                                                        \
         for (int64_t block = 0; block < n / 16; block++) {                                        \
             const uint16_t *w = packed + block * half_k * 32;                                     \
             __m512 acc[R];                                                                        \
@@ -369,6 +392,7 @@ static int screen_bf16(const float *restrict x, int64_t rows, int64_t k, const u
         union { uint32_t u; float f; } bits = {(uint32_t)to_bf16(x[i]) << 16};
         xs[i] = bits.f;
     }
+    SPLIT_ROWS(n / 16)
     for (int64_t block = 0; block < n / 16; block++) {
         const uint16_t *w = packed + block * (k / 2) * 32;
         for (int64_t r = 0; r < rows;) {
@@ -463,6 +487,7 @@ static int screen_int8(const float *restrict x, int64_t rows, int64_t k, const i
             t[r] = 0.0f;
             err_scales[r] = -1.0f;
         }
+    SPLIT_ROWS(n / 8)
     for (int64_t block = 0; block < n / 8; block++) {
         const int8_t *w = packed + block * k * 8;
         for (int64_t r = 0; r < rows;) {

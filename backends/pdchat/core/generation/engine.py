@@ -101,6 +101,13 @@ class CausalLM:
             prefix_caching=pool.prefix_caching,
         )
 
+    def set_threads(self, threads: int) -> None:
+        """The torch threads (process-wide) and, when this engine has them, the C kernels' for
+        the passes that follow."""
+        torch.set_num_threads(threads)
+        if self.decode_kernels is not None:
+            self.decode_kernels.set_threads(threads)
+
     def sequence(self, cache_salt: str | None = None) -> Sequence:
         """A new, empty sequence in the pool; it shares cached blocks only with sequences
         of the same `cache_salt`."""

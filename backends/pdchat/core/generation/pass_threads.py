@@ -19,6 +19,10 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdchat.core.generation.engine import CausalLM
 
 # /proc/stat's time columns after the name: user nice system idle iowait irq softirq steal
 # (guest time is inside user already).
@@ -78,8 +82,8 @@ def idle_whole_cores(cores: float) -> int:
 class PassThreads:
     """The torch threads for each pass: `base`, plus one per core idle since the pass before
     (IdleCores; IDLE_CORE of a core counts as one), at most `most`; set through
-    `set_threads` (torch.set_num_threads) on the thread that runs the passes, only when it
-    changes.
+    `set_threads` (the engine's: torch's and its C kernels') on the thread that runs the
+    passes, only when it changes.
 
     `min_window_s`: passes closer together than this (a long prompt's chunks) keep the
     count the first of them took."""
@@ -99,13 +103,15 @@ class PassThreads:
         self._decided_at: float | None = None
 
     @classmethod
-    def for_engine(cls, device: str, most: int) -> PassThreads:
+    def for_engine(cls, engine: CausalLM, most: int) -> PassThreads:
         """torch's threads now (the stage's) as `base`, over the cores this process may run
-        on (its affinity); on CPU only (elsewhere `most` is `base`)."""
+        on (its affinity), set through `engine.set_threads` (torch's and its C kernels'); on
+        CPU only (elsewhere `most` is `base`)."""
         import torch
 
         base = torch.get_num_threads()
-        return cls(base, most if device == "cpu" else base, IdleCores(os.sched_getaffinity(0)), torch.set_num_threads)
+        most = most if engine.device == "cpu" else base
+        return cls(base, most, IdleCores(os.sched_getaffinity(0)), engine.set_threads)
 
     def before_pass(self) -> int:
         """The threads the next pass takes (set now if they changed)."""
