@@ -1,8 +1,10 @@
 """The C decode kernels: attention computes what SDPA over the gathered slots does, row by
 row whatever the batch, sliding windows and grouped heads included; RMSNorm, rotary with
 the KV store, SwiGLU and argmax what their torch ops do; wrong tensors are refused before
-C reads them; without a compiler the engine takes the torch path."""
+C reads them; without a compiler the engine takes the torch path, and without OpenMP the
+kernels keep to one thread."""
 
+import shutil
 import subprocess
 import sys
 
@@ -75,6 +77,27 @@ def test_without_a_compiler_the_engine_takes_the_torch_path(tiny_model_dir, tmp_
     assert engine.decode_kernels is None and engine.llama is not None
     logits, sequence = engine.prefill([5, 6, 7])
     assert engine.step([sequence], [int(logits.argmax())]).shape == (1, engine.vocab_size)
+
+
+def test_a_compiler_without_openmp_builds_them_on_one_thread(tmp_path, monkeypatch, caplog):
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler on this host")
+    refusing = tmp_path / "cc-without-openmp"
+    refusing.write_text(
+        f'#!/bin/sh\ncase "$*" in *-fopenmp*) echo "no OpenMP here" >&2; exit 1;; esac\nexec {compiler} "$@"\n'
+    )
+    refusing.chmod(0o755)
+    monkeypatch.setenv("CC", str(refusing))
+    kernels = cpu_kernels.load(tmp_path / "kernels")
+    assert kernels is not None and "without OpenMP" in caplog.text
+    kernels.set_threads(2)  # taken, and the kernels still compute
+    try:
+        query, keys, values, read, lengths = _case([5, 40])
+        ours = kernels.attention(query, keys, values, read, lengths, DIM**-0.5, None)
+        torch.testing.assert_close(ours, _sdpa(query, keys, values, read, lengths, None), rtol=1e-5, atol=1e-5)
+    finally:
+        kernels.set_threads(1)
 
 
 def test_a_build_is_reused_from_the_cache(tmp_path):

@@ -80,7 +80,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_kernels.c")
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11", "-fopenmp")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11")
+# Tried first: a compiler without OpenMP builds the kernels without it (on the calling thread alone).
+OPENMP_FLAGS = ("-fopenmp",)
 _lock = threading.Lock()
 _loaded: dict[Path, DecodeKernels | None] = {}
 _P, _N, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -517,7 +519,8 @@ def _build_and_load(cache_dir: Path) -> DecodeKernels | None:
 
 def _build_key(compiler: list[str]) -> str:
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, errors="replace", timeout=30)
-    parts = [SOURCE.read_text(), " ".join(COMPILE_FLAGS), version.stdout, platform.machine(), cpu_flags()]
+    flags = " ".join(COMPILE_FLAGS + OPENMP_FLAGS)
+    parts = [SOURCE.read_text(), flags, version.stdout, platform.machine(), cpu_flags()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -535,16 +538,25 @@ def cpu_flags() -> str:
 
 def _compile(compiler: list[str], library: Path) -> None:
     """Compile, then link without the math flags (see the module docstring), into a
-    temporary file renamed into place: processes building at once never load half a file."""
+    temporary file renamed into place: processes building at once never load half a file.
+    With OpenMP where the compiler has it, else without (logged)."""
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         obj, built = Path(scratch) / "kernel.o", Path(scratch) / "kernel.so"
-        for command in (
-            [*compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-            [*compiler, "-shared", "-fopenmp", str(obj), "-o", str(built), "-lm"],
-        ):
-            done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=120)
-            if done.returncode != 0:
-                raise subprocess.SubprocessError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
+        try:
+            _build(compiler, OPENMP_FLAGS, obj, built)
+        except subprocess.SubprocessError as exc:
+            log.warning("building the decode kernels without OpenMP (they keep to one thread): %s", exc)
+            _build(compiler, (), obj, built)
         os.replace(built, library)
     log.info("built the decode kernels: %s", library)
+
+
+def _build(compiler: list[str], extra: tuple[str, ...], obj: Path, built: Path) -> None:
+    for command in (
+        [*compiler, *COMPILE_FLAGS, *extra, "-c", str(SOURCE), "-o", str(obj)],
+        [*compiler, "-shared", *extra, str(obj), "-o", str(built), "-lm"],
+    ):
+        done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=120)
+        if done.returncode != 0:
+            raise subprocess.SubprocessError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
