@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -623,54 +623,69 @@ class PDRouter(ChatFront):
             self.stats.failed += 1
             raise self.decode.none_ready()
         keys = prefix_keys(body) if self.affinity is not None else []  # only the prefix policy reads them
-        prefilled = self._prefill_leg(text, request_id, form, keys, streams)
+        # The client has the first output as soon as prefill sent it; the decode leg's stream goes on after it.
+        answer, first_sent = yield from self._prefill_leg(text, request_id, form, keys, streams)
         forwarded: dict[str, Any] = {}
         parameters: dict[str, Any] = {}
-        if prefilled is not None:
-            first, answer = prefilled
+        if answer is not None:
             # The signed handoff goes on as the prefill server serialized it.
             forwarded = {"kv_transfer_params": answer.kv_transfer_params_json}
             if self.forward_ids:
                 forwarded["prompt_token_ids"] = answer.prompt_token_ids
             self.stats.disaggregated += 1
-            if first is not None:  # the client has it now; the decode leg's stream goes on after it
-                yield first
+            if first_sent:
                 parameters[tensors.FIRST_OUTPUT_SENT] = True
         yield from self._stream(text, request_id, form, streams, parameters, **forwarded)
 
     def _prefill_leg(
         self, body: bytes, request_id: str, form: str, keys: list[bytes], streams: RequestStreams | None
-    ) -> tuple[ChatOutput | None, ChatOutput] | None:
-        """The streamed answer's first output, when the prefill server sent it (None
-        otherwise), and prefill's answer (first token, prompt ids, signed handoff); None to
-        let decode do it all: no prefill server ready, or the one picked failed or stalled.
-        A do_remote_decode request gets one answer, streamed or not, and with ids forwarded
-        the first output before it (tensors.FIRST_OUTPUT_EARLY). `keys`: the request's
-        prefix keys, for the prefix policy."""
+    ) -> Generator[ChatOutput, None, tuple[ChatOutput | None, bool]]:
+        """Yields the streamed answer's first output the moment the prefill server sends it
+        (when it does); returns prefill's answer (first token, prompt ids, signed handoff) and
+        whether that first output went out, or (None, False) to let decode do it all: no
+        prefill server ready, or the one picked failed or stalled before the first output
+        went out. A do_remote_decode request gets one answer (the response with
+        kv_transfer_params), streamed or not, and with ids forwarded the first output before
+        it (tensors.FIRST_OUTPUT_EARLY). `keys`: the request's prefix keys, for the prefix
+        policy.
+
+        NOTE: once the first output went out the request is this prefill's: a failure then
+        ends it (decode alone would send the client a first output again)."""
         started = time.perf_counter()
         choose = None if self.affinity is None else functools.partial(self.affinity.choose, keys)
+        first_sent = False
         try:
             with self.prefill.pick(choose) as used:
                 inputs = chat_inputs(body, kv_transfer_params={"do_remote_decode": True}, form=form)
                 # The first output may go before the decode leg only where the decode server takes
                 # the handle as it is (REUSE): it continues the prefill leg's answer there.
                 parameters = {tensors.FIRST_OUTPUT_EARLY: True} if self.forward_ids else None
-                *first, output = list(self.prefill.stream(used, inputs, request_id, streams, parameters))
-                if len(first) > 1:
-                    raise ChatError(f"prefill server {used.url} answered {len(first) + 1} responses, not 1 or 2")
+                answer = None
+                for output in self.prefill.stream(used, inputs, request_id, streams, parameters):
+                    if answer is not None or (first_sent and not output.kv_transfer_params_json):
+                        raise ChatError(f"prefill server {used.url} answered more than a first output and an answer")
+                    if output.kv_transfer_params_json or not self.forward_ids:
+                        answer = output
+                    else:
+                        first_sent = True
+                        yield output
+                if answer is None:
+                    raise ChatError(f"prefill server {used.url} ended its stream without an answer")
             log.info(
                 "request %s: prefill on %s in %.1f ms", request_id, used.url, 1000 * (time.perf_counter() - started)
             )
             index = self.kv_indexes.get(used.url)
             if index is not None and keys:  # its blocks are on that server now: affinity holds while they are
-                self.affinity.bind(used.url, keys[-1], index.prompt_key(output.prompt_token_ids))
-            return (first[0] if first else None), output
+                self.affinity.bind(used.url, keys[-1], index.prompt_key(answer.prompt_token_ids))
+            return answer, first_sent
         except ChatError as exc:
-            if exc.is_client_error or isinstance(exc, (Draining, ClientLeft)):
-                raise  # the request itself is bad (decode would refuse it too), the front stops, or nobody waits
+            if first_sent or exc.is_client_error or isinstance(exc, (Draining, ClientLeft)):
+                # the request itself is bad (decode would refuse it too), the front stops, nobody
+                # waits, or the client has this prefill's first output
+                raise
             self.stats.prefill_fallbacks += 1
             log.warning("request %s: prefill failed (%s: %s); decode serves it whole", request_id, exc.code.name, exc)
-            return None
+            return None, False
 
     def health(self) -> dict[str, Any]:
         health = {**super().health(), "prefill": self.prefill.probe_all()}

@@ -1,7 +1,7 @@
 """The router's server pools: a server that does not answer gets no requests, no request
 waits for a probe, a server silent past the stall deadline is cancelled and marked unready
-until a probe finds it ready, and no prefill work starts while no decode server could
-finish it."""
+until a probe finds it ready, no prefill work starts while no decode server could
+finish it, and a prefill leg's first output goes out as it arrives."""
 
 import socket
 import threading
@@ -9,8 +9,9 @@ import time
 
 import pytest
 
+from pdchat import tensors
 from pdchat.clients import router as router_module
-from pdchat.clients.chat import ChatError, chat_inputs
+from pdchat.clients.chat import ChatError, ChatOutput, chat_inputs
 from pdchat.clients.router import BackendPool, Draining, PDRouter, UpstreamTimeout
 from pdchat.core.errors import ErrorCode
 from pdchat.launcher import free_port
@@ -167,3 +168,50 @@ def test_no_prefill_leg_starts_while_no_decode_server_is_ready():
         list(router.chat({"messages": [{"role": "user", "content": "hi"}]}))
     assert info.value.code is ErrorCode.UNAVAILABLE
     assert router.stats.prefill_fallbacks == 0 and router.prefill.backends[0].checked_at == 0.0, "prefill was tried"
+
+
+class PrefillLeg:
+    """A prefill server's stream to the router's prefill leg: a first output, then (once
+    `release` is set) the answer, or `failure` in its place; and a decode leg that records
+    the parameters it was started with."""
+
+    def __init__(self, router: PDRouter, failure: ChatError | None = None):
+        self.release, self.failure, self.decode_parameters = threading.Event(), failure, []
+        router.prefill.stream = self.stream
+        router._stream = self.decode
+
+    def stream(self, used, inputs, request_id, streams, parameters):
+        yield ChatOutput(text="first", response_json="{}")
+        assert self.release.wait(5)
+        if self.failure is not None:
+            raise self.failure
+        yield ChatOutput(text="", response_json="{}", prompt_token_ids=[1, 2], kv_transfer_params_json='{"k": 1}')
+
+    def decode(self, text, request_id, form, streams, parameters, **forwarded):
+        self.decode_parameters.append((parameters, forwarded))
+        yield ChatOutput(text="rest", response_json="{}")
+
+
+def test_the_prefill_legs_first_output_goes_out_before_its_answer_arrives(probes):
+    router = PDRouter([unreachable()], [unreachable()], forward_ids=True)
+    probes.ready.update(backend.url for backend in (*router.prefill.backends, *router.decode.backends))
+    leg = PrefillLeg(router)
+    outputs = router.chat(HI)
+    assert next(outputs).text == "first" and not leg.release.is_set()
+    leg.release.set()
+    assert [output.text for output in outputs] == ["rest"]
+    [(parameters, forwarded)] = leg.decode_parameters
+    assert parameters == {tensors.FIRST_OUTPUT_SENT: True}
+    assert forwarded == {"kv_transfer_params": '{"k": 1}', "prompt_token_ids": [1, 2]}
+
+
+def test_a_prefill_leg_failing_after_its_first_output_ends_the_request_not_falls_back(probes):
+    router = PDRouter([unreachable()], [unreachable()], forward_ids=True)
+    probes.ready.update(backend.url for backend in (*router.prefill.backends, *router.decode.backends))
+    leg = PrefillLeg(router, failure=ChatError("prefill died", ErrorCode.UNAVAILABLE))
+    leg.release.set()
+    outputs = router.chat(HI)
+    assert next(outputs).text == "first"
+    with pytest.raises(ChatError, match="prefill died"):
+        next(outputs)
+    assert router.stats.prefill_fallbacks == 0 and leg.decode_parameters == []
