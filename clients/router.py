@@ -662,9 +662,10 @@ class PDRouter(ChatFront):
                 parameters = {tensors.FIRST_OUTPUT_EARLY: True} if self.forward_ids else None
                 answer = None
                 for output in self.prefill.stream(used, inputs, request_id, streams, parameters):
-                    if answer is not None or (first_sent and not output.kv_transfer_params_json):
+                    is_answer = bool(output.kv_transfer_params_json) or not self.forward_ids
+                    if answer is not None or (first_sent and not is_answer):
                         raise ChatError(f"prefill server {used.url} answered more than a first output and an answer")
-                    if output.kv_transfer_params_json or not self.forward_ids:
+                    if is_answer:
                         answer = output
                     else:
                         first_sent = True

@@ -63,12 +63,13 @@ def test_a_rows_token_does_not_depend_on_the_rows_beside_it(kernels, way):
 @pytest.mark.parametrize("rows", [1, 29])
 def test_split_over_threads_the_screen_gives_the_same_tokens(kernels, way, rows):
     """A pass that took more threads splits the screen's vocabulary blocks over them."""
-    head = _head(kernels, _weight(), way)
+    weight = _weight()
+    head = _head(kernels, weight, way)
     hidden = torch.randn(rows, WIDTH, generator=torch.Generator().manual_seed(9))
     alone = head.argmax(hidden)
     try:
         kernels.set_threads(2)
-        assert head.argmax(hidden) == alone == _exact_argmax(hidden, weight=_weight())
+        assert head.argmax(hidden) == alone == _exact_argmax(hidden, weight)
     finally:
         kernels.set_threads(1)
 
