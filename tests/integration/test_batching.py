@@ -76,6 +76,8 @@ def test_over_the_limit_a_request_waits_then_gets_unavailable_naming_it(one_slot
         collect(client.stream(chat_inputs({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})))
     assert info.value.code is ErrorCode.UNAVAILABLE and "max_running=1" in str(info.value)
     assert metric(one_slot_server, "pdchat_decode_active") == 1, "a refused request is not active, the holder still is"
+    # Prefill's KV for the refused request, never pulled, is freed now, not at its 60 s TTL.
+    assert wait_for(lambda: metric(one_slot_server, "pdchat_kv_held_bytes") == 0, timeout=10)
     stream.close()  # leaving cancels the holder; the slot frees
     assert wait_for(lambda: metric(one_slot_server, "pdchat_decode_active") == 0, timeout=30)
     assert collect(

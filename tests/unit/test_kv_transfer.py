@@ -11,7 +11,7 @@ import pytest
 
 from pdchat.core.kv import shm as shm_module
 from pdchat.core.kv.base import KVBudgetExceeded, KVHandle, KVUnavailable
-from pdchat.core.kv.connector import Connectors
+from pdchat.core.kv.connector import Connectors, KVHandover
 from pdchat.core.kv.shm import OWNER_PREFIX, KVDirectoryRefused, ShmConnector, kv_directory
 
 
@@ -118,6 +118,45 @@ def test_done_hands_back_only_what_this_connector_claimed(shm, decode, directory
     assert shm.held_bytes() == kv().nbytes and list(directory.glob("pdchat_kvfree_*")) == []
     decode.done(handle)
     assert shm.held_bytes() == 0
+
+
+def test_discarded_kv_is_handed_back_at_once_unless_it_was_claimed(shm, decode, directory):
+    first, second = shm.publish(kv(100), 1), shm.publish(kv(100), 2)  # 800 KiB of a 1 MiB budget
+    with pytest.raises(KVBudgetExceeded):
+        shm.publish(kv(100), 3)
+    decode.discard(first)  # its request ended in decode's queue
+    assert shm.held_bytes() == kv(100).nbytes and len(list(directory.glob("pdchat_kvfree_*"))) == 1
+    with pytest.raises(KVUnavailable, match="already pulled or gone"):
+        decode.pull(first)
+    shm.publish(kv(100), 3)  # into the discarded file's pages
+    assert list(directory.glob("pdchat_kvfree_*")) == []
+    decode.pull(second)
+    decode.discard(second)  # claimed: the puller still maps it
+    assert shm.held_bytes() == 2 * kv(100).nbytes
+    decode.discard(first)  # gone: nothing to do
+    decode.discard(dataclasses.replace(second, location={**second.location, "host": "elsewhere"}))
+
+
+def test_a_handover_ended_before_its_pull_discards_its_kv_once_and_pulls_no_more(directory):
+    prefill, decode = Connectors(directory=directory), Connectors(directory=directory)
+    try:
+        shm = prefill.get("shm")
+        unpulled = KVHandover(decode, shm.publish(kv(), 1))
+        assert unpulled.end() and not unpulled.end()
+        with pytest.raises(KVUnavailable, match="ended before its KV was pulled"):
+            unpulled.pull()
+        pulled = KVHandover(decode, shm.publish(kv(), 2))
+        assert np.array_equal(pulled.pull(), kv())
+        assert not pulled.end(), "pulled KV goes back through done(), not a discard"
+        deadline = time.monotonic() + 5  # the discard is made on the connectors' own thread
+        while shm.held_bytes() > kv().nbytes and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert shm.held_bytes() == kv().nbytes, "only the pulled KV is held, until done()"
+        pulled.done()
+        assert shm.held_bytes() == 0
+    finally:
+        decode.close()
+        prefill.close()
 
 
 @pytest.mark.parametrize("unsafe", ["world_writable", "group_readable", "symlink", "file", "foreign_owner"])
@@ -229,6 +268,27 @@ def test_nixl_round_trip_notifies_the_holder_which_frees():
         prefill.close()
         decode.close()
     assert prefill.held_bytes() == 0
+
+
+def test_nixl_discard_tells_the_holder_to_free_without_a_read():
+    pytest.importorskip("nixl_cu12")
+    from pdchat.core.kv.nixl import NixlConnector
+
+    prefill, decode = NixlConnector(ttl_s=60), NixlConnector()
+    try:
+        kept, discarded = prefill.publish(kv(), 1), prefill.publish(kv(), 2)
+        decode.discard(discarded)
+        deadline = time.monotonic() + 5
+        while prefill.held_bytes() > kv().nbytes and time.monotonic() < deadline:
+            prefill.sweep()
+            time.sleep(0.01)
+        assert prefill.held_bytes() == kv().nbytes
+        assert np.array_equal(decode.pull(kept), kv()), "the other KV is still there to pull"
+        with pytest.raises(KVUnavailable, match="malformed"):
+            decode.discard(dataclasses.replace(kept, location={}))
+    finally:
+        prefill.close()
+        decode.close()
 
 
 def test_foreign_entries_neither_stop_the_sweeper_nor_fail_a_publish(shm, decode, caplog):

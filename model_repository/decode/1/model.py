@@ -1,7 +1,9 @@
 """decode (decoupled): sealed prompt ids + prefill's KV and first token -> streamed answer.
 
 Without KV it prefills locally, in chunks between decode steps; a KV handle it cannot
-pull (expired, prefill gone) is recomputed from the ids, never re-rendered. All running
+pull (expired, prefill gone) is recomputed from the ids, never re-rendered; the KV of a
+request that ends before decode pulled it (cancelled, failed or expired in the queue) is
+discarded at once (KVHandover), not left to its TTL. All running
 requests advance in one forward pass per step (continuous batching,
 `pdchat.core.generation.scheduler`); execute() only validates and queues. Every call into the server (responses, errors,
 cancel acknowledgements, cancellation checks, metrics) runs on the outbox thread
@@ -27,7 +29,7 @@ from pdchat.core.generation.engine import DecodeBatch
 from pdchat.core.generation.generation import TextModel
 from pdchat.core.generation.sampling import Choice
 from pdchat.core.generation.scheduler import DecodeJob, DecodeScheduler, Limits
-from pdchat.core.kv.connector import Connectors, KVUnavailable
+from pdchat.core.kv.connector import Connectors, KVHandover, KVUnavailable
 from pdchat.core.settings import batching_options, keep_off_decode_cpus, kv_options
 from pdchat.ensemble.decode_load import LoadSlot
 from pdchat.ensemble.seal import StageSeal, server_directory
@@ -58,6 +60,7 @@ class _Stream:
     given_first: bool = False  # its first output token was prefill's (vLLM's metrics count it there)
     outputs: int = 0  # outputs sent
     feed: str | None = None  # the feed its caller named (tensors.DECODE_FEED); None once not fed
+    kv: KVHandover | None = None  # prefill's KV, when its handle came sealed: ended with the stream
     feed_key: str = ""
     fed: int = 0  # outputs sent through the feed
 
@@ -154,8 +157,18 @@ class TritonPythonModel:
         """The request's job, and the output grammar its start needs compiled."""
         engine = self.model.engine
         stage = io.stage_input(request, self.seal, engine.context_length, engine.vocab_size)
-        ids, params, handle = stage.prompt_token_ids, stage.params, stage.kv_handle
         # Prefill's KV and first token come only inside a sealed handle; without one decode prefills.
+        kv = None if stage.kv_handle is None else KVHandover(self.connectors, stage.kv_handle)
+        try:
+            return self._sealed_job(request, sender, stage, kv)
+        except BaseException:
+            if kv is not None:
+                kv.end()  # refused here: its KV is freed now
+            raise
+
+    def _sealed_job(self, request, sender, stage, kv: KVHandover | None) -> tuple[DecodeJob, dict | None]:
+        engine = self.model.engine
+        ids, params, handle = stage.prompt_token_ids, stage.params, stage.kv_handle
         first = None if handle is None else Choice(handle.first_token_id, handle.first_token_logprobs)
         if first is not None and not 0 <= first.token_id < engine.vocab_size:
             raise InvalidRequest(f"the KV handle's first token {first.token_id} is not in this model's vocabulary")
@@ -168,14 +181,15 @@ class TritonPythonModel:
             io.requested_client_outputs(request),
             io.heartbeat_s(request),
             given_first=first is not None,
+            kv=kv,
         )
         stream.feed, stream.feed_key = io.feed_named(request)
         self.outbox.call(functools.partial(self.vllm_metrics.arrived, stream.key, time.monotonic()))
 
         def start():  # on the scheduler thread, on admission
             self.outbox.call(functools.partial(self._started, stream))
-            kv_source = None if handle is None else functools.partial(self._pull, handle, params.request_id)
-            released = None if handle is None else functools.partial(self.connectors.done, handle)
+            kv_source = None if kv is None else functools.partial(self._pull, kv, params.request_id)
+            released = None if kv is None else kv.done
             return self.model.generation(
                 ids,
                 params,
@@ -262,6 +276,8 @@ class TritonPythonModel:
         if not stream.open:
             return
         stream.open = False
+        if stream.kv is not None:
+            stream.kv.end()  # its KV, if never pulled, is freed now
         self.outbox.unwatch(stream)
         self.metrics.ended(outcome, stream.started)
         self.vllm_metrics.ended(stream.key, outcome == "finished")
@@ -274,11 +290,11 @@ class TritonPythonModel:
             except Exception:  # noqa: BLE001 - a client already gone
                 log.exception("request %s: closing its stream failed", stream.key)
 
-    def _pull(self, handle, request_id, start_token):
+    def _pull(self, handover: KVHandover, request_id, start_token):
         """The KV a handle names, of its tokens from `start_token` on (those before are in
         decode's prefix cache), or None (decode then recomputes it from the ids)."""
         try:
-            kv = self.connectors.pull(handle, start_token)
+            kv = handover.pull(start_token)
         except KVUnavailable as exc:
             log.warning("request %s: KV pull failed, recomputing prefill from the forwarded ids: %s", request_id, exc)
             self.outbox.call(functools.partial(self.metrics.kv_pull, "recomputed"))

@@ -147,6 +147,10 @@ class KVConnector(Protocol):
     def done(self, handle: KVHandle) -> None:
         """The pulled KV is no longer read: the prefill side may free or reuse it."""
 
+    def discard(self, handle: KVHandle) -> None:
+        """The request of `handle` ended before its KV was pulled: the prefill side may free
+        it now rather than at its TTL. Nothing if it was pulled or is gone."""
+
     def sweep(self) -> int:
         """Free expired KV; return how many were freed."""
 

@@ -1,4 +1,5 @@
-"""The KV connectors by name, and the set one model process uses, swept in the background.
+"""The KV connectors by name, and the set one model process uses, swept in the background;
+decode's hold on one request's handle (`KVHandover`).
 
 - `shm`: same host (core.kv.shm).
 - `nixl`: NIXL over UCX, for servers on different hosts (core.kv.nixl).
@@ -6,7 +7,10 @@
 
 from __future__ import annotations
 
+import logging
+import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +29,7 @@ CONNECTORS: dict[str, type] = {ShmConnector.name: ShmConnector, NixlConnector.na
 assert tuple(CONNECTORS) == KV_CONNECTORS, "registry.KV_CONNECTORS and the connector classes disagree"
 
 _sweep_failures = OncePerKey()
+log = logging.getLogger("pdchat.kv")
 
 
 def make_connector(name: str, **options: Any) -> KVConnector:
@@ -34,7 +39,8 @@ def make_connector(name: str, **options: Any) -> KVConnector:
 
 
 class Connectors:
-    """The connectors of one model process, made on first use, swept in the background."""
+    """The connectors of one model process, made on first use; swept, and the KV of requests
+    that ended before their pull discarded, on a background thread."""
 
     SWEEP_INTERVAL_S = 1.0
 
@@ -45,6 +51,7 @@ class Connectors:
         self._made: dict[str, KVConnector] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._discards: queue.SimpleQueue[KVHandle | None] = queue.SimpleQueue()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="pdchat-kv-sweep", daemon=True)
         self._sweeper.start()
 
@@ -76,8 +83,19 @@ class Connectors:
     def done(self, handle: KVHandle) -> None:
         self.get(handle.connector).done(handle)
 
+    def discard(self, handle: KVHandle) -> None:
+        """Free the KV of a handle whose request ended before its pull, soon, on the
+        background thread (telling a NIXL peer may wait on the network).
+
+        NOTE: only for a handle this server's seal vouched for: a discard frees the KV."""
+        if handle.connector in CONNECTORS:
+            self._discards.put(handle)
+
     def close(self) -> None:
+        """Stop the background thread (discards not made by then leave their KV to its TTL)
+        and close every connector."""
         self._stop.set()
+        self._discards.put(None)
         self._sweeper.join(5)
         with self._lock:
             for connector in self._made.values():
@@ -85,11 +103,26 @@ class Connectors:
             self._made.clear()
 
     def _sweep_loop(self) -> None:
-        while not self._stop.wait(self.SWEEP_INTERVAL_S):
+        swept_at = time.monotonic()
+        while not self._stop.is_set():
             try:
-                self.sweep_once()
-            except Exception as exc:  # noqa: BLE001 - the sweeper must outlive any one failure
-                _sweep_failures.warn(f"sweep:{type(exc).__name__}:{exc}", "KV sweep failed (will retry): %s", exc)
+                handle = self._discards.get(timeout=max(0.0, swept_at + self.SWEEP_INTERVAL_S - time.monotonic()))
+            except queue.Empty:
+                handle = None
+            if handle is not None:
+                self._discard_now(handle)
+            if time.monotonic() - swept_at >= self.SWEEP_INTERVAL_S and not self._stop.is_set():
+                swept_at = time.monotonic()
+                try:
+                    self.sweep_once()
+                except Exception as exc:  # noqa: BLE001 - the sweeper must outlive any one failure
+                    _sweep_failures.warn(f"sweep:{type(exc).__name__}:{exc}", "KV sweep failed (will retry): %s", exc)
+
+    def _discard_now(self, handle: KVHandle) -> None:
+        try:
+            self.get(handle.connector).discard(handle)
+        except Exception as exc:  # noqa: BLE001 - the KV then waits for its TTL
+            log.warning("discarding %s KV failed, it is freed at its TTL: %s", handle.connector, exc)
 
     def sweep_once(self) -> None:
         """Sweep every connector made here, and the shm KV directory (if there is one) before
@@ -106,3 +139,42 @@ class Connectors:
             sweep_directory(directory)
         if self._on_sweep is not None:
             self._on_sweep({c.name: c.held_bytes() for c in connectors})
+
+
+class KVHandover:
+    """Decode's hold on the KV handle of one request: its generation pulls the KV at most
+    once and hands it back (`done`); a request that ends before the pull discards it
+    (`end`), so a request cancelled, failed or expired in decode's queue does not leave
+    prefill's KV held until its TTL.
+
+    NOTE: pull() and end() exclude each other: after end() a pull gets KVUnavailable, and
+    end() discards only KV never pulled."""
+
+    def __init__(self, connectors: Connectors, handle: KVHandle):
+        self.handle = handle
+        self._connectors = connectors
+        self._lock = threading.Lock()
+        self._pulled = self._ended = False
+
+    def pull(self, start_token: int = 0) -> np.ndarray:
+        """The KV of tokens from `start_token` on (Connectors.pull)."""
+        with self._lock:
+            if self._ended:
+                raise KVUnavailable("the request ended before its KV was pulled")
+            self._pulled = True
+        return self._connectors.pull(self.handle, start_token)
+
+    def done(self) -> None:
+        """The pulled KV is no longer read (Connectors.done)."""
+        self._connectors.done(self.handle)
+
+    def end(self) -> bool:
+        """The request ended: discard its KV unless it was pulled; whether it did (once)."""
+        with self._lock:
+            if self._ended:
+                return False
+            self._ended = True
+            if self._pulled:
+                return False
+        self._connectors.discard(self.handle)
+        return True

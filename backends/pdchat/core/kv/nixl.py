@@ -3,8 +3,9 @@
 Prefill registers each KV with its NIXL agent and hands out a handle carrying the
 agent's partial metadata for that buffer (under 1 KB: signed with the rest, so decode
 never takes a peer address from a client). Decode READs the KV into its own registered buffer
-and notifies the prefill agent, which then deregisters and frees it; unpulled KV
-is freed when its TTL passes. DRAM to DRAM here; GPU memory works the same way.
+and notifies the prefill agent, which then deregisters and frees it; KV whose request
+ended before its pull is discarded by the same notification without the READ, and KV
+nobody pulled or discarded is freed when its TTL passes. DRAM to DRAM here; GPU memory works the same way.
 """
 
 from __future__ import annotations
@@ -139,6 +140,22 @@ class NixlConnector:
 
     def done(self, handle: KVHandle) -> None:
         """Nothing to hand back: the READ notified prefill, which freed its copy."""
+
+    def discard(self, handle: KVHandle) -> None:
+        """Notify the agent holding the handle's KV as a READ does, without the READ: it
+        frees the KV at its next sweep. Raises KVUnavailable when the peer cannot be told
+        (its KV then waits for its TTL)."""
+        location = handle.location
+        try:
+            peer, kv_id, metadata = str(location["agent"]), str(location["id"]), location["metadata"]
+        except (KeyError, TypeError) as exc:
+            raise KVUnavailable(f"malformed nixl KV handle: {exc!r}") from exc
+        with self._lock:
+            try:
+                self._agent.add_remote_agent(base64.b64decode(metadata))
+                self._agent.send_notif(peer, kv_id.encode())
+            except Exception as exc:  # noqa: BLE001 - NIXL raises its own kinds
+                raise KVUnavailable(f"cannot tell {peer} to free KV {kv_id}: {exc}") from exc
 
     def sweep(self) -> int:
         """Free KV whose pull was notified, and KV past its TTL."""

@@ -447,6 +447,22 @@ class ShmConnector:
         ):  # swept meanwhile, or not pulled here
             os.rename(str(claimed), str(free), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
+    def discard(self, handle: KVHandle) -> None:
+        """Hand KV nobody pulled back to its prefill server's free files, as done() does KV
+        that was pulled: its pages carry that server's next KV, and its budget is free at
+        once. Nothing if it was claimed meanwhile (the rename finds no file) or is KV of
+        another host."""
+        try:
+            published = self._published(handle)
+        except KVUnavailable:
+            return  # not a KV file of this host: nothing here to hand back
+        free = replace(published, prefix=FREE_PREFIX, expires_ms=int((time.time() + self.ttl_s) * 1000))
+        with (
+            _private_directory(self.directory) as dir_fd,
+            suppress(FileNotFoundError),
+        ):  # pulled, swept or handed back meanwhile
+            os.rename(str(published), str(free), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
     def sweep(self, now: float | None = None) -> int:
         """Free expired KV of any engine in the directory (a crashed peer's too, and KV a
         crashed decode claimed but never handed back) and, at once, what dead engines
