@@ -439,13 +439,7 @@ class ShmConnector:
         """Decode no longer reads the KV it pulled: hand its pages back to prefill for reuse
         (for a KV TTL; then any sweeper frees them, also if prefill has died). Only the
         connector that claimed it can: nobody recycles pages a puller still maps."""
-        claimed = replace(self._published(handle), prefix=PULLED_PREFIX, puller=self.engine_id)
-        free = replace(claimed, prefix=FREE_PREFIX, expires_ms=int((time.time() + self.ttl_s) * 1000), puller="")
-        with (
-            _private_directory(self.directory) as dir_fd,
-            suppress(FileNotFoundError),
-        ):  # swept meanwhile, or not pulled here
-            os.rename(str(claimed), str(free), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        self._hand_back(replace(self._published(handle), prefix=PULLED_PREFIX, puller=self.engine_id))
 
     def discard(self, handle: KVHandle) -> None:
         """Hand KV nobody pulled back to its prefill server's free files, as done() does KV
@@ -456,12 +450,7 @@ class ShmConnector:
             published = self._published(handle)
         except KVUnavailable:
             return  # not a KV file of this host: nothing here to hand back
-        free = replace(published, prefix=FREE_PREFIX, expires_ms=int((time.time() + self.ttl_s) * 1000))
-        with (
-            _private_directory(self.directory) as dir_fd,
-            suppress(FileNotFoundError),
-        ):  # pulled, swept or handed back meanwhile
-            os.rename(str(published), str(free), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        self._hand_back(published)
 
     def sweep(self, now: float | None = None) -> int:
         """Free expired KV of any engine in the directory (a crashed peer's too, and KV a
@@ -500,6 +489,13 @@ class ShmConnector:
             for name, size in files
             if name.engine == self.engine_id and name.prefix in (SHM_PREFIX, PULLED_PREFIX)
         ]
+
+    def _hand_back(self, name: _KVName) -> None:
+        """Rename KV file `name` to a free file of the prefill engine that wrote it, for a
+        TTL; nothing if it is gone (swept, claimed, or not claimed here)."""
+        free = replace(name, prefix=FREE_PREFIX, expires_ms=int((time.time() + self.ttl_s) * 1000), puller="")
+        with _private_directory(self.directory) as dir_fd, suppress(FileNotFoundError):
+            os.rename(str(name), str(free), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
     def _open_staging(self, dir_fd: int, staging: str, free: list[str]) -> int:
         """A 0600 file at `staging` to write the KV into: the first handed-back file of
