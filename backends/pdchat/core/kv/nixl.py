@@ -96,16 +96,7 @@ class NixlConnector:
         NOTE: the READ takes the whole buffer even when decode caches the head: a READ of
         each row's tail (a descriptor per row) failed with NIXL_ERR_NOT_FOUND on long
         prompts between servers, not yet understood (docs/kv-cache.md)."""
-        location = handle.location
-        try:
-            addr, peer, kv_id, metadata = (
-                int(location["addr"]),
-                str(location["agent"]),
-                str(location["id"]),
-                location["metadata"],
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise KVUnavailable(f"malformed nixl KV handle: {exc!r}") from exc
+        addr, peer, kv_id, metadata = _located(handle)
         if time.time() > handle.expires_at:
             raise KVUnavailable(f"KV {kv_id} expired before it was pulled")
         shape = handle.shape
@@ -145,11 +136,7 @@ class NixlConnector:
         """Notify the agent holding the handle's KV as a READ does, without the READ: it
         frees the KV at its next sweep. Raises KVUnavailable when the peer cannot be told
         (its KV then waits for its TTL)."""
-        location = handle.location
-        try:
-            peer, kv_id, metadata = str(location["agent"]), str(location["id"]), location["metadata"]
-        except (KeyError, TypeError) as exc:
-            raise KVUnavailable(f"malformed nixl KV handle: {exc!r}") from exc
+        _, peer, kv_id, metadata = _located(handle)
         with self._lock:
             try:
                 self._agent.add_remote_agent(base64.b64decode(metadata))
@@ -191,3 +178,13 @@ class NixlConnector:
             return False
         self._agent.deregister_memory(entry[1])
         return True
+
+
+def _located(handle: KVHandle) -> tuple[int, str, str, Any]:
+    """The handle's (address, holding agent, KV id, agent metadata); KVUnavailable naming
+    what is wrong with a malformed one."""
+    location = handle.location
+    try:
+        return int(location["addr"]), str(location["agent"]), str(location["id"]), location["metadata"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise KVUnavailable(f"malformed nixl KV handle: {exc!r}") from exc
