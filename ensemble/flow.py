@@ -5,25 +5,28 @@ stage models. `model_repository/chat` serves it with BLS calls (`pdchat.triton.c
 `tests/pipeline.py` serves it in one process. Routes (`pdchat.ensemble.routing`):
 
 - REUSE: forwarded ids the gate admitted, sealed here, go straight to decode; no render;
-- RENDER: renderer -> prefill (KV over shm, to this server's decode) -> decode, a streamed
+- RENDER: render -> prefill (KV over shm, to this server's decode) -> decode, a streamed
   answer's first output sent from prefill's answer before decode starts, unless decode
   may not take the request as it comes (`DecodeLoad.has_room`: it may wait, or be refused,
   and a refusal must come before any output); with
   setting local_prefill_when_idle, a lone request while decode holds no sequence
-  (`DecodeLoad`) goes renderer -> decode, which prefills the prompt itself;
-- REMOTE_PREFILL: renderer -> prefill (KV through the configured connector), then one
+  (`DecodeLoad`) goes render -> decode, which prefills the prompt itself;
+- REMOTE_PREFILL: render -> prefill (KV through the configured connector), then one
   answer: the first token and the signed kv_transfer_params for a decode server (before
   it, when the caller asks, the streamed answer's first output, which the decode leg then
   skips);
-- RENDER_VERIFIED: renderer, then decode with the transferred KV once the rendered ids
+- RENDER_VERIFIED: render, then decode with the transferred KV once the rendered ids
   pass the gate.
+
+A render is chat's own when the request is short and has no chat_template of its own
+(setting chat_render_max_chars), else the renderer model's (`ChatFlow._render`).
 
 A client may ask for a ticket (tensors.DECODE_TICKET): where a route would relay decode's
 stream, it answers once with decode's sealed inputs, and the client streams from decode
 itself, so no response of decode passes through `chat`.
 
 NOTE: everything a stage receives is sealed (`pdchat.ensemble.seal`): this flow seals what
-the gate admitted, and passes on the seals the renderer and prefill made.
+the gate admitted and what it rendered, and passes on the seals the renderer and prefill made.
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ from pdchat.core.request.grammar import load_xgrammar
 from pdchat.core.request.protocol import ChatRequest, GenerationParams
 from pdchat.core.request.render_cost import RenderRate
 from pdchat.core.request.renderers import load_renderer
-from pdchat.core.request.rendering import PromptRenderer
+from pdchat.core.request.rendering import REQUEST_TEMPLATE, PromptRenderer
 from pdchat.core.settings import (
+    CHAT_RENDER_MAX_CHARS,
     LOCAL_PREFILL_WHEN_IDLE,
     STAGE_STALL_TIMEOUT_S,
     forwarded_ids_policy,
@@ -81,12 +85,12 @@ class ChatInputs:
 
 @dataclass(frozen=True)
 class Rendered:
-    """The renderer's answer: INT32 ids, generation params JSON and its seal over both."""
+    """A render: INT32 ids, generation params JSON and the seal over both."""
 
     prompt_token_ids: np.ndarray
     params_text: str
     seal: str
-    render_s: float  # the renderer's own time, for the render-rate estimate
+    render_s: float  # the render's own time, for the render-rate estimate
 
 
 @dataclass(frozen=True)
@@ -183,11 +187,13 @@ class ChatStages(Protocol):
 
 
 class HandoffObserver(Protocol):
-    """Counts the gate's outcomes (Triton metrics in the server)."""
+    """Counts the gate's outcomes and the renders chat makes itself (Triton metrics in the server)."""
 
     def accepted(self, seconds_saved: float) -> None: ...
 
     def rejected(self, reason: str) -> None: ...
+
+    def rendered(self) -> None: ...
 
 
 class ChatFlow:
@@ -202,11 +208,13 @@ class ChatFlow:
         observer: HandoffObserver,
         render_rate: RenderRate | None = None,
         stall_timeout_s: float = STAGE_STALL_TIMEOUT_S.default_value,
+        render_max_chars: int = CHAT_RENDER_MAX_CHARS.default_value,
         decode_load: DecodeLoad | None = None,
         local_prefill_when_idle: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ):
-        """`decode_load`: this server's decode's load (None: unknown, read as room left);
+        """`render_max_chars`: the longest request rendered here (`_render`; 0: none);
+        `decode_load`: this server's decode's load (None: unknown, read as room left);
         with `local_prefill_when_idle`, while it reads idle decode prefills a plain prompt
         itself. `clock`: what times the bursts after a prompt decode prefilled (`_decode_prefills`)."""
         self.planner = planner
@@ -217,6 +225,7 @@ class ChatFlow:
         self.speller = TokenSpeller(renderer.tokenizer)
         self.render_rate = render_rate or RenderRate.calibrate(self._render_ids)
         self.stall_timeout_s = stall_timeout_s  # longest wait for decode's next response
+        self.render_max_chars = render_max_chars
         self.decode_load = decode_load
         self.local_prefill_when_idle = local_prefill_when_idle
         self.clock = clock
@@ -233,8 +242,9 @@ class ChatFlow:
         environ: Mapping[str, str] | None = None,
     ) -> ChatFlow:
         """The flow as a server's settings configure it (gate policy, handoff key and TTL,
-        connector; `environ`: the process environment unless given); the renderer here only
-        checks sizes, spells prefill's first token and calibrates the render rate."""
+        connector; `environ`: the process environment unless given); the renderer here
+        renders short requests, checks sizes, spells prefill's first token and calibrates
+        the render rate."""
         env = os.environ if environ is None else environ
         load_xgrammar()  # requests are parsed on chat's event loop: no import there
         renderer = load_renderer(model_dir, served_name, parameters)
@@ -254,6 +264,7 @@ class ChatFlow:
             kv_connector(parameters, env),
             observer,
             stall_timeout_s=stall_timeout_s,
+            render_max_chars=CHAT_RENDER_MAX_CHARS.get(parameters, env),
             decode_load=DecodeLoad(server_directory(os.getppid())),
             local_prefill_when_idle=LOCAL_PREFILL_WHEN_IDLE.get(parameters, env),
         )
@@ -285,9 +296,7 @@ class ChatFlow:
                 )
                 await self._relay(stages, call, taken=admission.spend)
             return
-        self.renderer.check_size(chat)  # before the text crosses to the renderer
-        request_json = chat.to_json()
-        rendered = await stages.render(request_json, self.seal.seal_request(request_json))
+        rendered = await self._render(chat, stages)
         self.render_rate.observe(rendered.render_s, len(rendered.prompt_token_ids))
         ids, params_text = rendered.prompt_token_ids, rendered.params_text
         params = GenerationParams.from_json(params_text)
@@ -313,6 +322,27 @@ class ChatFlow:
             sent = _send_first_output(stages, prefilled)  # the client has it before decode starts
             call = DecodeCall(ids, params, params_text, prefilled.seal, prefilled.kv_handle, first_output_sent=sent)
             await self._relay(stages, call)
+
+    async def _render(self, chat: ChatRequest, stages: ChatStages) -> Rendered:
+        """`chat` rendered and sealed for prefill and decode: here when it is short
+        (`render_max_chars`) and has no chat_template of its own, so its first token skips
+        the renderer's round trip; else by the renderer model.
+
+        NOTE: a render here runs on chat's event loop, unbounded in time: only the server's
+        own template, over a bounded text. A request's template, or a long text, goes to
+        the renderer, which bounds each render (render_timeout_s) beside chat's work."""
+        chars = self.renderer.check_size(chat)  # before any render, or the text crossing to the renderer
+        here = 0 < self.render_max_chars and chars <= self.render_max_chars
+        if not here or REQUEST_TEMPLATE in chat.chat_template_kwargs:
+            request_json = chat.to_json()
+            return await stages.render(request_json, self.seal.seal_request(request_json))
+        started = time.perf_counter()
+        prompt = self.renderer.render(chat)
+        ids = np.asarray(prompt.prompt_token_ids, dtype=np.int32)
+        params_text = prompt.params.to_json()
+        rendered = Rendered(ids, params_text, self.seal.seal_prompt(ids, params_text), time.perf_counter() - started)
+        self.observer.rendered()
+        return rendered
 
     def _decode_prefills(self, ids: np.ndarray) -> bool:
         """Whether decode prefills this plain prompt itself: decode holds no sequence

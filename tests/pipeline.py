@@ -30,17 +30,21 @@ _END = object()
 
 
 class CountingObserver:
-    """The gate's outcomes, counted."""
+    """The gate's outcomes and chat's own renders, counted."""
 
     def __init__(self) -> None:
         self.accepted_count = 0
         self.rejections: list[str] = []
+        self.rendered_count = 0
 
     def accepted(self, seconds_saved: float) -> None:
         self.accepted_count += 1
 
     def rejected(self, reason: str) -> None:
         self.rejections.append(reason)
+
+    def rendered(self) -> None:
+        self.rendered_count += 1
 
 
 class LocalPipeline:

@@ -115,9 +115,10 @@ def computed_since(server, before: dict[str, float], tokens: int, timeout: float
 
 
 def chat_renders(server) -> float:
-    """Chat requests the server's renderer rendered: not its executions, which also answer the
-    /tokenize calls vllm-router makes to every worker's front."""
-    return metric(server, "pdchat_requests_parsed_total", model="renderer")
+    """Chat prompts the server rendered, by chat itself (short requests) or its renderer: not
+    the renderer's executions, which also answer the /tokenize calls vllm-router makes to
+    every worker's front."""
+    return metric(server, "pdchat_prompts_rendered_total")
 
 
 def executions(server, model: str) -> int:

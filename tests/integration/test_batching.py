@@ -11,7 +11,7 @@ import pytest
 from pdchat.clients.chat import ChatError, GrpcChat, chat_inputs, collect
 from pdchat.core.errors import ErrorCode
 from tests.conversations import CONVERSATIONS
-from tests.integration.helpers import executions, metric, wait_for
+from tests.integration.helpers import chat_renders, metric, wait_for
 
 
 def bodies() -> list[dict]:
@@ -98,7 +98,7 @@ def test_a_long_prompts_prefill_does_not_hold_up_the_next_prompt(server):
     }
     short_body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0, "stream": True}
     finished: list[str] = []
-    rendered = executions(server, "renderer")
+    rendered = chat_renders(server)
 
     def ask(name: str, body: dict) -> None:
         client = GrpcChat(server.grpc_url)
@@ -110,7 +110,7 @@ def test_a_long_prompts_prefill_does_not_hold_up_the_next_prompt(server):
 
     long_request = threading.Thread(target=ask, args=("long", long_body))
     long_request.start()
-    assert wait_for(lambda: executions(server, "renderer") > rendered, timeout=60), "the long prompt was not rendered"
+    assert wait_for(lambda: chat_renders(server) > rendered, timeout=60), "the long prompt was not rendered"
     ask("short", short_body)  # the long prompt is now prefilling (or about to, in its lane)
     long_request.join(300)
     assert finished == ["short", "long"]

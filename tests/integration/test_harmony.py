@@ -15,7 +15,7 @@ from pdchat.launcher import PDStack
 from tests.conversations import WEATHER_TOOL as WEATHER
 from tests.integration.adversarial import ADVERSARIAL
 from tests.integration.conftest import TEST_POOLS, in_background
-from tests.integration.helpers import ask, executions, metric, refusal, router_answer, summary
+from tests.integration.helpers import ask, chat_renders, metric, refusal, router_answer, summary
 
 CHAT = "chat"
 DATE = "2026-11-30"
@@ -95,11 +95,11 @@ def test_render_and_reuse_paths_give_identical_answers(stack, clients, case):
         for stream in (False, True):
             request = {**body, "stream": stream}
             handed = prefill(clients, body)
-            renders = executions(stack.decode, "renderer")
+            renders = chat_renders(stack.decode)
             reused = ask(clients[protocol], request, **forwarded(handed))
-            assert executions(stack.decode, "renderer") == renders, "the reuse path ran the renderer"
+            assert chat_renders(stack.decode) == renders, "the reuse path ran the renderer"
             rendered = ask(clients[protocol], request)
-            assert executions(stack.decode, "renderer") == renders + 1
+            assert chat_renders(stack.decode) == renders + 1
             assert reused.prompt_token_ids == rendered.prompt_token_ids == handed.prompt_token_ids
             assert summary(reused) == summary(rendered), (protocol, stream)
             seen.append(summary(rendered))
@@ -128,12 +128,12 @@ def test_pd_through_the_router_equals_monolithic(stack, clients, case, stream):
     body = {"max_tokens": 12, "temperature": 0, "return_token_ids": True, "stream": stream, **CASES[case]}
     expected = summary(ask(clients["grpc"], body))
     pulled = metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled")
-    renders = executions(stack.decode, "renderer")
+    renders = chat_renders(stack.decode)
     answer = router_answer(stack, body)
     assert metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled") == pulled + 1, (
         "decode did not use prefill's KV"
     )
-    assert executions(stack.decode, "renderer") == renders, "decode rendered the prompt again"
+    assert chat_renders(stack.decode) == renders, "decode rendered the prompt again"
     assert answer["ids"] == expected["ids"]
     assert (answer["content"], answer["reasoning"], answer["tool_calls"], answer["finish_reason"]) == (
         expected["content"],

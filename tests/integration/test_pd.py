@@ -22,6 +22,7 @@ from tests.integration.conftest import TEST_POOLS, in_background
 from tests.integration.helpers import (
     StreamReader,
     answers_of,
+    chat_renders,
     executions,
     metric,
     post,
@@ -194,11 +195,11 @@ def test_openai_client_gets_top_logprobs_through_the_router(stack, monolithic_sa
 
 
 def test_decode_never_renders_and_prefill_never_decodes(stack):
-    before = executions(stack.decode, "renderer"), executions(stack.prefill, "decode")
+    before = chat_renders(stack.decode), executions(stack.prefill, "decode")
     pulled = metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled")
     for case in ("single_turn", "long_prompt"):
         router_answer(stack, {"max_tokens": 4, "temperature": 0, **PARITY_CASES[case]})
-    assert (executions(stack.decode, "renderer"), executions(stack.prefill, "decode")) == before
+    assert (chat_renders(stack.decode), executions(stack.prefill, "decode")) == before
     assert metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled") == pulled + 2
     assert held_kv(stack) == 0
 
@@ -243,13 +244,13 @@ def test_a_vllm_style_proxy_sending_json_only_gets_the_monolithic_answer(stack, 
         )
         params = answer.response["kv_transfer_params"]
         assert params["do_remote_prefill"] and params["prompt_token_ids"] == answer.prompt_token_ids
-        renders = executions(stack.decode, "renderer")
+        renders = chat_renders(stack.decode)
         result = collect(decode.stream(chat_inputs({**body, "kv_transfer_params": params})))
     finally:
         prefill.close()
         decode.close()
     assert result.output_token_ids == monolithic_answers["multi_turn"].output_token_ids
-    assert executions(stack.decode, "renderer") == renders
+    assert chat_renders(stack.decode) == renders
 
 
 def test_unknown_fields_and_client_kv_transfer_params_are_400s_from_the_router(stack):
@@ -317,7 +318,7 @@ def test_expired_kv_is_recomputed_from_the_ids_without_rendering(stack):
         lambda: metric(stack.prefill, "pdchat_kv_held_bytes") == 0, timeout=KV_TTL_S + 5
     )  # its sweeper freed it
     assert held_kv(stack) == 0
-    renders = executions(stack.decode, "renderer")
+    renders = chat_renders(stack.decode)
     recomputed = metric(stack.decode, "pdchat_kv_pulls_total", outcome="recomputed")
     result = collect(
         decode.stream(
@@ -325,7 +326,7 @@ def test_expired_kv_is_recomputed_from_the_ids_without_rendering(stack):
         )
     )
     assert result.output_token_ids == collect(decode.stream(chat_inputs(body))).output_token_ids
-    assert executions(stack.decode, "renderer") == renders + 1  # only the comparison rendered
+    assert chat_renders(stack.decode) == renders + 1  # only the comparison rendered
     assert metric(stack.decode, "pdchat_kv_pulls_total", outcome="recomputed") == recomputed + 1
     prefill.close()
     decode.close()
@@ -382,8 +383,8 @@ def test_a_pd_request_is_parsed_once_per_process_and_the_handoff_forwarded_as_se
     forwarded = [d for d in decodes if any(key in str(d) for key in ('"messages"', "chat.completion", '"signature"'))]
     assert forwarded == [], "the router re-parsed JSON it forwards"
     assert all(o[-1].finish_reason for o in outputs) and router.stats.disaggregated == 2
-    # chat parses the client's JSON; its renderer decodes the canonical form chat hands it; decode's renderer never runs.
-    assert [parsed(*where) for where in counted] == [b + d for b, d in zip(before, [2, 2, 0, 2, 0], strict=True)]
+    # chat parses the client's JSON and renders it (a short request); no renderer parses it again.
+    assert [parsed(*where) for where in counted] == [b + d for b, d in zip(before, [2, 0, 0, 2, 0], strict=True)]
 
 
 def test_the_baseline_mode_renders_on_decode_and_gives_the_reuse_answer(stack, monolithic_answers):
@@ -394,10 +395,10 @@ def test_the_baseline_mode_renders_on_decode_and_gives_the_reuse_answer(stack, m
     answers = {}
     for forward_ids in (True, False):
         router = PDRouter([stack.prefill.grpc_url], [stack.decode.grpc_url], forward_ids=forward_ids)
-        renders = executions(stack.decode, "renderer")
+        renders = chat_renders(stack.decode)
         pulled = metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled")
         answers[forward_ids] = collect(router.chat(body))
-        assert executions(stack.decode, "renderer") == renders + (0 if forward_ids else 1)
+        assert chat_renders(stack.decode) == renders + (0 if forward_ids else 1)
         assert (
             metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled") == pulled + 1
         )  # the transferred KV, both ways

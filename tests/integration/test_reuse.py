@@ -16,7 +16,7 @@ from pdchat.clients.chat import GrpcChat, HttpChat, chat_inputs
 from tests.conversations import PARITY_CASES, SAMPLING_CASES, chat_body
 from tests.integration.adversarial import ADVERSARIAL
 from tests.integration.conftest import SHORT_TTL_S
-from tests.integration.helpers import answers_of, ask, executions, metric, refusal, responses, summary
+from tests.integration.helpers import answers_of, ask, chat_renders, metric, refusal, responses, summary
 from tests.logprobs import assert_logprobs_close, logprobs_of
 
 CHAT = "chat"
@@ -136,7 +136,7 @@ def test_ids_inside_kv_transfer_params_vllm_style_are_reused_too(clients):
 def test_reuse_skips_the_renderer_and_the_render_path_runs_it(decode_server, clients):
     body = chat_body("system_prompt", max_tokens=4, temperature=0)
     handoffs = [prefill(clients["grpc"], body) for _ in range(3)]
-    before = executions(decode_server, "renderer")
+    before = chat_renders(decode_server)
     for handed in handoffs:
         ask(
             clients["grpc"],
@@ -144,9 +144,9 @@ def test_reuse_skips_the_renderer_and_the_render_path_runs_it(decode_server, cli
             prompt_token_ids=handed.prompt_token_ids,
             kv_transfer_params=handed.kv_transfer_params,
         )
-    assert executions(decode_server, "renderer") == before
+    assert chat_renders(decode_server) == before
     ask(clients["grpc"], body)
-    assert executions(decode_server, "renderer") == before + 1
+    assert chat_renders(decode_server) == before + 1
 
 
 @pytest.mark.parametrize("case", sorted(ADVERSARIAL))

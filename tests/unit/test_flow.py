@@ -46,15 +46,57 @@ def remote_prefill(prefill_server, **fields):
 def test_forwarded_ids_skip_the_renderer_and_answer_as_rendering_does(prefill_server, decode_server, monkeypatch):
     answer, kv_transfer_params = remote_prefill(prefill_server)
     assert answer.finish_reason and len(answer.output_token_ids) == 1
+    renders_before = decode_server.observer.rendered_count
     rendered = decode_server.run(chat())[-1]
+    assert decode_server.observer.rendered_count == renders_before + 1  # a short request: chat renders it
     renders = []
     monkeypatch.setattr(LocalStages, "render", lambda *args: renders.append(args))
     ids = np.asarray(answer.prompt_token_ids, dtype=np.int32)
     reused = decode_server.serve(ChatInputs(chat(), ids, kv_transfer_params))
     assert reused.route is Route.REUSE and renders == []
+    assert decode_server.observer.rendered_count == renders_before + 1
     assert reused.outputs[-1].output_token_ids == rendered.output_token_ids
     assert reused.outputs[-1].output_token_ids[0] == answer.output_token_ids[0]  # prefill's first token, kept
     assert decode_server.observer.accepted_count == 1
+
+
+def test_chat_renders_short_requests_itself_and_sends_the_others_to_the_renderer(tiny_model_dir, monkeypatch):
+    """Over chat_render_max_chars, or with a chat_template of its own, a request goes to the
+    renderer stage; either way the answer is the same, token for token."""
+    template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    server = LocalPipeline(
+        tiny_model_dir, parameters={"allow_request_templates": "true", "chat_render_max_chars": "40"}
+    )
+    to_renderer = []
+    real_render = LocalStages.render
+
+    async def counted(self, request_json, seal):
+        to_renderer.append(request_json)
+        return await real_render(self, request_json, seal)
+
+    monkeypatch.setattr(LocalStages, "render", counted)
+    short = "x" * 40
+    cases = [
+        (chat(messages=[{"role": "user", "content": short}]), False),
+        (chat(messages=[{"role": "user", "content": short + "y"}]), True),
+        (chat(messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={"chat_template": template}), True),
+    ]
+    for request, by_renderer in cases:
+        renders, sent = server.observer.rendered_count, len(to_renderer)
+        here = server.run(request)
+        assert (len(to_renderer) - sent, server.observer.rendered_count - renders) == (
+            int(by_renderer),
+            int(not by_renderer),
+        )
+        assert here[-1].output_token_ids == renderer_stage_answer(tiny_model_dir, request)
+
+
+def renderer_stage_answer(model_dir, request) -> list[int]:
+    """The answer's tokens where every render goes to the renderer stage (chat_render_max_chars 0)."""
+    server = LocalPipeline(model_dir, parameters={"allow_request_templates": "true", "chat_render_max_chars": "0"})
+    answer = server.run(request)
+    assert server.observer.rendered_count == 0
+    return answer[-1].output_token_ids
 
 
 def test_signed_kv_without_the_ids_renders_and_uses_the_kv(prefill_server, decode_server):

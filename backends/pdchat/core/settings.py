@@ -49,14 +49,19 @@ def _number(text: str) -> float:
     return value
 
 
-def _integer(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError("must be an integer") from None
-    if value <= 0:
-        raise ValueError("must be positive")
-    return value
+def _integer_from(least: int) -> Callable[[str], int]:
+    """Parses an integer of at least `least` (1: positive, 0: not negative)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError("must be an integer") from None
+        if value < least:
+            raise ValueError("must be positive" if least == 1 else f"must be {least} or more")
+        return value
+
+    return parse
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -110,7 +115,8 @@ def _names(text: str) -> tuple[str, ...]:
 NAMES: Kind[tuple[str, ...]] = Kind("names separated by commas", _names)
 PATH: Kind[str] = Kind("a path (~ expands)", os.path.expanduser)
 NUMBER: Kind[float] = Kind("a positive number", _number)
-INTEGER: Kind[int] = Kind("a positive integer", _integer)
+INTEGER: Kind[int] = Kind("a positive integer", _integer_from(1))
+COUNT: Kind[int] = Kind("an integer, 0 or more", _integer_from(0))
 FLAG: Kind[bool] = Kind(f"a boolean: {', '.join(_TRUE)} or {', '.join(_FALSE)}", _flag)
 
 
@@ -343,6 +349,18 @@ LOCAL_PREFILL_WHEN_IDLE = Setting(
     "its first token skips prefill's call and the KV copy between the two (tiny, c=1: TTFT p50 -17%). Requests "
     "served together still go to `prefill`. Off by default: in the same runs c=4 served 14% fewer tokens/s "
     "(docs/benchmarks.md#an-idle-decode-prefills-a-lone-prompt). Forwarded ids and P/D prefill legs are not affected.",
+)
+CHAT_RENDER_MAX_CHARS = Setting(
+    "chat_render_max_chars",
+    "chat_render_max_chars",
+    "PDCHAT_CHAT_RENDER_MAX_CHARS",
+    "8192",
+    COUNT,
+    ("chat",),
+    "Longest request (in the characters its render writes: contents, reasoning, tool calls, tools) that chat renders "
+    "itself instead of calling the renderer model, so its first token skips that round trip. Longer requests, and "
+    "any with a chat_template of its own, go to the renderer, which bounds each render by render_timeout_s and "
+    "runs beside chat. 0: every request goes to the renderer (docs/architecture.md#request-flow).",
 )
 MAX_REQUEST_BYTES = Setting(
     "max_request_bytes",
@@ -860,6 +878,11 @@ def compile_options(parameters: dict[str, str], environ: os._Environ | dict | No
 def stage_lanes(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> int:
     """chat's lanes for blocking BLS calls to renderer and prefill (STAGE_LANES)."""
     return STAGE_LANES.get(parameters, environ)
+
+
+def chat_render_max_chars(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> int:
+    """Longest request chat renders itself; 0: none (CHAT_RENDER_MAX_CHARS)."""
+    return CHAT_RENDER_MAX_CHARS.get(parameters, environ)
 
 
 def allow_request_templates(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> bool:

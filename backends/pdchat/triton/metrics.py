@@ -41,9 +41,29 @@ class _Metric:
             self._metric.observe(value)
 
 
+class RenderMetrics:
+    """Chat prompts rendered (chat template + tokenizer), by the model that rendered them:
+    chat renders short requests itself, the renderer the others and its own clients'."""
+
+    def __init__(self, model_name: str):
+        self._family = _counter(
+            "pdchat_prompts_rendered_total", "Chat prompts rendered, by the model that rendered them"
+        )
+        self._rendered = _Metric(self._family, {"model": model_name})
+
+    def rendered(self) -> None:
+        self._rendered.increment(1)
+
+    def close(self) -> None:
+        del self._rendered, self._family
+
+
 class HandoffMetrics:
+    """The gate's outcomes and the render time they saved, and chat's own renders."""
+
     def __init__(self, model_name: str):
         self._labels = {"model": model_name}
+        self._renders = RenderMetrics(model_name)
         # The families must outlive their metrics: keep references to both.
         self._outcomes = _counter(
             "pdchat_forwarded_ids_total", "Requests with forwarded prompt token ids, by outcome and rejection reason"
@@ -68,8 +88,12 @@ class HandoffMetrics:
     def rejected(self, reason: str) -> None:
         self._outcome("rejected", reason).increment(1)
 
+    def rendered(self) -> None:
+        self._renders.rendered()
+
     def close(self) -> None:
         """Drop metrics before their families, as the python backend requires."""
+        self._renders.close()
         self._by_outcome.clear()
         del self._skipped, self._saved
         del self._outcomes, self._skipped_family, self._saved_family

@@ -2,10 +2,12 @@
 
 Takes the client contract (chat_ensemble's first step, or a client calling it directly)
 or, from `chat`, the ChatRequest chat parsed already (`chat_request`, sealed by chat),
-so a request is parsed once per process. Its ids and generation params leave sealed:
-prefill and decode take no others. It also answers the router's /tokenize and /detokenize
-(`tokenize_request`, `detokenize_request`: vLLM's JSON in and out, `pdchat.core.request.tokenize`),
-a chat tokenized by the same `render()` as a chat request.
+so a request is parsed once per process. chat renders short requests itself and sends
+this model the long ones and those with a chat_template of their own (ensemble.flow).
+Its ids and generation params leave sealed: prefill and decode take no others. It also
+answers the router's /tokenize and /detokenize (`tokenize_request`, `detokenize_request`:
+vLLM's JSON in and out, `pdchat.core.request.tokenize`), a chat tokenized by the same
+`render()` as a chat request.
 """
 
 import json
@@ -21,7 +23,7 @@ from pdchat.core.settings import keep_off_decode_cpus, max_request_bytes
 from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
 from pdchat.triton import io
-from pdchat.triton.metrics import ParseMetrics
+from pdchat.triton.metrics import ParseMetrics, RenderMetrics
 from pdchat.triton.server_watch import exit_with_server
 
 
@@ -36,12 +38,14 @@ class TritonPythonModel:
         self.max_request_bytes = max_request_bytes(parameters)
         self.seal = StageSeal.for_this_server()
         self.parses = ParseMetrics(args["model_name"])
+        self.renders = RenderMetrics(args["model_name"])
 
     def execute(self, requests):
         return [self._render(request) for request in requests]
 
     def finalize(self):
         self.parses.close()
+        self.renders.close()
 
     def _render(self, request):
         try:
@@ -52,6 +56,7 @@ class TritonPythonModel:
             params = rendered.params.to_json()
         except Exception as exc:  # noqa: BLE001 - every failure goes back to its client
             return io.error_response(exc)
+        self.renders.rendered()
         return pb_utils.InferenceResponse(
             output_tensors=[
                 io.int32_tensor(tensors.PROMPT_TOKEN_IDS, rendered.prompt_token_ids),

@@ -69,9 +69,10 @@ class PromptRenderer:
         # seconds of tokenizer time (which no alarm can interrupt) on the renderer's one lane.
         self.max_prompt_chars = self.context_length * MAX_CHARS_PER_TOKEN
 
-    def check_size(self, request: ChatRequest) -> None:
+    def check_size(self, request: ChatRequest) -> int:
         """Refuse, before any template or tokenizer work, a request whose rendered text cannot
-        fit the context: every field a render writes counts (contents, reasoning, tool calls, tools)."""
+        fit the context: every field a render writes counts (contents, reasoning, tool calls,
+        tools). Returns the characters counted."""
         chars = sum(len(text) for text in rendered_texts(request))
         if chars > self.max_prompt_chars:
             what = "the messages and tools hold" if request.prompt is None else "the prompt holds"
@@ -79,6 +80,7 @@ class PromptRenderer:
                 f"{what} {chars} characters; no prompt over {self.max_prompt_chars} "
                 f"fits this model's context of {self.context_length} tokens"
             )
+        return chars
 
     def render(self, request: ChatRequest) -> RenderedPrompt:
         self.check_size(request)
