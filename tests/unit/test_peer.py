@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from pdchat.clients.peer import WARM_SEED, prompt_seed, round_order
+from pdchat.clients.peer import WARM_SEED, paired_ratios, prompt_seed, round_order, schedule
 
 
 def _offsets(seed: int, prompts: int, vocab: int = 49152) -> list[int]:
@@ -36,3 +36,20 @@ def test_each_system_runs_first_once_over_as_many_rounds_as_systems():
     assert [order[0] for order in orders] == systems
     assert [order[-1] for order in orders] == ["pdchat-pd", "vllm", "pdchat"]
     assert round_order(systems, 3) == systems
+
+
+def test_the_runs_compared_follow_each_other_and_every_system_gets_every_run():
+    runs = schedule(["vllm", "pdchat", "pdchat-pd"], [1, 16], 2)
+    assert runs[:3] == [(0, 1, "vllm"), (0, 1, "pdchat"), (0, 1, "pdchat-pd")]
+    assert runs[3:6] == [(0, 16, "vllm"), (0, 16, "pdchat"), (0, 16, "pdchat-pd")]
+    assert [name for _, _, name in runs[6:9]] == ["pdchat", "pdchat-pd", "vllm"]  # turned by one
+    assert sorted(runs) == sorted({(r, c, s) for r in (0, 1) for c in (1, 16) for s in ("vllm", "pdchat", "pdchat-pd")})
+
+
+def test_paired_ratios_compare_each_round_with_the_vllm_run_beside_it():
+    keys = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "tpot_p50_ms")
+    ours = {"rounds": [dict.fromkeys(keys, 90.0), dict.fromkeys(keys, 200.0), dict.fromkeys(keys, 110.0)]}
+    theirs = {"rounds": [dict.fromkeys(keys, 100.0), dict.fromkeys(keys, 100.0), dict.fromkeys(keys, 100.0)]}
+    ratios = paired_ratios(ours, theirs)
+    assert ratios["output_tok_s"]["rounds"] == [0.9, 2.0, 1.1]
+    assert ratios["ttft_p50_ms"]["median"] == 1.1
