@@ -278,16 +278,16 @@ def run(args: argparse.Namespace) -> None:
     rounds: dict[str, dict] = {}  # model -> system -> concurrency -> each round's measurements
     for model in args.models:
         model_dir = embedded.ensure_model(model)
-        systems: dict[str, System] = {}
+        running: dict[str, System] = {}
         try:
             for name in args.systems:
                 print(f"{model}: starting {name}", file=sys.stderr, flush=True)
-                systems[name] = System(name, model, model_dir, vllm, log_dir)
-                systems[name].start()
-                bench_serve(vllm, systems[name], args, 1, 4, WARM_SEED)  # warm: first-call compilation, caches
+                running[name] = System(name, model, model_dir, vllm, log_dir)
+                running[name].start()
+                bench_serve(vllm, running[name], args, 1, 4, WARM_SEED)  # warm: first-call compilation, caches
             for round_, concurrency, name in schedule(args.systems, args.concurrency, args.rounds):
                 prompts = max(args.min_prompts, args.prompts_per_stream * concurrency)
-                measured = measure(vllm, systems[name], args, concurrency, prompts, prompt_seed(round_, concurrency))
+                measured = measure(vllm, running[name], args, concurrency, prompts, prompt_seed(round_, concurrency))
                 rounds.setdefault(model, {}).setdefault(name, {}).setdefault(str(concurrency), []).append(measured)
                 print(
                     f"{model} round {round_ + 1} of {args.rounds}, c={concurrency}, {name}: "
@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> None:
                     flush=True,
                 )
         finally:
-            for system in systems.values():
+            for system in running.values():
                 system.stop()
     results = {
         model: {name: {c: median_of(runs) for c, runs in by_c.items()} for name, by_c in systems.items()}
