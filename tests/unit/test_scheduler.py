@@ -347,3 +347,55 @@ def test_a_job_that_comes_and_goes_between_two_reports_gets_the_idle_state_repor
     scheduler.close()
     idle = [s for s in states if s.running == 0 and s.waiting == 0]
     assert len(idle) == 2, states
+
+
+def wait_until(condition, timeout_s=5.0):
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return True
+        threading.Event().wait(0.01)
+    return False
+
+
+def test_a_local_prefill_takes_the_idle_cores_only_while_no_row_runs_and_steps_keep_the_base():
+    from pdchat.core.generation.pass_threads import PassThreads
+
+    threads = [1]  # what the engine's passes run on now
+    seen = []  # (what ran, on how many threads)
+
+    class Watched(CountingGeneration):
+        def prefill_step(self):
+            seen.append((f"{self.name} chunk", threads[0]))
+            return super().prefill_step()
+
+    class WatchedBatch(RecordingBatch):
+        def step_rows(self, token_ids, greedy):
+            seen.append(("step", threads[0]))
+            return super().step_rows(token_ids, greedy)
+
+    class OneCoreIdle:
+        def since_last(self):
+            return 1.0
+
+    pass_threads = PassThreads(1, 2, OneCoreIdle(), lambda n: threads.__setitem__(0, n), min_window_s=0)
+    scheduler = DecodeScheduler(WatchedBatch(), Limits(), pass_threads=pass_threads)
+    recorder = Recorder()
+    try:
+        scheduler.submit(recorder.job(Watched("p", 3, prefill_chunks=2)))  # alone
+        assert wait_until(lambda: "p:end" in recorder.events)
+        gate = threading.Event()
+        running = CountingGeneration("a", 50)
+
+        def held_start():  # the loop waits here until q is queued too
+            gate.wait()
+            return running
+
+        scheduler.submit(DecodeJob("a", held_start, lambda d: None, lambda e: None, lambda: None))
+        scheduler.submit(recorder.job(Watched("q", 2, prefill_chunks=2)))
+        gate.set()
+        assert wait_until(lambda: "q:end" in recorder.events and running.finished)
+    finally:
+        scheduler.close()
+    assert seen[:2] == [("p chunk", 2), ("p chunk", 2)], "a lone prompt's chunks take the idle core"
+    assert [n for name, n in seen if name == "q chunk"] == [1, 1], "a chunk beside a running row keeps the base"
+    assert {n for name, n in seen if name == "step"} == {1}, "every decode step keeps the base"

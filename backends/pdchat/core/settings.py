@@ -252,11 +252,13 @@ PREFILL_THREADS_WHEN_IDLE = Setting(
     "PDCHAT_PREFILL_THREADS_WHEN_IDLE",
     "auto",
     or_auto(INTEGER),
-    ("prefill",),
-    "The most torch threads a prompt's pass in prefill takes: before each pass it adds one to torch_threads per "
-    "core of its own that sat idle since the pass before (/proc/stat; 0.6 of a core counts), so a lone prompt "
-    "on a quiet server takes the cores decode leaves free, and a busy server's passes keep torch_threads. auto: "
-    "every core this process may run on; torch_threads or fewer: off (docs/batching.md#prefill).",
+    ("prefill", "decode"),
+    "The most torch threads a prompt's pass takes. prefill adds one to torch_threads before each pass per core of "
+    "its own that sat idle since the pass before (/proc/stat; 0.6 of a core counts), so a lone prompt on a quiet "
+    "server takes the cores decode leaves free, and a busy server's passes keep torch_threads. decode takes them "
+    "all for a prompt it prefills itself while no row runs (chat sends it one only while the server is idle: "
+    "local_prefill_when_idle); its steps keep torch_threads. auto: every core this process may run on; "
+    "torch_threads or fewer: off (docs/batching.md#prefill).",
 )
 
 

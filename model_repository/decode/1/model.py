@@ -27,10 +27,11 @@ from pdchat import tensors
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.generation.engine import DecodeBatch
 from pdchat.core.generation.generation import TextModel
+from pdchat.core.generation.pass_threads import PassThreads
 from pdchat.core.generation.sampling import Choice
 from pdchat.core.generation.scheduler import DecodeJob, DecodeScheduler, Limits
 from pdchat.core.kv.connector import Connectors, KVHandover, KVUnavailable
-from pdchat.core.settings import batching_options, keep_off_decode_cpus, kv_options
+from pdchat.core.settings import batching_options, keep_off_decode_cpus, kv_options, prefill_threads_when_idle
 from pdchat.ensemble.decode_load import LoadSlot
 from pdchat.ensemble.seal import StageSeal, server_directory
 from pdchat.models import resolve_model
@@ -98,6 +99,12 @@ class TritonPythonModel:
         self.load = LoadSlot(
             server_directory(os.getppid()), args["model_instance_name"], limits.kv_blocks * limits.block_tokens
         )
+        # chat gives decode a prompt to prefill only while the server is idle (local_prefill_when_idle),
+        # so its chunks take every core while no row runs (none when decode_cpus binds the scheduler).
+        lone_prompt_threads = None
+        if cpus is None:
+            most = prefill_threads_when_idle(parameters)
+            lone_prompt_threads = PassThreads.for_engine(self.model.engine, most, watch_cores=False)
         self.scheduler = DecodeScheduler(
             DecodeBatch(self.model.engine),
             limits,
@@ -105,6 +112,7 @@ class TritonPythonModel:
             on_load=self.load.set,
             on_emitted=functools.partial(self.outbox.call, self.feeds.flush),
             cpus=cpus and cpus.decode,
+            pass_threads=lone_prompt_threads,
         )
         if cpus is not None:
             log.info("%s: %s (setting decode_cpus)", args["model_instance_name"], cpus.describe())

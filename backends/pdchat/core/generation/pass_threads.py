@@ -7,7 +7,9 @@ while its pass runs, and that pass is most of its first token's time. So before 
 prefill looks at how busy its cores were since the pass before (`/proc/stat`) and takes one
 more thread per core that sat idle, up to `most` (IDLE_CORE of a core counts as one: at
 concurrency 1 decode streams the answer before on the other core meanwhile). Under load
-the cores are busy and a pass keeps its threads.
+the cores are busy and a pass keeps its threads. Decode prefills a lone prompt itself only
+while the server is idle (local_prefill_when_idle): its chunks take `most` while no row
+runs, without looking (`watch_cores=False`), and its steps keep `base`.
 
 The pass's numbers do not change with its threads: oneDNN's GEMMs and torch's attention
 split their work by rows and heads, never a sum (tests/unit/test_pass_threads.py checks the
@@ -69,6 +71,16 @@ class IdleCores:
         return len(self._cpus) * (now[0] - last[0]) / (now[1] - last[1])
 
 
+class _AllIdle:
+    """IdleCores' answer for a caller that knows its cores idle: all of them."""
+
+    def __init__(self, cores: int):
+        self._cores = cores
+
+    def since_last(self) -> float:
+        return float(self._cores)
+
+
 # The share of a core that must have sat idle to count as one: at concurrency 1 on 2 cores
 # 0.64-0.81 of a core sits idle between passes, at 4 up to 0.55, at 16 about 0.1.
 IDLE_CORE = 0.6
@@ -103,15 +115,19 @@ class PassThreads:
         self._decided_at: float | None = None
 
     @classmethod
-    def for_engine(cls, engine: CausalLM, most: int) -> PassThreads:
+    def for_engine(cls, engine: CausalLM, most: int, *, watch_cores: bool = True) -> PassThreads:
         """torch's threads now (the stage's) as `base`, over the cores this process may run
         on (its affinity), set through `engine.set_threads` (torch's and its C kernels'); on
-        CPU only (elsewhere `most` is `base`)."""
+        CPU only (elsewhere `most` is `base`). `watch_cores=False`: every pass takes `most`,
+        for a caller that passes only when it knows the host idle (decode's prefill of a
+        lone prompt: /proc/stat's window since its pass before holds the answer it streamed)."""
         import torch
 
         base = torch.get_num_threads()
         most = most if engine.device == "cpu" else base
-        return cls(base, most, IdleCores(os.sched_getaffinity(0)), engine.set_threads)
+        cpus = os.sched_getaffinity(0)
+        idle = IdleCores(cpus) if watch_cores else _AllIdle(len(cpus))
+        return cls(base, most, idle, engine.set_threads)
 
     def before_pass(self) -> int:
         """The threads the next pass takes (set now if they changed)."""
@@ -126,3 +142,9 @@ class PassThreads:
             self._set_threads(threads)
             self.current = threads
         return threads
+
+    def at_base(self) -> None:
+        """Back to `base` threads (set now if the last pass took more)."""
+        if self.current != self.base:
+            self._set_threads(self.base)
+            self.current = self.base

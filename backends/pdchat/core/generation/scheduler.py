@@ -5,7 +5,8 @@ One thread owns the model. Each turn of its loop it
 2. admits queued requests while the limits allow (running sequences, reserved KV);
    a request that waits longer than `max_wait_s` gets UNAVAILABLE naming the limit;
 3. computes one chunk of one local prefill (a request decode prefills itself), so a long
-   prompt shares the thread with the others' steps instead of freezing them;
+   prompt shares the thread with the others' steps instead of freezing them (with
+   `pass_threads`, a chunk while no row runs takes the cores that sit idle too);
 4. emits each running request's pending token (requests that finish leave the batch
    at once, freeing their KV), then runs one forward pass for all the others.
 
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdchat.core.errors import Unavailable
+from pdchat.core.generation.pass_threads import PassThreads
 from pdchat.core.output.responses import Delta
 from pdchat.core.placement import bind_thread
 
@@ -124,6 +126,7 @@ class DecodeScheduler:
         on_emitted: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         cpus: frozenset[int] | None = None,
+        pass_threads: PassThreads | None = None,
     ):
         """`cpus`: the CPUs the scheduler's thread (and the torch threads it starts) runs on
         (pdchat.core.placement); None: wherever it was started. `on_load(held, queued)`: called
@@ -131,9 +134,13 @@ class DecodeScheduler:
         and those the last admission left queued for room (the limits), at the start and end
         of each pass, unthrottled: it must be cheap
         (pdchat.ensemble.decode_load.LoadSlot.set). `on_emitted()`: called on the scheduler's
-        thread once a step's outputs were handed to their jobs (`emit`), before its forward pass."""
+        thread once a step's outputs were handed to their jobs (`emit`), before its forward pass.
+        `pass_threads`: a local prefill's chunk takes the torch threads it says while no row
+        runs (idle cores join it: a lone prompt's first token comes sooner); every step, and
+        a chunk beside running rows, takes its `base`."""
         self._batch = batch
         self._cpus = cpus
+        self._pass_threads = pass_threads
         self._limits = limits
         self._on_state = on_state
         self._on_load = on_load
@@ -271,6 +278,8 @@ class DecodeScheduler:
         if not self._prefilling:
             return
         entry = self._prefilling[0]
+        if self._pass_threads is not None:  # more threads only where no row waits on the chunk
+            self._pass_threads.at_base() if self._running else self._pass_threads.before_pass()
         try:
             done = entry.decoding.prefill_step()
         except Exception as exc:  # noqa: BLE001
@@ -316,6 +325,8 @@ class DecodeScheduler:
         self._leave(ended)
         if not self._running:
             return
+        if self._pass_threads is not None:
+            self._pass_threads.at_base()
         try:
             # The greedy rows' tokens come with the step, decided for the batch at once.
             logits, argmax = self._batch.step_rows(
