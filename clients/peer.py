@@ -1,6 +1,7 @@
 """`bench peer`: pdchat beside vLLM's own CPU build, same machine, model and client.
 
-Every system is up at once and each run has the machine to itself (the others idle), driven
+Every system is up at once and each run has the machine to itself (the others idle; it
+starts once the CPUs are quiet: `wait_for_quiet_host`), driven
 by vLLM's own load generator (`vllm bench serve --backend openai-chat`, random prompts,
 `--ignore-eos`, temperature 0) at each concurrency; the runs compared follow each other
 (`schedule`: by round, then concurrency, then system). The systems: vLLM (`vllm serve`,
@@ -10,7 +11,8 @@ pdchat monolithic with decode's scheduler thread on a CPU of its own (setting
 decode_cpus=auto); with `pdchat-transformers`, pdchat monolithic on transformers' forward
 pass (setting forward=transformers: the step before pdchat's own).
 Every system gets the same prompts, none of which it served before (prompt_seed); with
-`--rounds`, each round turns the systems' order by one (round_order). Besides each
+`--rounds`, each round turns the systems' order by one, backwards in odd rounds
+(round_order). Besides each
 metric's median over rounds, pdchat's ratios to vLLM are given per round (a run against
 the vLLM run next to it) and their median (`paired_ratio_to_vllm`).
 The first run builds vLLM's venv under the pdchat cache (`--vllm-venv`): its wheel's
@@ -33,10 +35,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from pdchat.clients.report import OUT_DIR, plot, table, write_results
 from pdchat.clients.scaleout import start_front, stop_all
+from pdchat.core.generation.pass_threads import cpu_times, read_proc_stat
 from pdchat.core.settings import (
     DECODE_CPUS,
     DECODE_DIRECT,
@@ -67,19 +72,23 @@ SYSTEMS = (
     "pdchat-relay",
     "pdchat-pd-relay",
     "pdchat-local",
+    "pdchat-prefill",
 )
 # pdchat monolithic variants by the settings they run with: decode's scheduler thread on a
 # CPU of its own (decode_cpus), transformers' forward pass in place of pdchat's (forward),
 # decode's stream relayed by chat rather than taken from decode by the front (decode_direct),
-# an idle decode prefilling a lone request's prompt itself (local_prefill_when_idle).
+# an idle decode prefilling a lone request's prompt itself or every prompt prefill's (local_prefill_when_idle on, off).
 MONOLITHIC = {
     "pdchat": {},
     "pdchat-cpus": {DECODE_CPUS.env: "auto"},
     "pdchat-transformers": {FORWARD.env: "transformers"},
     "pdchat-relay": {DECODE_DIRECT.env: "false"},
     "pdchat-local": {LOCAL_PREFILL_WHEN_IDLE.env: "true"},
+    "pdchat-prefill": {LOCAL_PREFILL_WHEN_IDLE.env: "false"},
 }
 PD = {"pdchat-pd": {}, "pdchat-pd-relay": {DECODE_DIRECT.env: "false"}}  # P/D variants, as MONOLITHIC's
+# A run starts once the host's CPUs were busy less than this many cores over 0.2 s (wait_for_quiet_host).
+QUIET_CORES = 0.25
 WARM_SEED = 0  # the warm-up run's prompts; no measured run draws them (prompt_seed)
 
 
@@ -94,10 +103,37 @@ def prompt_seed(round_: int, concurrency: int) -> int:
 
 def round_order(systems: list[str], round_: int) -> list[str]:
     """The systems in the order round `round_` runs them: turned by one each round, so that
-    over as many rounds as systems each runs first once and a slow spell of the host does
-    not always land on the same one."""
+    a slow spell of the host does not always land on the same one, and backwards in odd
+    rounds, so that no system always runs right after the same one (what a system leaves
+    running as its run ends, such as vLLM's busy polling, falls on its successor)."""
     turn = round_ % len(systems)
-    return systems[turn:] + systems[:turn]
+    order = systems[turn:] + systems[:turn]
+    return order[::-1] if round_ % 2 else order
+
+
+def wait_for_quiet_host(
+    busy_below: float = QUIET_CORES,
+    window_s: float = 0.2,
+    most_s: float = 10.0,
+    read: Callable[[], str] = read_proc_stat,
+    cpus: Iterable[int] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> float:
+    """Wait until the host's CPUs were busy less than `busy_below` cores on average over a
+    `window_s` window (/proc/stat; `cpus`: all), at most `most_s`: a run starts once what the run before
+    left running has settled. The seconds waited."""
+    cpus = list(range(os.cpu_count() or 1) if cpus is None else cpus)
+    started = clock()
+    before = cpu_times(read(), cpus)
+    while clock() - started < most_s:
+        sleep(window_s)
+        now = cpu_times(read(), cpus)
+        idle, total = now[0] - before[0], now[1] - before[1]
+        if total > 0 and len(cpus) * (1 - idle / total) < busy_below:
+            break
+        before = now
+    return clock() - started
 
 
 def ensure_vllm(venv: Path) -> Path:
@@ -287,6 +323,7 @@ def run(args: argparse.Namespace) -> None:
                 bench_serve(vllm, running[name], args, 1, 4, WARM_SEED)  # warm: first-call compilation, caches
             for round_, concurrency, name in schedule(args.systems, args.concurrency, args.rounds):
                 prompts = max(args.min_prompts, args.prompts_per_stream * concurrency)
+                wait_for_quiet_host()
                 measured = measure(vllm, running[name], args, concurrency, prompts, prompt_seed(round_, concurrency))
                 rounds.setdefault(model, {}).setdefault(name, {}).setdefault(str(concurrency), []).append(measured)
                 print(
@@ -394,7 +431,8 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
         "output_tokens": args.output_tokens,
         "client": "vllm bench serve --backend openai-chat --ignore-eos --temperature 0",
         "prompts": "new to the server in each measured run: --seed per round and concurrency, the warm-up's apart",
-        "order": "every system up at once; by round, concurrency, then system, the systems turned by one each round",
+        "order": "every system up at once; by round, concurrency, then system, the systems turned by one each round "
+        "and backwards in odd rounds; each run once the host is quiet",
         "host": host(),
     }
     kept = _earlier_models(setup, set(results), args.results)

@@ -1,8 +1,9 @@
 """`bench peer`'s plan: which prompts each measured run draws, and the systems' order per round."""
 
 import numpy as np
+import pytest
 
-from pdchat.clients.peer import WARM_SEED, paired_ratios, prompt_seed, round_order, schedule
+from pdchat.clients.peer import WARM_SEED, paired_ratios, prompt_seed, round_order, schedule, wait_for_quiet_host
 
 
 def _offsets(seed: int, prompts: int, vocab: int = 49152) -> list[int]:
@@ -29,20 +30,44 @@ def test_no_measured_run_draws_the_warm_up_or_another_runs_prompts():
             assert len(first & second) <= 1  # chance only: 8 of 49,152 offsets each
 
 
-def test_each_system_runs_first_once_over_as_many_rounds_as_systems():
-    systems = ["vllm", "pdchat", "pdchat-pd"]
-    orders = [round_order(systems, round_) for round_ in range(3)]
+def test_rounds_turn_the_order_and_no_system_follows_the_same_one_twice_running():
+    systems = ["vllm", "pdchat", "pdchat-pd", "pdchat-prefill"]
+    orders = [round_order(systems, round_) for round_ in range(4)]
     assert all(sorted(order) == sorted(systems) for order in orders)
-    assert [order[0] for order in orders] == systems
-    assert [order[-1] for order in orders] == ["pdchat-pd", "vllm", "pdchat"]
-    assert round_order(systems, 3) == systems
+    assert orders[0] == systems and orders[1] == ["vllm", "pdchat-prefill", "pdchat-pd", "pdchat"]
+
+    def predecessor(order: list[str], name: str) -> str | None:
+        return order[order.index(name) - 1] if order.index(name) else None
+
+    for first, second in zip(orders, orders[1:], strict=False):
+        for name in systems:
+            if predecessor(first, name) is not None:
+                assert predecessor(first, name) != predecessor(second, name), (name, first, second)
+
+
+def test_a_run_waits_until_the_cpus_were_quiet_over_a_window():
+    now = [0.0]
+    busy_cores = iter([1.0, 0.5, 0.1, 0.0])  # over each window, on a one-CPU host
+    ticks = {"busy": 0, "idle": 0}
+
+    def read() -> str:
+        return f"cpu0 {ticks['busy']} 0 0 {ticks['idle']} 0 0 0 0\n"
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+        cores = next(busy_cores)
+        ticks["busy"] += round(100 * seconds * cores)
+        ticks["idle"] += round(100 * seconds * (1 - cores))
+
+    waited = wait_for_quiet_host(0.25, window_s=0.2, read=read, cpus=[0], clock=lambda: now[0], sleep=sleep)
+    assert waited == pytest.approx(0.6)  # the third window was quiet
 
 
 def test_the_runs_compared_follow_each_other_and_every_system_gets_every_run():
     runs = schedule(["vllm", "pdchat", "pdchat-pd"], [1, 16], 2)
     assert runs[:3] == [(0, 1, "vllm"), (0, 1, "pdchat"), (0, 1, "pdchat-pd")]
     assert runs[3:6] == [(0, 16, "vllm"), (0, 16, "pdchat"), (0, 16, "pdchat-pd")]
-    assert [name for _, _, name in runs[6:9]] == ["pdchat", "pdchat-pd", "vllm"]  # turned by one
+    assert [name for _, _, name in runs[6:9]] == ["vllm", "pdchat-pd", "pdchat"]  # turned by one, backwards
     assert sorted(runs) == sorted({(r, c, s) for r in (0, 1) for c in (1, 16) for s in ("vllm", "pdchat", "pdchat-pd")})
 
 
