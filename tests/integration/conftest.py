@@ -51,8 +51,8 @@ def server(tmp_path_factory, tiny_model_dir):
     (bad / "config.pbtxt").write_text(
         config + f'parameters {{ key: "model" value {{ string_value: "{MISSING_MODEL_PATH}" }} }}\n'
     )
-    # An idle decode prefills a lone request itself here (local_prefill_when_idle), so the
-    # tests on this server cover that path; the other servers keep the default, prefill's.
+    # An idle decode prefills a lone request itself here (local_prefill_when_idle, the
+    # default, pinned: test_local_prefill watches who prefills).
     instance = running_server(
         tmp_path_factory,
         "monolithic",
@@ -162,7 +162,7 @@ def small_pool_server(tmp_path_factory, tiny_model_dir):
     KV, 64 blocks) with a 2 s queue timeout; prefill's is 2 MiB (32 blocks of 16 tokens, so
     three ~220-token prompts evict) and publishes its events on `kv_events` (pub, replay).
     With decode_server's key, so a router can use it as a prefill server. Its prompts are
-    always prefill's (local_prefill_when_idle off, the default): its tests watch prefill's pool."""
+    always prefill's (local_prefill_when_idle off): its tests watch prefill's pool."""
     pub, replay = free_port(), free_port()
     env = {
         "PDCHAT_DECODE_KV_MB": "4",
@@ -171,7 +171,7 @@ def small_pool_server(tmp_path_factory, tiny_model_dir):
         "PDCHAT_PREFILL_KV_EVENTS_ENDPOINT": f"tcp://*:{pub}",
         "PDCHAT_PREFILL_KV_EVENTS_REPLAY_ENDPOINT": f"tcp://*:{replay}",
         "PDCHAT_HANDOFF_KEY": HANDOFF_KEY,
-        "PDCHAT_LOCAL_PREFILL_WHEN_IDLE": "false",  # the default, pinned: these tests need it
+        "PDCHAT_LOCAL_PREFILL_WHEN_IDLE": "false",  # these tests need every prompt through prefill
     }
     instance = running_server(tmp_path_factory, "small-pool", env=env)
     instance.kv_events = (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")

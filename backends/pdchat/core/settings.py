@@ -344,12 +344,12 @@ LOCAL_PREFILL_WHEN_IDLE = Setting(
     "local_prefill_when_idle",
     "local_prefill_when_idle",
     "PDCHAT_LOCAL_PREFILL_WHEN_IDLE",
-    "false",
+    "true",
     FLAG,
     ("chat",),
-    "true: a lone plain request goes to `decode`, which prefills its prompt itself, while decode holds no sequence: "
-    "its first token skips prefill's call and the KV copy between the two (tiny, c=1: TTFT p50 -17%). Requests "
-    "served together still go to `prefill`. Off by default: in the same runs c=4 served 14% fewer tokens/s "
+    "true: a lone plain request goes to `decode`, which prefills its prompt itself (on the cores that sit idle: "
+    "prefill_threads_when_idle), while decode holds no sequence: its first token skips prefill's call and the KV "
+    "copy between the two. Requests served together still go to `prefill`. false: every prompt is prefill's "
     "(docs/benchmarks.md#an-idle-decode-prefills-a-lone-prompt). Forwarded ids and P/D prefill legs are not affected.",
 )
 CHAT_RENDER_MAX_CHARS = Setting(
