@@ -89,6 +89,7 @@ MONOLITHIC = {
 PD = {"pdchat-pd": {}, "pdchat-pd-relay": {DECODE_DIRECT.env: "false"}}  # P/D variants, as MONOLITHIC's
 # A run starts once the host's CPUs were busy less than this many cores over 0.2 s (wait_for_quiet_host).
 QUIET_CORES = 0.25
+QUIET_WAIT_S = 10.0  # at most this long
 WARM_SEED = 0  # the warm-up run's prompts; no measured run draws them (prompt_seed)
 
 
@@ -114,7 +115,7 @@ def round_order(systems: list[str], round_: int) -> list[str]:
 def wait_for_quiet_host(
     busy_below: float = QUIET_CORES,
     window_s: float = 0.2,
-    most_s: float = 10.0,
+    most_s: float = QUIET_WAIT_S,
     read: Callable[[], str] = read_proc_stat,
     cpus: Iterable[int] | None = None,
     clock: Callable[[], float] = time.monotonic,
@@ -323,7 +324,10 @@ def run(args: argparse.Namespace) -> None:
                 bench_serve(vllm, running[name], args, 1, 4, WARM_SEED)  # warm: first-call compilation, caches
             for round_, concurrency, name in schedule(args.systems, args.concurrency, args.rounds):
                 prompts = max(args.min_prompts, args.prompts_per_stream * concurrency)
-                wait_for_quiet_host()
+                if wait_for_quiet_host() >= QUIET_WAIT_S:
+                    print(
+                        f"  the host stayed busy for {QUIET_WAIT_S:.0f} s; running anyway", file=sys.stderr, flush=True
+                    )
                 measured = measure(vllm, running[name], args, concurrency, prompts, prompt_seed(round_, concurrency))
                 rounds.setdefault(model, {}).setdefault(name, {}).setdefault(str(concurrency), []).append(measured)
                 print(

@@ -278,8 +278,10 @@ class DecodeScheduler:
         if not self._prefilling:
             return
         entry = self._prefilling[0]
-        if self._pass_threads is not None:  # more threads only where no row waits on the chunk
-            self._pass_threads.at_base() if self._running else self._pass_threads.before_pass()
+        if self._pass_threads is not None and self._running:
+            self._pass_threads.at_base()  # rows wait on this chunk: it keeps the step's threads
+        elif self._pass_threads is not None:
+            self._pass_threads.before_pass()
         try:
             done = entry.decoding.prefill_step()
         except Exception as exc:  # noqa: BLE001
