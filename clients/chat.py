@@ -255,6 +255,8 @@ class GrpcChat:
         if outputs is not None and decode_direct:  # chat's answer may be a ticket
             wanted = tuple(dict.fromkeys(outputs + tensors.DECODE_TICKET_OUTPUTS))
         self._outputs = None if wanted is None else list(wanted)
+        # What the caller asked for: chat's outputs before a ticket carry no ticket-only output it did not.
+        self._asked = None if outputs is None else frozenset(outputs)
         self._decode_outputs = None  # None: every output of decode (all client outputs)
         if outputs is not None:
             self._decode_outputs = [name for name in outputs if name in tensors.CLIENT_OUTPUTS]
@@ -334,11 +336,11 @@ class GrpcChat:
                     continue
                 self._ending = self._ending or arrival.final
                 if arrival.values:  # not a heartbeat, nor the bare final flag
-                    yield _to_output(arrival.values.get)
+                    yield self._output(arrival.values)
                 if last is not None and fed >= last.fed_outputs:
                     arrival = last
                     if arrival.values:
-                        yield _to_output(arrival.values.get)
+                        yield self._output(arrival.values)
                 if arrival.final:
                     finished = True
                     return
@@ -364,6 +366,14 @@ class GrpcChat:
             if arrival.values:
                 return Waiting.OUTPUT
         return Waiting.NOTHING
+
+    def _output(self, values: dict[str, Any]) -> ChatOutput:
+        """One response's outputs, only those the caller asked for: with decode_direct chat is
+        also asked for the ticket's, and a first output it sends before the ticket has them."""
+        asked = self._asked
+        if asked is None:
+            return _to_output(values.get)
+        return _to_output(lambda name: values.get(name) if name in asked else None)
 
     def _arrived(self, responses: _ArrivalQueue, response: Any, error: Any) -> None:
         self._put(responses, _Arrival(response, error))
