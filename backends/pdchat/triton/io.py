@@ -206,6 +206,12 @@ def ticket_requested(request) -> bool:
     return bool_parameter(request, tensors.DECODE_TICKET)
 
 
+def feed_grant_requested(request) -> str | None:
+    """The decode feed `request`'s caller asks chat to grant with its ticket
+    (tensors.DECODE_FEED_GRANT), None where it asks none; InvalidRequest as `feed_opened`."""
+    return _feed_id(_parameters(request), tensors.DECODE_FEED_GRANT)
+
+
 def feed_opened(request) -> str | None:
     """The feed `request` opens (its parameter tensors.DECODE_FEED_OPEN), None for any other
     request; InvalidRequest for an id that is not a string of 1 to 128 characters."""
@@ -295,3 +301,22 @@ def _triton_error(code: ErrorCode, message: str) -> pb_utils.TritonError:
 
 def error_response(exc: Exception) -> pb_utils.InferenceResponse:
     return pb_utils.InferenceResponse(error=triton_error(exc))
+
+
+class FeedTransport:
+    """decode's feeds (core.output.feeds) over Triton response senders."""
+
+    @staticmethod
+    def send(sender, keys: list[str], responses: list[str]) -> None:
+        keys_array = np.array([key.encode() for key in keys], dtype=np.object_)
+        bodies = np.array([body.encode() for body in responses], dtype=np.object_)
+        outputs = [pb_utils.Tensor(tensors.FEED_KEYS, keys_array), pb_utils.Tensor(tensors.FEED_RESPONSES, bodies)]
+        send_tensors(sender, outputs)
+
+    @staticmethod
+    def end(sender, error: Exception | None) -> None:
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if error is None:
+            sender.send(flags=final)
+        else:
+            sender.send(error_response(error), flags=final)

@@ -31,12 +31,12 @@ from pdchat.core.generation.pass_threads import PassThreads
 from pdchat.core.generation.sampling import Choice
 from pdchat.core.generation.scheduler import DecodeJob, DecodeScheduler, Limits
 from pdchat.core.kv.connector import Connectors, KVHandover, KVUnavailable
+from pdchat.core.output.feeds import DecodeFeeds
 from pdchat.core.settings import batching_options, keep_off_decode_cpus, kv_options, prefill_threads_when_idle
 from pdchat.ensemble.decode_load import LoadSlot
 from pdchat.ensemble.seal import StageSeal, server_directory
 from pdchat.models import resolve_model
 from pdchat.triton import io
-from pdchat.triton.feeds import DecodeFeeds
 from pdchat.triton.kv_events import KVEvents
 from pdchat.triton.metrics import DecodeMetrics, KVPoolMetrics, VllmMetrics
 from pdchat.triton.outbox import Outbox
@@ -94,7 +94,7 @@ class TritonPythonModel:
         )
         # About one step's responses may wait for the outbox before the scheduler waits too.
         self.outbox = Outbox("pdchat-decode-outbox", max_pending=2 * self.options.max_running)
-        self.feeds = DecodeFeeds()  # on the outbox thread
+        self.feeds = DecodeFeeds(io.FeedTransport(), on_closed=self.outbox.unwatch)  # on the outbox thread
         # What chat reads to let an idle decode prefill a prompt itself (setting local_prefill_when_idle).
         self.load = LoadSlot(
             server_directory(os.getppid()), args["model_instance_name"], limits.kv_blocks * limits.block_tokens
@@ -123,9 +123,8 @@ class TritonPythonModel:
             try:
                 feed = io.feed_opened(request)
                 if feed is not None:
-                    self.feeds.reserve()
-                    self.outbox.call(functools.partial(self.feeds.open, feed, sender))
-                    self.outbox.watch(feed, sender.is_cancelled, functools.partial(self._close_feed, feed))
+                    self.seal.check_feed(feed, io.input_text(request, tensors.STAGE_SEAL))
+                    self.outbox.call(functools.partial(self._open_feed, feed, sender))
                     continue
                 cancel = io.input_text(request, tensors.CANCEL_REQUEST_ID)
                 if cancel is not None:
@@ -246,7 +245,7 @@ class TritonPythonModel:
         if not stream.open:
             return
         try:
-            if stream.feed is not None and stream.outputs == 0 and not self.feeds.holds(stream.feed):
+            if stream.feed is not None and stream.outputs == 0 and not self.feeds.attach(stream.feed, stream.feed_key):
                 stream.feed = None  # fed from its first output on or not at all: its outputs stay in order
             for output in stream.assembler.on_delta(delta):
                 if stream.feed is not None and not output.final:
@@ -273,8 +272,9 @@ class TritonPythonModel:
         if delta.finish_reason:
             self._close(stream, "finished", send=False)  # its last output was sent FINAL
 
-    def _close_feed(self, feed: str) -> None:
-        self.feeds.close(feed)
+    def _open_feed(self, feed: str, sender) -> None:
+        if self.feeds.open(feed, sender):
+            self.outbox.watch(feed, sender.is_cancelled, functools.partial(self.feeds.close, feed))
 
     def _close_failed(self, stream: _Stream, exc: Exception) -> None:
         self._close(stream, "failed", io.failed_tensors(exc))
@@ -284,6 +284,8 @@ class TritonPythonModel:
         if not stream.open:
             return
         stream.open = False
+        if stream.feed is not None:
+            self.feeds.detach(stream.feed, stream.feed_key)
         if stream.kv is not None:
             stream.kv.end()  # its KV, if never pulled, is freed now
         self.outbox.unwatch(stream)
