@@ -39,8 +39,8 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from pdchat.clients.report import OUT_DIR, plot, table, write_results
-from pdchat.clients.scaleout import start_front, stop_all
+from benchmarks.report import OUT_DIR, plot, table, write_results
+from benchmarks.scaleout import start_front, stop_all
 from pdchat.core.generation.pass_threads import cpu_times, read_proc_stat
 from pdchat.core.settings import (
     DECODE_CPUS,
