@@ -465,7 +465,7 @@ PREFILL_TOKENS = [64, 256, 1024]
 PREFILL_VARIANTS = {
     "ms_per_prefill_greedy": "pdchat's prefill of a greedy request: its first token by the GreedyHead",
     "ms_per_prefill": "pdchat's prefill: its own pass, GEMMs on oneDNN's blocked weights, norms and SwiGLU in C",
-    "ms_per_prefill_torch_gemms": "its own forward pass on torch's GEMMs (plain weights) and ops: the build before",
+    "ms_per_prefill_torch_gemms": "its own forward pass on torch's GEMMs (plain weights) and torch's ops",
     "ms_per_prefill_transformers": "transformers' forward",
 }
 

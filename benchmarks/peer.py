@@ -104,7 +104,7 @@ def prompt_seed(round_: int, concurrency: int) -> int:
 
 def round_order(systems: list[str], round_: int) -> list[str]:
     """The systems in the order round `round_` runs them: turned by one each round, so that
-    a slow spell of the host does not always land on the same one, and backwards in odd
+    the host slowing down for a while does not always land on the same one, and backwards in odd
     rounds, so that no system always runs right after the same one (what a system leaves
     running as its run ends, such as vLLM's busy polling, falls on its successor)."""
     turn = round_ % len(systems)
@@ -350,7 +350,7 @@ def run(args: argparse.Namespace) -> None:
 def schedule(systems: list[str], concurrencies: list[int], rounds: int) -> list[tuple[int, int, str]]:
     """The measured runs in order, as (round, concurrency, system): each round runs every
     concurrency in turn, and each concurrency every system (round_order), so the runs that
-    are compared follow each other within a minute or so and a slow spell of the host
+    are compared follow each other within a minute or so and the host slowing down for a while
     falls on all of them alike."""
     return [
         (round_, concurrency, name)
