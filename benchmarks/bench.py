@@ -13,7 +13,7 @@
     python -m benchmarks prefix       # TTFT per turn of an 8-turn chat, prefix cache on and off (prefix.py)
     python -m benchmarks peer         # beside vLLM's CPU build: tok/s, TTFT, ITL by concurrency (peer.py)
 
-Ratios are measured side by side in one run; these machines are noisy.
+Ratios are measured side by side in one run: compare those, not numbers across runs.
 """
 
 from __future__ import annotations
@@ -392,9 +392,9 @@ def bench_batching(args: argparse.Namespace) -> None:
 # decode's step alone, side by side: what each part of pdchat's step gives.
 STEP_VARIANTS = {
     "ms_per_step": "pdchat's step: its own forward pass, C kernels between the GEMMs, greedy tokens by the GreedyHead",
-    "ms_per_step_full_projection": "the same, the vocabulary projected in full (fp32) and a C argmax: the step before",
+    "ms_per_step_full_projection": "the same, the vocabulary projected in full (fp32) and a C argmax",
     "ms_per_step_torch_ops": "its own forward pass, torch ops between the GEMMs",
-    "ms_per_step_transformers": "transformers' forward, torch attention (the step before both)",
+    "ms_per_step_transformers": "transformers' forward, torch attention",
     "ms_per_step_nn_linear": "transformers' forward and its nn.Linear vocabulary projection",
 }
 

