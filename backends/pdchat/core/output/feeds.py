@@ -3,7 +3,7 @@
 A front streaming many answers from decode pays, per output, a response through the stub,
 tritonserver and its own gRPC reader. A feed folds the outputs of one step, for every
 stream that names it, into one response of two string tensors, so those costs are paid
-per step instead (docs/benchmarks.md, "Steps on the per-token path").
+per step instead (docs/client-contract.md, "Decode's feed").
 
 `DecodeFeeds` is touched only on decode's outbox thread, like the streams' senders; it
 reaches them through a `FeedTransport` (decode's model gives it Triton's).
