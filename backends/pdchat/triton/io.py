@@ -91,6 +91,7 @@ def input_token_ids(request, name: str) -> np.ndarray | None:
 
 
 # The client contract's JSON inputs and their parsers.
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 BODY_PARSERS = {tensors.REQUEST: parse_chat_json, tensors.COMPLETION_REQUEST: parse_completion_json}
 
 
@@ -303,8 +304,24 @@ def error_response(exc: Exception) -> pb_utils.InferenceResponse:
     return pb_utils.InferenceResponse(error=triton_error(exc))
 
 
-class FeedTransport:
-    """decode's feeds (core.output.feeds) over Triton response senders."""
+class StreamTransport:
+    """decode's streams and feeds (core.output.decode_streams, core.output.feeds) over Triton
+    response senders."""
+
+    @staticmethod
+    def send_output(sender, output: ClientOutput, wanted: frozenset[str], fed: int | None) -> None:
+        output_tensors = client_tensors(output, wanted)
+        if fed is not None:
+            output_tensors.append(int32_tensor(tensors.FED_OUTPUTS, [fed]))
+        send_tensors(sender, output_tensors, flags=FINAL if output.final else 0)
+
+    @staticmethod
+    def heartbeat(sender) -> None:
+        sender.send(heartbeat())
+
+    @staticmethod
+    def fail(sender, error: Exception) -> None:
+        send_tensors(sender, failed_tensors(error), flags=FINAL)
 
     @staticmethod
     def send(sender, keys: list[str], responses: list[str]) -> None:
@@ -315,8 +332,7 @@ class FeedTransport:
 
     @staticmethod
     def end(sender, error: Exception | None) -> None:
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         if error is None:
-            sender.send(flags=final)
+            sender.send(flags=FINAL)
         else:
-            sender.send(error_response(error), flags=final)
+            sender.send(error_response(error), flags=FINAL)
