@@ -153,8 +153,14 @@ class BlockPool:
         return blocks
 
     def release(self, blocks: list[int]) -> None:
-        """Drop one reference to each; a block left unreferenced is cached if keyed, else freed."""
-        for block in blocks:
+        """Drop one reference to each of a sequence's `blocks` (in its order); a block left
+        unreferenced is cached if keyed, else freed.
+
+        NOTE: released last first, so a chain's tail joins the eviction order before its
+        head and is evicted first: a cached block's parent outlives it, and a partly evicted
+        chain still serves its head (a head evicted first would leave its tail cached but
+        unreachable)."""
+        for block in reversed(blocks):
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 if block in self._hash_of:
