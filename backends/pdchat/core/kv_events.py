@@ -5,9 +5,12 @@ The wire, as vLLM's `vllm/distributed/kv_events.py` and its `ZmqEventPublisher` 
 
 - a message is a msgpack `EventBatch` `[ts, events, data_parallel_rank]`, its events
   `BlockStored`, `BlockRemoved`, `AllBlocksCleared`: msgspec Structs tagged with their
-  class name, fields in vLLM's order and types. `layout="array"` encodes each event as a
-  positional array, tag first (`array_like=True`, vLLM before its PR #42892, what most
-  consumers parse); `layout="map"` as a map with the tag under `"type"` (vLLM since).
+  class name, fields in vLLM's order and types. `layout="map"` (the default) encodes each
+  event as a map with the tag under `"type"`, as current vLLM does (its own `KVEventBatch`
+  decodes nothing else); `layout="array"` as a positional array, tag first
+  (`array_like=True`, vLLM before its PR #42892), for consumers that old. A sequence's
+  first block carries its request's `cache_salt` in `extra_keys`, as vLLM's does, so a
+  consumer that keys blocks from their tokens (llm-d) keeps tenants apart.
 - a PUB socket sends it as multipart `[topic, seq, payload]`, `seq` 8 bytes big-endian,
   from 0 and up by one per message;
 - a ROUTER socket answers a request `[identity, b"", start]` (8 bytes big-endian) with
@@ -31,7 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 import msgspec
@@ -95,6 +98,9 @@ class Stored:
     block_hashes: list[int]  # a chain: each block's parent is the one before
     parent: int | None  # the first block's parent; None: it starts a sequence
     token_ids: list[int]  # every block's, in order
+    # One entry per block: what its key covers beside its tokens, as vLLM publishes it (a
+    # sequence's first block: (cache_salt,) when the request had one), else None.
+    extra_keys: list[tuple[Any, ...] | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,7 @@ Event = Stored | Removed | Cleared
 
 
 def coalesce(raw: Iterable[tuple]) -> list[Event]:
-    """Queued `("stored", key, parent, token_ids)`, `("removed", key)`, `("cleared",)` in
+    """Queued `("stored", key, parent, token_ids, extra_keys)`, `("removed", key)`, `("cleared",)` in
     order, as few events: a stored block whose parent is the previous stored block's key
     joins its event, consecutive removals join one event; the order is kept."""
     events: list[Event] = []
@@ -119,12 +125,13 @@ def coalesce(raw: Iterable[tuple]) -> list[Event]:
         kind = item[0]
         last = events[-1] if events else None
         if kind == "stored":
-            _, key, parent, token_ids = item
+            _, key, parent, token_ids, extra = item
             if isinstance(last, Stored) and parent is not None and last.block_hashes[-1] == parent:
                 last.block_hashes.append(key)
                 last.token_ids.extend(token_ids)
+                last.extra_keys.append(extra)
             else:
-                events.append(Stored([key], parent, list(token_ids)))
+                events.append(Stored([key], parent, list(token_ids), [extra]))
         elif kind == "removed":
             if isinstance(last, Removed):
                 last.block_hashes.append(item[1])
@@ -135,7 +142,7 @@ def coalesce(raw: Iterable[tuple]) -> list[Event]:
     return events
 
 
-def encode(events: list[Event], block_size: int, rank: int, layout: str = "array", ts: float | None = None) -> bytes:
+def encode(events: list[Event], block_size: int, rank: int, layout: str = "map", ts: float | None = None) -> bytes:
     """One message's payload: `events` as vLLM's EventBatch, msgpack."""
     stored_type, removed_type, cleared_type = _TYPES[layout]
     wire = []
@@ -150,6 +157,7 @@ def encode(events: list[Event], block_size: int, rank: int, layout: str = "array
                     lora_id=None,
                     medium=MEDIUM_GPU,
                     lora_name=None,
+                    extra_keys=event.extra_keys if any(keys is not None for keys in event.extra_keys) else None,
                     group_idx=0,  # one KV cache group: every layer keeps every block
                 )
             )
@@ -178,7 +186,15 @@ def decode(payload: bytes, block_size: int) -> list[Event]:
         if name == "BlockStored":
             if event.block_size != block_size:
                 raise ValueError(f"blocks of {event.block_size} tokens, expected {block_size}")
-            events.append(Stored(event.block_hashes, event.parent_block_hash, event.token_ids))
+            extra = event.extra_keys or [None] * len(event.block_hashes)
+            events.append(
+                Stored(
+                    event.block_hashes,
+                    event.parent_block_hash,
+                    event.token_ids,
+                    [None if keys is None else tuple(keys) for keys in extra],
+                )
+            )
         elif name == "BlockRemoved":
             events.append(Removed(event.block_hashes))
         else:
@@ -196,10 +212,12 @@ class BlockEvents:
         self.dropped = 0
         self._queue: deque[tuple] = deque()
 
-    def stored(self, key: int, parent: int | None, token_ids: list[int]) -> None:
+    def stored(
+        self, key: int, parent: int | None, token_ids: list[int], extra_keys: tuple[Any, ...] | None = None
+    ) -> None:
         """A full block was keyed: `key`, its parent block's key (None: the first of its
-        sequence) and its token ids."""
-        self._put(("stored", key, parent, token_ids))
+        sequence), its token ids and what else its key covers (`Stored.extra_keys`)."""
+        self._put(("stored", key, parent, token_ids, extra_keys))
 
     def removed(self, key: int) -> None:
         """The keyed block `key` was evicted."""
@@ -282,7 +300,7 @@ class KVEventPublisher:
         topic: str = "",
         buffer_steps: int = 10_000,
         rank: int = 0,
-        layout: str = "array",
+        layout: str = "map",
         on_stats: Callable[[PublisherStats], None] | None = None,
     ):
         if layout not in LAYOUTS:

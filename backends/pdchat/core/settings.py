@@ -574,11 +574,12 @@ KV_EVENTS_LAYOUT = Setting(
     "kv_events_layout",
     "kv_events_layout",
     "PDCHAT_KV_EVENTS_LAYOUT",
-    "array",
+    "map",
     choice("array", "map"),
     ("prefill", "decode"),
-    "How KV events are encoded: array (each event a positional msgpack array, tag first: vLLM before its PR "
-    "#42892) or map (a map with the tag under type: vLLM since). The batch is positional in both.",
+    "How KV events are encoded: map (a map with the tag under type: current vLLM, whose own KVEventBatch reads "
+    "nothing else) or array (each event a positional msgpack array, tag first: vLLM before its PR #42892, for "
+    "consumers that old). The batch is positional in both.",
 )
 
 # Output grammars (response_format, forced tool calls).
