@@ -17,7 +17,7 @@ import functools
 import logging
 import os
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import triton_python_backend_utils as pb_utils
 
@@ -43,6 +43,7 @@ from pdchat.triton.server_watch import exit_with_server
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("pdchat.decode")
+KV_PULL_THREADS = 2  # KV pulls that wait on the network (NIXL) at once, off the scheduler thread
 
 
 class TritonPythonModel:
@@ -73,6 +74,7 @@ class TritonPythonModel:
         )
         # About one step's responses may wait for the outbox before the scheduler waits too.
         self.outbox = Outbox("pdchat-decode-outbox", max_pending=2 * self.options.max_running)
+        self.pulls = ThreadPoolExecutor(KV_PULL_THREADS, thread_name_prefix="pdchat-kv-pull")
         self.feeds = DecodeFeeds(io.StreamTransport(), on_closed=self.outbox.unwatch)  # on the outbox thread
         # What chat reads to let an idle decode prefill a prompt itself (setting local_prefill_when_idle).
         self.load = LoadSlot(
@@ -118,15 +120,16 @@ class TritonPythonModel:
                     self.scheduler.cancel(cancel)
                     self.outbox.call(functools.partial(sender.send, flags=FINAL))
                     continue
-                job, grammar = self._job(request, sender)
+                job, stream, grammar = self._job(request, sender)
             except Exception as exc:  # noqa: BLE001
                 self.outbox.call(functools.partial(sender.send, io.error_response(exc), flags=FINAL))
                 continue
             # NOTE: a job is queued once its grammar is compiled: no compile on the scheduler thread.
-            self.model.constraints.prepare(grammar).add_done_callback(functools.partial(self._queue, job))
+            self.model.constraints.prepare(grammar).add_done_callback(functools.partial(self._queue, job, stream))
         return None
 
     def finalize(self):
+        self.pulls.shutdown(wait=False, cancel_futures=True)
         self.scheduler.close()
         self.load.close()
         self.kv_events.close()
@@ -138,16 +141,25 @@ class TritonPythonModel:
         self.pool_metrics.close()
         self.vllm_metrics.close()
 
-    def _queue(self, job: DecodeJob, compiled: Future) -> None:
-        """Queue `job` for the scheduler, or fail it with its grammar's error."""
+    def _queue(self, job: DecodeJob, stream: DecodeStream, compiled: Future) -> None:
+        """Queue `job` for the scheduler, or fail it with its grammar's error. NOTE: a KV pull
+        that waits on the network (NIXL) runs first, on a pull thread, never on the
+        scheduler's: the batch's rows keep stepping meanwhile."""
         error = compiled.exception()
-        if error is None:
-            self.scheduler.submit(job)
-        else:
+        if error is not None:
             job.fail(error)
+        elif stream.kv is not None and stream.kv.pull_waits:
+            self.pulls.submit(stream.kv.prefetch).add_done_callback(functools.partial(self._submit, job, stream))
+        else:
+            self._submit(job, stream)
 
-    def _job(self, request, sender) -> tuple[DecodeJob, dict | None]:
-        """The request's job, and the output grammar its start needs compiled."""
+    def _submit(self, job: DecodeJob, stream: DecodeStream, _pulled: Future | None = None) -> None:
+        self.scheduler.submit(job)
+        if stream.left:  # its caller left while its grammar compiled or its KV came
+            self.scheduler.cancel(job.key)
+
+    def _job(self, request, sender) -> tuple[DecodeJob, DecodeStream, dict | None]:
+        """The request's job and stream, and the output grammar its start needs compiled."""
         engine = self.model.engine
         stage = io.stage_input(request, self.seal, engine.context_length, engine.vocab_size)
         # Prefill's KV and first token come only inside a sealed handle; without one decode prefills.
@@ -159,7 +171,7 @@ class TritonPythonModel:
                 kv.end()  # refused here: its KV is freed now
             raise
 
-    def _sealed_job(self, request, sender, stage, kv: KVHandover | None) -> tuple[DecodeJob, dict | None]:
+    def _sealed_job(self, request, sender, stage, kv: KVHandover | None) -> tuple[DecodeJob, DecodeStream, dict | None]:
         engine = self.model.engine
         ids, params, handle = stage.prompt_token_ids, stage.params, stage.kv_handle
         first = None if handle is None else Choice(handle.first_token_id, handle.first_token_logprobs)
@@ -195,15 +207,16 @@ class TritonPythonModel:
                 cached_tokens=0 if handle is None else handle.cached_tokens,
             )
 
-        self.outbox.watch(stream, sender.is_cancelled, functools.partial(self.scheduler.cancel, stream.key))
-        return DecodeJob(
+        self.outbox.watch(stream, sender.is_cancelled, functools.partial(self._client_left, stream))
+        job = DecodeJob(
             key=stream.key,
             start=start,
             emit=functools.partial(self._on_outbox, self.streams.send, stream),
             fail=functools.partial(self._on_outbox, self.streams.close, stream, "failed"),
             on_cancel=functools.partial(self._on_outbox, self.streams.close, stream, "cancelled"),
             tokens=len(ids) + params.max_tokens,
-        ), params.constraint
+        )
+        return job, stream, params.constraint
 
     def _on_outbox(self, function, *args) -> None:
         """From the scheduler thread: `function(*args)` on the outbox thread, in order."""
@@ -217,6 +230,10 @@ class TritonPythonModel:
         self.outbox.call(functools.partial(self.vllm_metrics.requests, state.running, state.waiting))
 
     # On the outbox thread:
+
+    def _client_left(self, stream: DecodeStream) -> None:
+        stream.left = True
+        self.scheduler.cancel(stream.key)
 
     def _open_feed(self, feed: str, sender) -> None:
         if self.feeds.open(feed, sender):
