@@ -315,7 +315,7 @@ def _router(args: argparse.Namespace) -> int:
 
 
 def _openai(args: argparse.Namespace) -> int:
-    from pdchat.clients.router import ServerFront
+    from pdchat.clients.fronts import ServerFront
 
     front = ServerFront(args.server, served_model_names=_served_names(args), outputs=tensors.FRONT_OUTPUTS)
     return _serve_http(args, front, f"OpenAI front of {args.server}")

@@ -20,7 +20,7 @@ from tritonclient.utils import np_to_triton_dtype
 from pdchat import tensors
 from pdchat.clients.chat import ChatError, GrpcChat, chat_inputs, collect
 from pdchat.clients.decode_feed import DecodeFeed
-from pdchat.clients.router import ServerFront
+from pdchat.clients.fronts import ServerFront
 from pdchat.core.errors import ErrorCode
 from pdchat.core.output.feeds import DecodeFeeds
 from tests.conversations import PARITY_CASES, chat_body

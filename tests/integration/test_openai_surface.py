@@ -16,8 +16,9 @@ import urllib.request
 import pytest
 
 import pdchat
+from pdchat.clients.fronts import ServerFront
 from pdchat.clients.openai_api import HttpSettings
-from pdchat.clients.router import PDRouter, ServerFront
+from pdchat.clients.router import PDRouter
 from tests.integration.conftest import SERVED_NAMES
 from tests.integration.helpers import metric
 from tests.raw_http import running_fronts

@@ -4,7 +4,7 @@ that may block (the stream's end, an error, a long silence) on a worker thread."
 import asyncio
 import threading
 
-from pdchat.clients import openai_api
+from pdchat.clients import http_routes
 from pdchat.clients.chat import Waiting
 
 LOOP_THREAD = threading.current_thread().name  # asyncio.run runs the loop on this thread
@@ -22,7 +22,7 @@ async def in_thread(func, *args):
     return await asyncio.to_thread(func, *args)
 
 
-def arrivals_of(count: int, streams: Streams) -> tuple[openai_api._Arrivals, list[str]]:
+def arrivals_of(count: int, streams: Streams) -> tuple[http_routes._Arrivals, list[str]]:
     """_Arrivals over outputs 0..count-1 (on the running loop), and the threads that took each."""
     threads: list[str] = []
 
@@ -31,7 +31,7 @@ def arrivals_of(count: int, streams: Streams) -> tuple[openai_api._Arrivals, lis
             threads.append(threading.current_thread().name)
             yield i
 
-    return openai_api._Arrivals(outputs(), streams, in_thread), threads
+    return http_routes._Arrivals(outputs(), streams, in_thread), threads
 
 
 def test_an_output_already_here_is_taken_on_the_loop():
@@ -53,7 +53,7 @@ def test_what_may_block_is_taken_by_a_worker_thread_at_once():
 
     threads, seconds = asyncio.run(main())
     assert threads and threads[0] != LOOP_THREAD
-    assert seconds < openai_api.ARRIVAL_WAIT_S  # no wait for an arrival that cannot come
+    assert seconds < http_routes.ARRIVAL_WAIT_S  # no wait for an arrival that cannot come
 
 
 def test_an_arrival_wakes_the_waiting_loop():
@@ -74,7 +74,7 @@ def test_an_arrival_wakes_the_waiting_loop():
 
 
 def test_a_silence_past_the_wait_goes_to_a_worker_thread(monkeypatch):
-    monkeypatch.setattr(openai_api, "ARRIVAL_WAIT_S", 0.05)
+    monkeypatch.setattr(http_routes, "ARRIVAL_WAIT_S", 0.05)
 
     async def main():
         arrivals, threads = arrivals_of(1, Streams())  # the worker's `next` waits for the stream itself

@@ -16,9 +16,11 @@ from typing import Any
 
 import pytest
 
+from pdchat.clients.backend_pool import Draining, UpstreamTimeout
 from pdchat.clients.chat import ChatOutput
-from pdchat.clients.openai_api import HttpSettings, chat_api_error, make_server
-from pdchat.clients.router import Draining, RouterStats, UpstreamTimeout
+from pdchat.clients.fronts import RouterStats
+from pdchat.clients.http_errors import chat_api_error
+from pdchat.clients.openai_api import HttpSettings, make_server
 from pdchat.launcher import free_port
 from tests.integration.helpers import StreamReader, wait_for
 
@@ -101,7 +103,7 @@ def test_a_drain_refuses_new_requests_turns_readiness_false_and_lets_running_str
     stream = start_stream(url, max_tokens=10)  # 0.5 s, within the drain timeout
     assert stream.first.wait(5)
     answers = drain_in_background(url)
-    assert wait_for(lambda: server.front.draining, timeout=2, interval=0.01)
+    assert wait_for(lambda: server.drain.draining, timeout=2, interval=0.01)
     status, body = call(url, "/health")
     assert status == 503 and json.loads(body)["draining"] is True
     status, body = call(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
@@ -133,7 +135,7 @@ def test_drain_needs_the_api_key(front):
     server, url = front
     status, body = call(url, "/drain", {}, key=None)
     assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
-    assert not server.front.draining
+    assert not server.drain.draining
 
 
 def test_the_first_sigterm_drains_then_stops_the_server(front):
@@ -141,7 +143,7 @@ def test_the_first_sigterm_drains_then_stops_the_server(front):
     stream = start_stream(url, max_tokens=10)
     assert stream.first.wait(5)
     server.handle_exit(signal.SIGTERM, None)  # what the signal calls, in the main thread
-    assert server.front.draining and call(url, "/health")[0] == 503
+    assert server.drain.draining and call(url, "/health")[0] == 503
     stream.join(10)
     assert stream.events[-1] == "[DONE]" and "error" not in stream.events[-2]
     assert wait_for(lambda: server.should_exit, timeout=5, interval=0.02), "the drained server did not stop"

@@ -17,9 +17,9 @@ import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from pdchat import tensors
+from pdchat.clients.backend_pool import RequestStreams
 from pdchat.clients.chat import DEFAULT_MODEL, ChatError, GrpcChat, ServerSilent, Waiting, _Arrival, chat_inputs
 from pdchat.clients.grpc_streams import raw_tensor
-from pdchat.clients.router import RequestStreams
 from pdchat.core.errors import ErrorCode
 from tests.integration.helpers import wait_for
 

@@ -12,15 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from pdchat.clients.chat import ChatError, ChatOutput
-from pdchat.clients.openai_api import (
-    ApiError,
-    HttpSettings,
-    JsonTooDeep,
-    chat_api_error,
-    json_depth,
-    parse_json_body,
-    request_id_of,
-)
+from pdchat.clients.http_body import JsonTooDeep, json_depth, parse_json_body
+from pdchat.clients.http_errors import ApiError, chat_api_error
+from pdchat.clients.http_limits import HttpSettings, request_id_of
 from pdchat.core.errors import ErrorCode
 from tests.raw_http import error_of, exchange, one_reply, read_to_end, request, running_fronts
 

@@ -26,6 +26,8 @@ NO_TORCH = (
     "pdchat.registry",
     "pdchat.tensors",
     "pdchat.clients.router",
+    "pdchat.clients.backend_pool",
+    "pdchat.clients.fronts",
     "pdchat.clients.chat",
 )
 

@@ -10,9 +10,10 @@ import time
 import pytest
 
 from pdchat import tensors
-from pdchat.clients import router as router_module
+from pdchat.clients import backend_pool
+from pdchat.clients.backend_pool import BackendPool, Draining, UpstreamTimeout
 from pdchat.clients.chat import ChatError, ChatOutput, chat_inputs
-from pdchat.clients.router import BackendPool, Draining, PDRouter, UpstreamTimeout
+from pdchat.clients.router import PDRouter
 from pdchat.core.errors import ErrorCode
 from pdchat.launcher import free_port
 from tests.integration.helpers import wait_for
@@ -56,7 +57,7 @@ class Probes:
 @pytest.fixture
 def probes(monkeypatch) -> Probes:
     probes = Probes()
-    monkeypatch.setattr(router_module, "_ready", probes)
+    monkeypatch.setattr(backend_pool, "_ready", probes)
     return probes
 
 
