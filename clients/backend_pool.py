@@ -11,17 +11,18 @@ Draining.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pdchat.clients.chat import ChatError, ChatOutput, GrpcChat, ServerSilent, Waiting
+from pdchat.clients.chat import ChatError, ChatStream, GrpcChat, ServerSilent
 from pdchat.core.errors import ErrorCode
 from pdchat.core.settings import STALL_TIMEOUT_S
 
@@ -38,72 +39,6 @@ class UpstreamTimeout(ChatError):
 
     def __init__(self, message: str):
         super().__init__(message, ErrorCode.UNAVAILABLE)
-
-
-class ClientLeft(ChatError):
-    """The client of this request left: the front cancelled its streams (`RequestStreams.cancel`)."""
-
-    def __init__(self, request_id: str):
-        super().__init__(f"request {request_id}: the client left; it was cancelled", ErrorCode.UNAVAILABLE)
-
-
-class RequestStreams:
-    """The streams one client request opened, one after another (prefill's, then decode's)
-    or n at once: once its client left, `cancel()` (from any thread) ends them with
-    ClientLeft, cancelled on their servers, and any it would open after. Each HTTP request
-    has its own: no id a client sends can reach another's.
-
-    `on_arrival`: called (on the streams' loop, StreamLoop) when a response of one of them arrives; with
-    `waiting`, a front on an event loop takes a stream's outputs as they come without
-    a thread waiting for each (clients/http_routes.py)."""
-
-    def __init__(self) -> None:
-        self.cancelled = False
-        self.on_arrival: Callable[[], None] | None = None
-        self._lock = threading.Lock()
-        self._clients: set[GrpcChat] = set()
-
-    def cancel(self) -> None:
-        with self._lock:
-            self.cancelled = True
-            clients = list(self._clients)
-        _cancel_streams(clients, "a request whose client left")
-
-    def waiting(self) -> Waiting:
-        """What the one running stream's `next` would take now (GrpcChat.waiting); OTHER
-        unless exactly one runs."""
-        with self._lock:
-            if len(self._clients) != 1:
-                return Waiting.OTHER
-            [client] = self._clients
-        return client.waiting()
-
-    def _arrived(self) -> None:
-        if (on_arrival := self.on_arrival) is not None:  # set once the front reads the stream
-            on_arrival()
-
-    @contextmanager
-    def holding(self, client: GrpcChat, request_id: str) -> Iterator[None]:
-        """`client`'s stream is this request's while inside; ClientLeft at once if it was cancelled."""
-        with self._lock:
-            if self.cancelled:
-                raise ClientLeft(request_id)
-            self._clients.add(client)
-            client.on_arrival = self._arrived
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._clients.discard(client)
-                client.on_arrival = None
-
-
-def _cancel_streams(clients: list[GrpcChat], whose: str) -> None:
-    for client in clients:
-        try:
-            client.cancel()
-        except Exception:  # noqa: BLE001 - a stream ending meanwhile races tritonclient's stop
-            log.debug("a stream of %s ended while it was being cancelled", whose, exc_info=True)
 
 
 class Draining(ChatError):
@@ -141,7 +76,7 @@ class Backend:
         except BaseException:
             chat.close()  # a client that saw a broken stream is not reused
             raise
-        chat.forget_cancel()  # no request holds it now (RequestStreams, BackendPool)
+        chat.forget_cancel()  # a cancel that came after its stream ended (BackendPool.abort)
         self.idle.put(chat)
 
 
@@ -234,31 +169,29 @@ class BackendPool:
             with self._lock:
                 backend.in_flight -= 1
 
-    def stream(
+    async def stream(
         self,
         backend: Backend,
         inputs: dict[str, np.ndarray],
         request_id: str = "",
-        streams: RequestStreams | None = None,
         parameters: dict[str, Any] | None = None,
-    ) -> Iterator[ChatOutput]:
+    ) -> ChatStream:
         """`backend`'s responses (it comes from `pick`) to one request (`parameters`: chat's
-        request parameters, GrpcChat.stream). Its errors, by kind:
+        request parameters, GrpcChat.astream), on the running event loop. Its errors, by kind:
         - nothing for `stall_timeout_s`: UpstreamTimeout, naming the server; the request is
           cancelled and the server marked unready;
-        - a transport failure or server fault: the server is probed at once; one that does
-          not answer ends the stream UNAVAILABLE, naming it;
-        - once `abort` ran: Draining, the request cancelled;
-        - once `streams` was cancelled: ClientLeft, the request cancelled.
-        A client error (the request is bad) ends it as the server said."""
-        streams = streams or RequestStreams()
-        with backend.client() as client, self._running(client), streams.holding(client, request_id):
+        - a transport failure or server fault: the server is probed at once (in a worker
+          thread); one that does not answer ends the stream UNAVAILABLE, naming it;
+        - once `abort` ran: Draining, the request cancelled.
+        A client error (the request is bad) ends it as the server said. Closing or cancelling
+        the stream cancels its request."""
+        with backend.client() as client, self._running(client):
             try:
-                yield from client.stream(inputs, request_id=request_id, parameters=parameters)
+                async with aclosing(client.astream(inputs, request_id, parameters)) as outputs:
+                    async for output in outputs:
+                        yield output
             except Exception as exc:
-                if streams.cancelled:  # we closed the stream: the server did nothing wrong
-                    raise ClientLeft(request_id) from exc
-                error = self._failure(backend, exc)
+                error = await self._failure(backend, exc)
                 if error is exc:
                     raise
                 raise error from exc
@@ -269,7 +202,8 @@ class BackendPool:
         with self._lock:
             self.aborted = reason
             streams = list(self._streams)
-        _cancel_streams(streams, f"the {self.role or 'backend'} pool being aborted")
+        for client in streams:
+            client.cancel()
 
     @contextmanager
     def _running(self, client: GrpcChat) -> Iterator[None]:
@@ -284,8 +218,9 @@ class BackendPool:
             with self._lock:
                 self._streams.discard(client)
 
-    def _failure(self, backend: Backend, exc: Exception) -> Exception:
-        """What a stream of `backend` that raised `exc` ends with; the server's readiness updated."""
+    async def _failure(self, backend: Backend, exc: Exception) -> Exception:
+        """What a stream of `backend` that raised `exc` ends with; the server's readiness
+        updated (a probe runs in a worker thread: it may take PROBE_TIMEOUT_S)."""
         if self.aborted is not None:  # the closed stream may surface as any of tritonclient's errors
             return Draining(self.aborted)
         if isinstance(exc, ServerSilent):  # GrpcChat waited its timeout for a response
@@ -297,7 +232,7 @@ class BackendPool:
             log.warning("%s; no new requests for it until it answers a readiness probe", stall)
             return stall
         if isinstance(exc, ChatError) and not exc.is_client_error:
-            self.mark_failed(backend)
+            await asyncio.to_thread(self.mark_failed, backend)
             if not backend.healthy:
                 return ChatError(f"{self.servers} {backend.url} is unavailable: {exc}", ErrorCode.UNAVAILABLE)
         return exc

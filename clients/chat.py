@@ -6,15 +6,13 @@ tests, benchmarks) do not care which one carried it.
 
 from __future__ import annotations
 
-import collections
-import enum
+import asyncio
 import functools
 import json
-import queue
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -75,6 +73,10 @@ class ChatOutput:
     @cached_property
     def kv_transfer_params(self) -> dict[str, Any] | None:
         return json.loads(self.kv_transfer_params_json) if self.kv_transfer_params_json else None
+
+
+# One request's outputs, taken on an event loop (GrpcChat.astream, a front's `chat`).
+ChatStream = AsyncGenerator[ChatOutput, None]
 
 
 @dataclass(frozen=True)
@@ -194,41 +196,10 @@ class _Arrival:
         return arrival
 
 
-class _ArrivalQueue:
-    """A stream's arrivals in order: put on the streams' loop, taken by the stream's reader
-    (which may wait), looked at by anyone (`queued`).
-
-    NOTE: a SimpleQueue counts them, so a put wakes a waiting reader without Python-level
-    locking (queue.Queue's Condition cost the front a tenth of its CPU per token)."""
-
-    def __init__(self) -> None:
-        self._arrivals: collections.deque[_Arrival] = collections.deque()
-        self._count: queue.SimpleQueue[None] = queue.SimpleQueue()
-
-    def put(self, arrival: _Arrival) -> None:
-        self._arrivals.append(arrival)
-        self._count.put(None)
-
-    def get(self, timeout: float) -> _Arrival:
-        """The first arrival not taken; queue.Empty after `timeout` seconds without one."""
-        self._count.get(timeout=timeout)
-        return self._arrivals.popleft()
-
-    def queued(self) -> list[_Arrival]:
-        """The arrivals not taken yet, first first."""
-        return list(self._arrivals)
-
-
-class Waiting(enum.Enum):
-    """What a stream's next `next` would take now (GrpcChat.waiting)."""
-
-    NOTHING = "nothing"
-    OUTPUT = "output"
-    OTHER = "other"
-
-
 class GrpcChat:
-    """gRPC streaming: works for streamed and whole answers of decoupled models.
+    """gRPC streaming: works for streamed and whole answers of decoupled models. One stream
+    at a time: `astream` on an event loop (a front's), or `stream` from any other thread,
+    both running it on the process's stream loop (clients/grpc_streams.py).
     `timeout_s`: the longest wait for a response (the first, or the next); `outputs`: the
     outputs a stream requests (None: all; absent ones read as empty).
 
@@ -277,23 +248,25 @@ class GrpcChat:
             self._decode_outputs = [name for name in outputs if name in tensors.CLIENT_OUTPUTS]
         if self.decode_feed:
             self._decode_outputs = [*self._decode_outputs, tensors.FED_OUTPUTS]
-        # Called on the stream loop's thread after each response (or error) arrives.
-        self.on_arrival: Callable[[], None] | None = None
-        self._responses: _ArrivalQueue | None = None  # the running stream's, as they arrived
         self._call: StreamCall | None = None  # the running stream
         # cancel() came before the stream's call was made: the call is cancelled once made.
         self._cancel_pending = False
         self._call_lock = threading.Lock()
-        self._ending = False  # the running stream's final response was taken: its next `next` closes it
 
     def stream(
         self, inputs: dict[str, np.ndarray], request_id: str = "", parameters: dict[str, Any] | None = None
     ) -> Iterator[ChatOutput]:
+        """`astream` for a caller on no event loop: its steps run on this process's stream loop."""
+        return StreamLoop.shared().iterate(self.astream(inputs, request_id, parameters))
+
+    async def astream(
+        self, inputs: dict[str, np.ndarray], request_id: str = "", parameters: dict[str, Any] | None = None
+    ) -> ChatStream:
         """The responses to one request (`parameters`: request parameters of chat beside those
-        the client sets itself)."""
-        responses = _ArrivalQueue()
-        self._responses, self._ending = responses, False
-        call = StreamLoop.shared().open(self.url, functools.partial(self._arrived, responses))
+        the client sets itself), on the running event loop, whose stream loop runs the stream
+        (StreamLoop.running). Leaving early (closing or cancelling it) cancels the request."""
+        responses: asyncio.Queue[_Arrival] = asyncio.Queue()
+        call = StreamLoop.running().open(self.url, functools.partial(self._arrived, responses))
         with self._call_lock:
             self._call, cancelled, self._cancel_pending = call, self._cancel_pending, False
         if cancelled:  # the reader reports the cancellation, as for a stream cancelled later
@@ -319,10 +292,7 @@ class GrpcChat:
                 finished = True
                 raise ChatError(f"the request could not be sent: {exc}", ErrorCode.INVALID_ARG) from exc
             while True:
-                try:
-                    arrival: _Arrival = responses.get(timeout=self.timeout_s)
-                except queue.Empty:  # unfinished: leaving cancels the request on the server
-                    raise ServerSilent(f"{self.url} sent nothing for {self.timeout_s:g} s") from None
+                arrival = await self._next(responses)
                 if arrival.error is not None:
                     finished = True  # an error ends the request
                     raise _grpc_error(arrival.error)
@@ -355,9 +325,8 @@ class GrpcChat:
                 if arrival.through_feed:
                     fed += 1
                 elif arrival.final and arrival.fed_outputs > fed:
-                    last, self._ending = arrival, True  # the feed's outputs before it are on their way
+                    last = arrival  # the feed's outputs before it are on their way
                     continue
-                self._ending = self._ending or arrival.final
                 if arrival.values:  # not a heartbeat, nor the bare final flag
                     yield self._output(arrival.values)
                 if last is not None and fed >= last.fed_outputs:
@@ -373,22 +342,18 @@ class GrpcChat:
             if feed is not None:
                 feed.unregister(feed_key)
             with self._call_lock:
-                self._responses = self._call = None
+                self._call = None
             call.cancel() if not finished else call.close()
 
-    def waiting(self) -> Waiting:
-        """What the running stream's `next` would take now (heartbeats skipped): OUTPUT, an
-        output that is not its last (taken without waiting or closing anything); NOTHING
-        yet; or OTHER, which may block: no stream running, its end, an error."""
-        responses = self._responses
-        if responses is None or self._ending:
-            return Waiting.OTHER
-        for arrival in responses.queued():
-            if arrival.error is not None or arrival.final or arrival.is_ticket:
-                return Waiting.OTHER
-            if arrival.values:
-                return Waiting.OUTPUT
-        return Waiting.NOTHING
+    async def _next(self, responses: asyncio.Queue[_Arrival]) -> _Arrival:
+        """The stream's next arrival; ServerSilent after `timeout_s` without one (unfinished:
+        leaving then cancels the request on the server)."""
+        if not responses.empty():
+            return responses.get_nowait()
+        try:
+            return await asyncio.wait_for(responses.get(), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise ServerSilent(f"{self.url} sent nothing for {self.timeout_s:g} s") from None
 
     def _output(self, values: dict[str, Any]) -> ChatOutput:
         """One response's outputs, only those the caller asked for: with decode_direct chat is
@@ -398,8 +363,8 @@ class GrpcChat:
             return _to_output(values.get)
         return _to_output(lambda name: values.get(name) if name in asked else None)
 
-    def _arrived(self, responses: _ArrivalQueue, response: Any, error: Any) -> None:
-        self._put(responses, _Arrival(response, error))
+    def _arrived(self, responses: asyncio.Queue[_Arrival], response: Any, error: Any) -> None:  # on the loop
+        responses.put_nowait(_Arrival(response, error))
 
     def _feed(self, ticket: InferResult, grant_id: str | None) -> DecodeFeed | None:
         """The feed a ticket's answer comes through: its server's open one, else the one
@@ -412,16 +377,11 @@ class GrpcChat:
             feed = DecodeFeed.open_with(self.url, grant_id, grant[0].decode())
         return feed
 
-    def _fed(self, responses: _ArrivalQueue, body: bytes) -> None:
-        self._put(responses, _Arrival.fed(body))
+    def _fed(self, responses: asyncio.Queue[_Arrival], body: bytes) -> None:  # on the loop
+        responses.put_nowait(_Arrival.fed(body))
 
-    def _feed_ended(self, responses: _ArrivalQueue, cause: Any) -> None:
-        self._put(responses, _Arrival.feed_end(cause))
-
-    def _put(self, responses: _ArrivalQueue, arrival: _Arrival) -> None:
-        responses.put(arrival)
-        if (on_arrival := self.on_arrival) is not None:
-            on_arrival()
+    def _feed_ended(self, responses: asyncio.Queue[_Arrival], cause: Any) -> None:  # on the loop
+        responses.put_nowait(_Arrival.feed_end(cause))
 
     def forget_cancel(self) -> None:
         """Drop a cancel() that came after the last stream ended (before its caller let go

@@ -21,18 +21,19 @@ with its cached tokens), the completion tokens summed, as vLLM reports n choices
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from contextlib import aclosing
 from typing import Any
 
-from pdchat.clients.chat import ChatError, ChatOutput
+from pdchat.clients.chat import ChatError, ChatOutput, ChatStream
 from pdchat.core.errors import ErrorCode
 
 MAX_CHOICES = 16  # a bound on the requests one body fans out to
 SEED_MODULUS = 1 << 63  # the servers take a seed modulo this (protocol's _seed)
 
-Serve = Callable[[dict[str, Any], str, str], Iterator[ChatOutput]]
+Serve = Callable[[dict[str, Any], str, str], ChatStream]  # ChatFront.chat
 
 
 # The fields of one request's P/D handoff (vLLM's wire form), which cannot serve n requests.
@@ -73,20 +74,24 @@ def choice_bodies(body: dict[str, Any], n: int) -> list[dict[str, Any]]:
     return [{**single, "seed": (seed + i) % SEED_MODULUS} for i in range(n)]
 
 
-def fan_out(serve: Serve, body: dict[str, Any], request_id: str, form: str) -> Iterator[ChatOutput]:
+async def fan_out(serve: Serve, body: dict[str, Any], request_id: str, form: str) -> ChatStream:
     """The outputs of `body` (of API `form`) with its n choices: those of `serve` when n is 1."""
     n = choice_count(body)
     if n == 1:
-        yield from serve(body, request_id, form)
+        async with aclosing(serve(body, request_id, form)) as outputs:
+            async for output in outputs:
+                yield output
         return
     requests = [(choice, f"{request_id}-{i}", form) for i, choice in enumerate(choice_bodies(body, n))]
     if body.get("stream") is True:
-        yield from _streamed(serve, requests)
+        async with aclosing(_streamed(serve, requests)) as chunks:
+            async for chunk in chunks:
+                yield chunk
     else:
-        yield _whole(serve, requests)
+        yield await _whole(serve, requests)
 
 
-def _streamed(serve: Serve, requests: list[tuple[dict[str, Any], str, str]]) -> Iterator[ChatOutput]:
+async def _streamed(serve: Serve, requests: list[tuple[dict[str, Any], str, str]]) -> ChatStream:
     """The choices' chunks in turns, one of each per turn. A stream starts when it is first
     read, in its turn, so choice i's request is sent once choice i - 1's first chunk is here."""
     streams = [serve(*request) for request in requests]
@@ -95,7 +100,7 @@ def _streamed(serve: Serve, requests: list[tuple[dict[str, Any], str, str]]) -> 
         live = list(range(len(streams)))
         while live:
             for i in list(live):
-                output = next(streams[i], None)
+                output = await anext(streams[i], None)
                 if output is None:
                     live.remove(i)
                 elif (chunk := merged.chunk(i, output)) is not None:
@@ -104,14 +109,19 @@ def _streamed(serve: Serve, requests: list[tuple[dict[str, Any], str, str]]) -> 
             yield merged.usage_chunk()
     finally:
         for stream in streams:
-            stream.close()  # cancels the choices still running
+            await stream.aclose()  # cancels the choices still running
 
 
-def _whole(serve: Serve, requests: list[tuple[dict[str, Any], str, str]]) -> ChatOutput:
-    """One answer with every choice: choice 0's first, then the others together."""
-    first = _answer(serve, requests[0])
-    with ThreadPoolExecutor(len(requests) - 1, thread_name_prefix="pdchat-choice") as pool:
-        answers = [first, *pool.map(lambda request: _answer(serve, request), requests[1:])]
+async def _whole(serve: Serve, requests: list[tuple[dict[str, Any], str, str]]) -> ChatOutput:
+    """One answer with every choice: choice 0's first, then the others together (the first
+    of them to fail cancels the rest)."""
+    first = await _answer(serve, requests[0])
+    others = [asyncio.ensure_future(_answer(serve, request)) for request in requests[1:]]
+    try:
+        answers = [first, *await asyncio.gather(*others)]
+    finally:
+        for other in others:
+            other.cancel()
     merged = dict(first.response)
     merged["choices"] = [{**answer.response["choices"][0], "index": i} for i, answer in enumerate(answers)]
     merged["usage"] = merge_usage([answer.response["usage"] for answer in answers])
@@ -124,8 +134,9 @@ def _whole(serve: Serve, requests: list[tuple[dict[str, Any], str, str]]) -> Cha
     )
 
 
-def _answer(serve: Serve, request: tuple[dict[str, Any], str, str]) -> ChatOutput:
-    answers = list(serve(*request))
+async def _answer(serve: Serve, request: tuple[dict[str, Any], str, str]) -> ChatOutput:
+    async with aclosing(serve(*request)) as outputs:
+        answers = [output async for output in outputs]
     if len(answers) != 1:
         raise ChatError(f"a server sent {len(answers)} responses for a whole answer", ErrorCode.INTERNAL)
     return answers[0]

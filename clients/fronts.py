@@ -9,15 +9,17 @@ health and stats. `PDRouter` (clients/router.py) is the front of a P/D pair of p
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
 from pdchat import tensors
-from pdchat.clients.backend_pool import BackendPool, ClientLeft, RequestStreams
-from pdchat.clients.chat import ChatError, ChatOutput, chat_inputs
+from pdchat.clients.backend_pool import BackendPool
+from pdchat.clients.chat import ChatError, ChatStream, chat_inputs
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.request.protocol import (
     ChatRequest,
@@ -65,16 +67,10 @@ class ChatFront:
         """Every pool this front streams from."""
         return (self.serving,)
 
-    def chat(
-        self,
-        body: dict[str, Any],
-        request_id: str = "",
-        form: str = tensors.REQUEST,
-        streams: RequestStreams | None = None,
-    ) -> Iterator[ChatOutput]:
+    def chat(self, body: dict[str, Any], request_id: str = "", form: str = tensors.REQUEST) -> ChatStream:
         """The responses to one body of the API `form` names (a BODY_VALIDATORS key: chat
-        completions, or completions), streamed if it asks; ClientLeft once `streams`
-        was cancelled."""
+        completions, or completions), streamed if it asks, on the running event loop.
+        Closing or cancelling it cancels its requests on the servers."""
         raise NotImplementedError
 
     def abort(self, reason: str) -> None:
@@ -83,18 +79,18 @@ class ChatFront:
         for pool in self.pools:
             pool.abort(reason)
 
-    def served_models(self) -> tuple[str, ...]:
+    async def served_models(self) -> tuple[str, ...]:
         """The model names clients may send, the one reported first."""
-        return self.served_model_names or (self.served_model(),)
+        return self.served_model_names or (await self.served_model(),)
 
-    def served_model(self) -> str:
+    async def served_model(self) -> str:
         """The model name answers report: the first served name, else asked of a server once."""
         if self.served_model_names:
             return self.served_model_names[0]
         if self._served_model is None:
             probe = chat_inputs({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
             with self.serving.pick() as backend:
-                [answer] = list(self.serving.stream(backend, probe))
+                [answer] = [output async for output in self.serving.stream(backend, probe)]
             self._served_model = answer.response["model"]
         return self._served_model
 
@@ -103,18 +99,19 @@ class ChatFront:
         """The pools whose renderer answers /tokenize and /detokenize, in order of preference."""
         return (self.serving,)
 
-    def tokenize(self, body: dict[str, Any], request_id: str = "") -> dict[str, Any]:
+    async def tokenize(self, body: dict[str, Any], request_id: str = "") -> dict[str, Any]:
         """vLLM's /tokenize answer (pdchat.core.request.tokenize): a server's renderer model
         renders a chat as it renders that chat completion, so the ids are those chat computes."""
         self._checked(parse_tokenize, body)
-        return self._renderer_answer(tensors.TOKENIZE_REQUEST, body, request_id)
+        return await self._renderer_answer(tensors.TOKENIZE_REQUEST, body, request_id)
 
-    def detokenize(self, body: dict[str, Any], request_id: str = "") -> dict[str, Any]:
+    async def detokenize(self, body: dict[str, Any], request_id: str = "") -> dict[str, Any]:
         """vLLM's /detokenize answer: the ids' text, by a server's tokenizer."""
         self._checked(parse_detokenize, body)
-        return self._renderer_answer(tensors.DETOKENIZE_REQUEST, body, request_id)
+        return await self._renderer_answer(tensors.DETOKENIZE_REQUEST, body, request_id)
 
     def health(self) -> dict[str, Any]:
+        """Whether each server is ready (probed now: this blocks), and the front's stats."""
         status = {self.serving.role: self.serving.probe_all(), "stats": self.stats.__dict__}
         status["ok"] = any(status[self.serving.role].values())
         return status
@@ -141,32 +138,28 @@ class ChatFront:
         except InvalidRequest as exc:
             raise ChatError(str(exc), exc.code) from exc
 
-    def _renderer_answer(self, name: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+    async def _renderer_answer(self, name: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         """The renderer's JSON answer to `body` as input `name`, from the first pool with a
-        ready server (errors as `BackendPool.stream` says, but for stalls: its client's timeout)."""
+        ready server (errors as `BackendPool.stream` says, but for stalls: its client's timeout),
+        asked by a worker thread (GrpcChat.answer blocks)."""
         try:
             text = utf8_json(body)
         except InvalidRequest as exc:
             raise ChatError(str(exc), exc.code) from exc
         pool = next((p for p in self.renderer_pools if p.any_healthy()), self.renderer_pools[0])
         with pool.pick() as backend, backend.client() as client:
+            request_id = request_id or f"pdchat-{uuid.uuid4().hex}"
             try:
-                return client.answer(tensors.RENDERER, name, text, request_id or f"pdchat-{uuid.uuid4().hex}")
+                return await asyncio.to_thread(client.answer, tensors.RENDERER, name, text, request_id)
             except ChatError as exc:
-                error = pool._failure(backend, exc)
+                error = await pool._failure(backend, exc)
                 if error is exc:
                     raise
                 raise error from exc
 
-    def _stream(
-        self,
-        text: bytes,
-        request_id: str,
-        form: str,
-        streams: RequestStreams | None = None,
-        parameters: dict[str, Any] | None = None,
-        **forwarded: Any,
-    ) -> Iterator[ChatOutput]:
+    async def _stream(
+        self, text: bytes, request_id: str, form: str, parameters: dict[str, Any] | None = None, **forwarded: Any
+    ) -> ChatStream:
         """Responses of one serving server to `text` as input `form` (errors as `BackendPool.stream` says)."""
         if not self.serving.any_healthy():
             self.stats.failed += 1
@@ -174,9 +167,9 @@ class ChatFront:
         with self.serving.pick() as backend:
             try:
                 inputs = chat_inputs(text, form=form, **forwarded)
-                yield from self.serving.stream(backend, inputs, request_id, streams, parameters)
-            except ClientLeft:
-                raise  # not a failure: nobody waits for it
+                async with aclosing(self.serving.stream(backend, inputs, request_id, parameters)) as outputs:
+                    async for output in outputs:
+                        yield output
             except ChatError:
                 self.stats.failed += 1
                 raise
@@ -201,13 +194,9 @@ class ServerFront(ChatFront):
         pool = BackendPool([url], role, stall_timeout_s=stall_timeout_s, outputs=outputs, decode_direct=direct)
         super().__init__(pool, served_model_names)
 
-    def chat(
-        self,
-        body: dict[str, Any],
-        request_id: str = "",
-        form: str = tensors.REQUEST,
-        streams: RequestStreams | None = None,
-    ) -> Iterator[ChatOutput]:
+    async def chat(self, body: dict[str, Any], request_id: str = "", form: str = tensors.REQUEST) -> ChatStream:
         self.stats.requests += 1
         text, _ = self._validated(body, form)
-        yield from self._stream(text, request_id or f"pdchat-{uuid.uuid4().hex}", form, streams)
+        async with aclosing(self._stream(text, request_id or f"pdchat-{uuid.uuid4().hex}", form)) as outputs:
+            async for output in outputs:
+                yield output

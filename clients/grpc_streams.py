@@ -10,8 +10,9 @@ streams and a token per response per stream spends much less CPU this way
 Callers on any thread use `StreamCall`: `write` and `cancel` are handed to the loop and
 return at once (never blocking, so the loop's own thread may call them too); responses
 and the stream's end come to `on_response(result, error)` on the loop's thread, which
-must not block. No Triton server import here: the loop, its channels and calls are plain
-grpc.aio.
+must not block. A caller on no event loop takes an async generator of the loop's (such as
+GrpcChat.astream) with `iterate`. No Triton server import here: the loop, its channels and
+calls are plain grpc.aio.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import queue
 import threading
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -41,6 +43,7 @@ _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_rece
 # What a stream's reader reports when the stream was cancelled here (as tritonclient words it).
 CANCELLED_MESSAGE = "Locally cancelled by application!"
 
+T = TypeVar("T")
 OnResponse = Callable[[service_pb2.ModelInferResponse | None, InferenceServerException | None], None]
 
 
@@ -105,7 +108,7 @@ def infer_request(
 class StreamLoop:
     """The event loop every stream of this process runs on, with one channel per server
     address: a daemon thread's, started on first use and stopped at exit (`shared()`), or
-    a running loop the process has already (`attach`), such as an HTTP front's.
+    a running loop the process has already (`running()`), such as an HTTP front's.
 
     NOTE: channels and calls are only touched on the loop's thread."""
 
@@ -123,20 +126,59 @@ class StreamLoop:
 
     @classmethod
     def shared(cls) -> StreamLoop:
-        """This process's loop: the one attached while it runs, else a thread's."""
+        """This process's loop: the last `running()` one while it runs, else a thread's."""
         with cls._shared_lock:
             if cls._shared is None or not (cls._shared.loop.is_running() or cls._shared._thread is not None):
                 cls._shared = cls()
             return cls._shared
 
     @classmethod
-    def attach(cls, loop: asyncio.AbstractEventLoop) -> None:
-        """Run the streams opened from now on on `loop` (running), while it runs: responses
-        then reach their callbacks on its thread without a hop between threads. The
-        streams of a loop before it keep running there."""
+    def running(cls) -> StreamLoop:
+        """The running event loop's, which from now on runs the streams opened (an HTTP
+        front's: responses reach their callbacks on its thread without a hop between
+        threads). The streams of a loop before it keep running there."""
+        loop = asyncio.get_running_loop()
         with cls._shared_lock:
             if cls._shared is None or cls._shared.loop is not loop:
                 cls._shared = cls(loop)
+            return cls._shared
+
+    def iterate(self, outputs: AsyncGenerator[T, None]) -> Iterator[T]:
+        """`outputs`, an async generator, taken by a caller on another thread: from its first
+        `next` the loop runs it, handing each item over as it comes; leaving early cancels it
+        there. Its error is raised to the caller."""
+        if self._on_this_loop():  # it would wait for itself
+            raise RuntimeError("a stream loop's own thread cannot wait for it: use the async generator")
+        items: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()  # (done, item or error)
+
+        async def run() -> None:
+            try:
+                async for item in outputs:
+                    items.put((False, item))
+                items.put((True, None))
+            except BaseException as exc:
+                items.put((True, exc))  # the caller's to raise
+                if not isinstance(exc, Exception):
+                    raise  # cancelled: the task ends so
+
+        running = asyncio.run_coroutine_threadsafe(run(), self.loop)
+        try:
+            while True:
+                done, item = items.get()
+                if not done:
+                    yield item
+                elif item is not None:
+                    raise item
+                else:
+                    return
+        finally:
+            running.cancel()  # a no-op once it ended
+
+    def _on_this_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
 
     def open(self, url: str, on_response: OnResponse) -> StreamCall:
         """A new stream to `url`'s ModelStreamInfer; nothing is sent until its first `write`."""

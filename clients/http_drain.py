@@ -15,8 +15,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-import anyio
-
 if TYPE_CHECKING:
     from pdchat.clients.fronts import ChatFront
 
@@ -64,8 +62,7 @@ class Drain:
                 f"this front is draining and the request did not finish within its drain timeout of {timeout:g} s "
                 "(setting drain_timeout_s)"
             )
-            # Not on the routes' limiter: its threads may be stuck.
-            await anyio.to_thread.run_sync(self._router.abort, reason)
+            self._router.abort(reason)  # cancels their gRPC streams: it does not block
             await self._settled(self.shutdown_timeout_s)
         log.info("drained: %d requests still running", self.running)
 

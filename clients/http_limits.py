@@ -59,7 +59,7 @@ class HttpSettings:
     body_timeout_s: float = 30.0  # the whole body, from the end of the head; 408 past it
     linger_s: float = 2.0  # after an answer that leaves the body unread, what still arrives is dropped this long
     keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this
-    max_connections: int = 256  # uvicorn answers 503 over it; also the number of worker threads
+    max_connections: int = 256  # uvicorn answers 503 over it; also the most worker threads (Routes._in_thread)
     shutdown_timeout_s: float = 5.0  # a drain's wait for the requests it ended, then uvicorn's for open connections
     drain_timeout_s: float = field(default_factory=DRAIN_TIMEOUT_S.get)  # running requests' time to finish
 

@@ -4,18 +4,20 @@
 vLLM's `POST /tokenize`, `POST /detokenize` and `GET /version`, `GET /health`, `GET /metrics`
 (Prometheus), `POST /drain`. Errors use OpenAI's shape (clients/http_errors.py).
 
-`ChatFront.chat` is a blocking generator: each step runs in a worker thread, and a client
-that leaves mid-stream gets the generator closed, which cancels the decode request.
+A chat request runs on the front's event loop from the route to the gRPC streams
+(`ChatFront.chat`, an async generator): no thread waits for its outputs. A client that
+leaves gets the generator closed or cancelled, which cancels its requests on the servers.
+What blocks (a large body's parsing, the health probes) runs in worker threads, one per
+connection at most.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -26,10 +28,8 @@ from starlette.responses import Response
 
 import pdchat
 from pdchat import tensors
-from pdchat.clients.backend_pool import ClientLeft, RequestStreams
-from pdchat.clients.chat import ChatError, ChatOutput, Waiting
+from pdchat.clients.chat import ChatError, ChatOutput, ChatStream
 from pdchat.clients.choices import fan_out
-from pdchat.clients.grpc_streams import StreamLoop
 from pdchat.clients.http_body import json_body
 from pdchat.clients.http_drain import Drain
 from pdchat.clients.http_errors import ApiError, chat_api_error, error_response, json_response
@@ -48,56 +48,7 @@ COMPLETIONS_PATH = "/v1/completions"
 # The generation routes, each with the `chat` input its body travels as (ChatFront.chat's form).
 GENERATION_FORMS = {CHAT_PATH: tensors.REQUEST, COMPLETIONS_PATH: tensors.COMPLETION_REQUEST}
 DISCONNECT_POLL_S = 0.5  # how often a whole answer being made looks whether its client is still there
-# A stream's next output is awaited on the loop this long at most, then by a worker thread
-# (which sees the stream's stall deadline and its end).
-ARRIVAL_WAIT_S = 0.25
 T = TypeVar("T")
-
-
-class _Arrivals:
-    """The outputs of one stream (a request of one choice), each taken on the event loop
-    as it arrives: no worker thread waits for each, and outputs that arrived together are
-    sent together. What may block (the stream's end, an error, a stall past
-    ARRIVAL_WAIT_S) is still taken by a worker thread (`in_thread`).
-
-    NOTE: `next(outputs)` runs on the loop only when `streams.waiting()` is OUTPUT: then
-    the output is queued and the generators above it only pass it on."""
-
-    def __init__(
-        self,
-        outputs: Iterator[ChatOutput],
-        streams: RequestStreams,
-        in_thread: Callable[..., Awaitable[ChatOutput | None]],
-    ):
-        self._outputs, self._streams, self._in_thread = outputs, streams, in_thread
-        self._loop, self._thread_id = asyncio.get_running_loop(), threading.get_ident()
-        self._arrived = asyncio.Event()
-        streams.on_arrival = self._on_arrival
-
-    async def next(self) -> ChatOutput | None:
-        deadline = self._loop.time() + ARRIVAL_WAIT_S
-        while True:
-            self._arrived.clear()
-            waiting = self._streams.waiting()
-            if waiting is Waiting.OUTPUT:
-                return next(self._outputs, None)
-            remaining = deadline - self._loop.time()
-            if waiting is Waiting.OTHER or remaining <= 0:
-                break
-            try:
-                await asyncio.wait_for(self._arrived.wait(), remaining)
-            except asyncio.TimeoutError:
-                break
-        return await self._in_thread(next, self._outputs, None)
-
-    def _on_arrival(self) -> None:  # on the streams' loop: this one (StreamLoop.attach), or another's thread
-        if threading.get_ident() == self._thread_id:
-            self._arrived.set()
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._arrived.set)
-        except RuntimeError:  # the loop closed: the front is gone, nobody waits
-            pass
 
 
 class Routes:
@@ -114,11 +65,6 @@ class Routes:
             self._limiter = anyio.CapacityLimiter(self.settings.max_connections)
         return await anyio.to_thread.run_sync(func, *args, limiter=self._limiter)
 
-    async def _close(self, outputs: Iterator[ChatOutput]) -> None:
-        """Close the router's generator (cancelling its decode request), even when cancelled."""
-        with anyio.CancelScope(shield=True):
-            await self._in_thread(outputs.close)
-
     def error_response(self, error: ApiError, headers: dict[str, str] | None = None) -> Response:
         """`error`'s answer, counted."""
         self.metrics.count_error(error)
@@ -131,41 +77,44 @@ class Routes:
         if self.drain.draining:
             raise ApiError(503, "this front is draining: it takes no new requests", "draining", close=True)
         body = await self._json_body(request)
-        StreamLoop.attach(asyncio.get_running_loop())  # this loop reads its requests' streams
-        streams = RequestStreams()
-        serve = functools.partial(self.router.chat, streams=streams)
-        outputs = fan_out(serve, body, request.state.request_id, GENERATION_FORMS[request.url.path])
+        outputs = fan_out(self.router.chat, body, request.state.request_id, GENERATION_FORMS[request.url.path])
         try:
-            if not body.get("stream"):
-                return await self._whole(outputs, request, streams)
-            first = await self._in_thread(next, outputs, None)
+            if body.get("stream"):
+                return await self._streamed(outputs, request, started)
+            return await self._whole(outputs, request)
         except ChatError as exc:
-            raise chat_api_error(exc) from exc  # the generator is done: it raised
+            raise chat_api_error(exc) from exc
+
+    async def _streamed(self, outputs: ChatStream, request: Request, started: float) -> Response:
+        """The answer's events, once its first output is here: an error before it is the
+        response's, an error after it an event (clients/http_sse.py)."""
+        try:
+            first = await anext(outputs, None)
         except BaseException:
-            await self._close(outputs)
+            with anyio.CancelScope(shield=True):
+                await outputs.aclose()  # cancels what runs (a no-op once it raised)
             raise
         if first is None:
             raise ApiError.of(ErrorCode.INTERNAL, "the decode server ended the stream without a response")
         self.metrics.ttft.observe(time.perf_counter() - started)
-        taken = _Arrivals(outputs, streams, self._in_thread) if body.get("n") in (None, 1) else None
-        next_output = taken.next if taken is not None else functools.partial(self._in_thread, next, outputs, None)
-        close = functools.partial(self._close, outputs)
-        events = answer_events(first, next_output, close, request.state, self.metrics)
+        events = answer_events(first, outputs, request.state, self.metrics)
         return EventStream(events, headers={"Cache-Control": "no-cache"})
 
-    async def _whole(self, outputs: Iterator[ChatOutput], request: Request, streams: RequestStreams) -> Response:
+    async def _whole(self, outputs: ChatStream, request: Request) -> Response:
         """The one answer. A client that leaves meanwhile (looked for every DISCONNECT_POLL_S)
         has its request cancelled on the servers, and is counted cancelled, not failed."""
-        answering = asyncio.ensure_future(self._in_thread(list, outputs))
-        while not (await asyncio.wait({answering}, timeout=DISCONNECT_POLL_S))[0]:
-            if not streams.cancelled and await request.is_disconnected():
-                request.state.outcome = "cancelled"
-                log.info("request %s: client went away; decode work cancelled", request.state.request_id)
-                await self._in_thread(streams.cancel)
+        answering = asyncio.ensure_future(_all(outputs))
         try:
-            answers = answering.result()
-        except ClientLeft:
-            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+            while not (await asyncio.wait({answering}, timeout=DISCONNECT_POLL_S))[0]:
+                if await request.is_disconnected():
+                    request.state.outcome = "cancelled"
+                    log.info("request %s: client went away; decode work cancelled", request.state.request_id)
+                    return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+        finally:
+            if not answering.done():  # its streams cancel their requests as it ends
+                answering.cancel()
+                await asyncio.wait({answering})
+        answers = answering.result()
         if len(answers) != 1:
             raise ApiError.of(ErrorCode.INTERNAL, f"the decode server sent {len(answers)} responses for a whole answer")
         return Response(answers[0].response_json, 200, media_type="application/json")
@@ -176,7 +125,7 @@ class Routes:
 
     async def models(self, request: Request) -> Response:
         try:
-            names = await self._in_thread(self.router.served_models)
+            names = await self.router.served_models()
         except ChatError as exc:
             raise chat_api_error(exc) from exc
         models = [{"id": name, "object": "model", "owned_by": "pdchat"} for name in names]
@@ -190,10 +139,12 @@ class Routes:
         """vLLM's `POST /detokenize` (ChatFront.detokenize)."""
         return await self._tokenizer_route(request, self.router.detokenize)
 
-    async def _tokenizer_route(self, request: Request, answer: Callable[..., dict[str, Any]]) -> Response:
+    async def _tokenizer_route(
+        self, request: Request, answer: Callable[[dict[str, Any], str], Awaitable[dict[str, Any]]]
+    ) -> Response:
         body = await self._json_body(request)
         try:
-            return json_response(200, await self._in_thread(answer, body, request.state.request_id))
+            return json_response(200, await answer(body, request.state.request_id))
         except ChatError as exc:
             raise chat_api_error(exc) from exc
 
@@ -227,3 +178,8 @@ class Routes:
     async def on_unexpected(self, request: Request, exc: Exception) -> Response:
         """A bug: a 500 in OpenAI's shape (Starlette still logs the traceback)."""
         return self.error_response(ApiError.of(ErrorCode.INTERNAL, "internal error in the router"))
+
+
+async def _all(outputs: ChatStream) -> list[ChatOutput]:
+    async with aclosing(outputs):
+        return [output async for output in outputs]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -19,7 +19,7 @@ from starlette.datastructures import State
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pdchat.clients.chat import ChatError, ChatOutput
+from pdchat.clients.chat import ChatError, ChatOutput, ChatStream
 from pdchat.clients.http_errors import chat_api_error, outcome_of
 from pdchat.clients.http_metrics import FrontMetrics
 
@@ -49,14 +49,10 @@ def event(data: dict[str, Any] | str) -> bytes:
 
 
 async def answer_events(
-    first: ChatOutput,
-    next_output: Callable[[], Awaitable[ChatOutput | None]],
-    close: Callable[[], Awaitable[None]],
-    state: State,
-    metrics: FrontMetrics,
+    first: ChatOutput, outputs: ChatStream, state: State, metrics: FrontMetrics
 ) -> AsyncIterator[bytes]:
-    """The events of an answer whose `first` output is here: `next_output()` gives the one
-    after the last (None at the end), `close()` ends the answer's outputs. Sets the request's
+    """The events of an answer whose `first` output is here and the rest are `outputs`, which
+    are closed however this ends (cancelling what still runs on the servers). Sets the request's
     `state.outcome`, and counts chunk gaps and streamed errors in `metrics`."""
     try:
         output: ChatOutput | None = first
@@ -64,7 +60,7 @@ async def answer_events(
         try:
             while output is not None:
                 yield event(output.response_json)
-                output = await next_output()
+                output = await anext(outputs, None)
                 now = time.perf_counter()
                 if output is not None:
                     metrics.inter_token.observe(now - last)
@@ -83,4 +79,5 @@ async def answer_events(
         if getattr(state, "outcome", None) is None:
             state.outcome = "cancelled"
             log.info("request %s: client went away; decode work cancelled", state.request_id)
-        await close()
+        with anyio.CancelScope(shield=True):
+            await outputs.aclose()

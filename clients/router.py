@@ -15,20 +15,30 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Generator, Iterator, Sequence
-from dataclasses import asdict
+from collections.abc import Iterator, Sequence
+from contextlib import aclosing
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pdchat import tensors
 from pdchat.clients.affinity import PrefixAffinity, prefix_keys
-from pdchat.clients.backend_pool import BackendPool, ClientLeft, Draining, RequestStreams
-from pdchat.clients.chat import ChatError, ChatOutput, chat_inputs
+from pdchat.clients.backend_pool import BackendPool, Draining
+from pdchat.clients.chat import ChatError, ChatOutput, ChatStream, chat_inputs
 from pdchat.clients.fronts import ChatFront
 from pdchat.clients.kv_index import BlockIndex, KVEventSource, KVEventSubscriber
 from pdchat.core.errors import ErrorCode
 from pdchat.core.settings import DECODE_DIRECT, KV_BLOCK_TOKENS
 
 log = logging.getLogger("pdchat.router")
+
+
+@dataclass
+class _Prefilled:
+    """What a prefill leg leaves the decode leg: prefill's answer (None: decode serves the
+    request whole), and whether the answer's first output went out already."""
+
+    answer: ChatOutput | None = None
+    first_sent: bool = False
 
 
 class PDRouter(ChatFront):
@@ -102,13 +112,7 @@ class PDRouter(ChatFront):
         """Prefill's renderers (they render the chat requests), decode's while none is ready."""
         return (self.prefill, self.decode)
 
-    def chat(
-        self,
-        body: dict[str, Any],
-        request_id: str = "",
-        form: str = tensors.REQUEST,
-        streams: RequestStreams | None = None,
-    ) -> Iterator[ChatOutput]:
+    async def chat(self, body: dict[str, Any], request_id: str = "", form: str = tensors.REQUEST) -> ChatStream:
         """The decode server's responses for one chat or completions request (streamed if body asks)."""
         request_id = request_id or f"pdchat-{uuid.uuid4().hex}"
         self.stats.requests += 1
@@ -123,7 +127,11 @@ class PDRouter(ChatFront):
             raise self.decode.none_ready()
         keys = prefix_keys(body) if self.affinity is not None else []  # only the prefix policy reads them
         # The client has the first output as soon as prefill sent it; the decode leg's stream goes on after it.
-        answer, first_sent = yield from self._prefill_leg(text, request_id, form, keys, streams)
+        prefilled = _Prefilled()
+        async with aclosing(self._prefill_leg(text, request_id, form, keys, prefilled)) as first:
+            async for output in first:
+                yield output
+        answer = prefilled.answer
         forwarded: dict[str, Any] = {}
         parameters: dict[str, Any] = {}
         if answer is not None:
@@ -132,17 +140,19 @@ class PDRouter(ChatFront):
             if self.forward_ids:
                 forwarded["prompt_token_ids"] = answer.prompt_token_ids
             self.stats.disaggregated += 1
-            if first_sent:
+            if prefilled.first_sent:
                 parameters[tensors.FIRST_OUTPUT_SENT] = True
-        yield from self._stream(text, request_id, form, streams, parameters, **forwarded)
+        async with aclosing(self._stream(text, request_id, form, parameters, **forwarded)) as rest:
+            async for output in rest:
+                yield output
 
-    def _prefill_leg(
-        self, body: bytes, request_id: str, form: str, keys: list[bytes], streams: RequestStreams | None
-    ) -> Generator[ChatOutput, None, tuple[ChatOutput | None, bool]]:
+    async def _prefill_leg(
+        self, body: bytes, request_id: str, form: str, keys: list[bytes], prefilled: _Prefilled
+    ) -> ChatStream:
         """Yields the streamed answer's first output the moment the prefill server sends it
-        (when it does); returns prefill's answer (first token, prompt ids, signed handoff) and
-        whether that first output went out, or (None, False) to let decode do it all: no
-        prefill server ready, or the one picked failed or stalled before the first output
+        (when it does); leaves in `prefilled` prefill's answer (first token, prompt ids, signed
+        handoff) and whether that first output went out, or no answer to let decode do it all:
+        no prefill server ready, or the one picked failed or stalled before the first output
         went out. A do_remote_decode request gets one answer (the response with
         kv_transfer_params), streamed or not, and with ids forwarded the first output before
         it (tensors.FIRST_OUTPUT_EARLY). `keys`: the request's prefix keys, for the prefix
@@ -152,7 +162,6 @@ class PDRouter(ChatFront):
         ends it (decode alone would send the client a first output again)."""
         started = time.perf_counter()
         choose = None if self.affinity is None else functools.partial(self.affinity.choose, keys)
-        first_sent = False
         try:
             with self.prefill.pick(choose) as used:
                 inputs = chat_inputs(body, kv_transfer_params={"do_remote_decode": True}, form=form)
@@ -160,15 +169,17 @@ class PDRouter(ChatFront):
                 # the handle as it is (REUSE): it continues the prefill leg's answer there.
                 parameters = {tensors.FIRST_OUTPUT_EARLY: True} if self.forward_ids else None
                 answer = None
-                for output in self.prefill.stream(used, inputs, request_id, streams, parameters):
-                    is_answer = bool(output.kv_transfer_params_json) or not self.forward_ids
-                    if answer is not None or (first_sent and not is_answer):
-                        raise ChatError(f"prefill server {used.url} answered more than a first output and an answer")
-                    if is_answer:
-                        answer = output
-                    else:
-                        first_sent = True
-                        yield output
+                async with aclosing(self.prefill.stream(used, inputs, request_id, parameters)) as outputs:
+                    async for output in outputs:
+                        is_answer = bool(output.kv_transfer_params_json) or not self.forward_ids
+                        if answer is not None or (prefilled.first_sent and not is_answer):
+                            extra = "more than a first output and an answer"
+                            raise ChatError(f"prefill server {used.url} answered {extra}")
+                        if is_answer:
+                            answer = output
+                        else:
+                            prefilled.first_sent = True
+                            yield output
                 if answer is None:
                     raise ChatError(f"prefill server {used.url} ended its stream without an answer")
             log.info(
@@ -177,15 +188,14 @@ class PDRouter(ChatFront):
             index = self.kv_indexes.get(used.url)
             if index is not None and keys:  # its blocks are on that server now: affinity holds while they are
                 self.affinity.bind(used.url, keys[-1], index.prompt_key(answer.prompt_token_ids))
-            return answer, first_sent
+            prefilled.answer = answer
         except ChatError as exc:
-            if first_sent or exc.is_client_error or isinstance(exc, (Draining, ClientLeft)):
-                # the request itself is bad (decode would refuse it too), the front stops, nobody
-                # waits, or the client has this prefill's first output
+            if prefilled.first_sent or exc.is_client_error or isinstance(exc, Draining):
+                # the request itself is bad (decode would refuse it too), the front stops, or the
+                # client has this prefill's first output
                 raise
             self.stats.prefill_fallbacks += 1
             log.warning("request %s: prefill failed (%s: %s); decode serves it whole", request_id, exc.code.name, exc)
-            return None, False
 
     def health(self) -> dict[str, Any]:
         health = {**super().health(), "prefill": self.prefill.probe_all()}

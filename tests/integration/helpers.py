@@ -9,16 +9,24 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 
 import pytest
 import tritonclient.grpc as grpcclient
 
-from pdchat.clients.chat import ChatError, ChatResult, chat_inputs, collect
+from pdchat.clients.chat import ChatError, ChatOutput, ChatResult, ChatStream, chat_inputs, collect
+from pdchat.clients.grpc_streams import StreamLoop
 
 
 def ask(client, body=None, **inputs) -> ChatResult:
     """The whole answer to one request (a JSON body, plus forwarded ids or other inputs)."""
     return collect(client.stream(chat_inputs(body, **inputs)))
+
+
+def blocking(outputs: ChatStream) -> Iterator[ChatOutput]:
+    """A front's `chat` (an async generator) taken from this thread: its steps run on the
+    process's stream loop."""
+    return StreamLoop.shared().iterate(outputs)
 
 
 def refusal(client, body=None, **inputs) -> str:

@@ -12,7 +12,7 @@ from pdchat.launcher import TritonServer
 from tests.conversations import PARITY_CASES
 from tests.integration import netns
 from tests.integration.conftest import TEST_POOLS, at_once
-from tests.integration.helpers import metric
+from tests.integration.helpers import blocking, metric
 
 pytestmark = pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 for network namespaces")
 BODY = {"max_tokens": 10, "temperature": 0, **PARITY_CASES["multi_turn"]}
@@ -53,7 +53,7 @@ def test_pd_across_hosts_over_nixl_equals_monolithic(pair, server):
     expected = collect(GrpcChat(server.grpc_url).stream(chat_inputs(BODY))).output_token_ids
     pulled = metric(decode, "pdchat_kv_pulls_total", outcome="pulled")
     router = PDRouter([prefill.grpc_url], [decode.grpc_url])
-    assert collect(router.chat(BODY)).output_token_ids == expected
+    assert collect(blocking(router.chat(BODY))).output_token_ids == expected
     assert router.stats.disaggregated == 1
     assert metric(decode, "pdchat_kv_pulls_total", outcome="pulled") == pulled + 1  # the KV crossed the link
 

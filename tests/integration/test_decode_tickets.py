@@ -24,6 +24,7 @@ from pdchat.clients.fronts import ServerFront
 from pdchat.core.errors import ErrorCode
 from pdchat.core.output.feeds import DecodeFeeds
 from tests.conversations import PARITY_CASES, chat_body
+from tests.integration.helpers import blocking
 
 
 def stream_raw(server, model, arrays, parameters=None, outputs=None):
@@ -173,8 +174,8 @@ def test_direct_completions_answer_as_relayed_ones(server):
 
 def test_a_front_with_decode_direct_off_relays_through_chat(server):
     body = chat_body("single_turn", max_tokens=6, temperature=0)
-    direct = [o.response["choices"] for o in ServerFront(server.grpc_url, decode_direct=True).chat(body)]
-    relayed = [o.response["choices"] for o in ServerFront(server.grpc_url, decode_direct=False).chat(body)]
+    direct = [o.response["choices"] for o in blocking(ServerFront(server.grpc_url, decode_direct=True).chat(body))]
+    relayed = [o.response["choices"] for o in blocking(ServerFront(server.grpc_url, decode_direct=False).chat(body))]
     assert direct == relayed and direct[0][0]["message"]["content"]
 
 

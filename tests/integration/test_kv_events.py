@@ -21,7 +21,7 @@ from pdchat.clients.affinity import prefix_keys
 from pdchat.clients.chat import GrpcChat
 from pdchat.clients.kv_index import KVEventSource
 from pdchat.clients.router import PDRouter
-from tests.integration.helpers import ask, chat_renders, metric, wait_for
+from tests.integration.helpers import ask, blocking, chat_renders, metric, wait_for
 from tests.kv_event_types import BlockRemoved, BlockStored, KVEventBatch
 
 BLOCK_TOKENS = 16
@@ -151,7 +151,7 @@ def test_the_router_stops_sending_a_conversation_to_the_server_that_evicted_its_
     router = PDRouter([home, other], [other], kv_events={home: KVEventSource(*small_pool_server.kv_events)})
     try:
         first = prompt()
-        [answer] = list(router.chat(first))  # a new router's first pick: the first prefill server
+        [answer] = list(blocking(router.chat(first)))  # a new router's first pick: the first prefill server
         second = {
             **first,
             "messages": [
@@ -170,7 +170,7 @@ def test_the_router_stops_sending_a_conversation_to_the_server_that_evicted_its_
         client.close()
         assert wait_for(lambda: router.affinity.scores(keys, [home, other])[home] == 0, 5), "evicted: no affinity"
         renders = {url: chat_renders(server) for url, server in ((home, small_pool_server), (other, decode_server))}
-        [_] = list(router.chat(second))
+        [_] = list(blocking(router.chat(second)))
         assert chat_renders(decode_server) == renders[other] + 1, "prefilled on the least loaded server"
         assert chat_renders(small_pool_server) == renders[home]
         stats = router.health()["kv_events"][home]

@@ -22,6 +22,7 @@ from tests.integration.conftest import TEST_POOLS, in_background
 from tests.integration.helpers import (
     StreamReader,
     answers_of,
+    blocking,
     chat_renders,
     executions,
     metric,
@@ -377,7 +378,7 @@ def test_a_pd_request_is_parsed_once_per_process_and_the_handoff_forwarded_as_se
     decodes, real_loads = [], json.loads
     monkeypatch.setattr(json, "loads", lambda *args, **kw: (decodes.append(args[0]), real_loads(*args, **kw))[1])
     body = {"max_tokens": 4, "temperature": 0, "stream": True, **PARITY_CASES["tool_result"]}
-    outputs = [list(router.chat(body)) for _ in range(2)]
+    outputs = [list(blocking(router.chat(body))) for _ in range(2)]
     monkeypatch.undo()
     # (A tool call's arguments inside a message are JSON in JSON: validating them parses them.)
     forwarded = [d for d in decodes if any(key in str(d) for key in ('"messages"', "chat.completion", '"signature"'))]
@@ -397,7 +398,7 @@ def test_the_baseline_mode_renders_on_decode_and_gives_the_reuse_answer(stack, m
         router = PDRouter([stack.prefill.grpc_url], [stack.decode.grpc_url], forward_ids=forward_ids)
         renders = chat_renders(stack.decode)
         pulled = metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled")
-        answers[forward_ids] = collect(router.chat(body))
+        answers[forward_ids] = collect(blocking(router.chat(body)))
         assert chat_renders(stack.decode) == renders + (0 if forward_ids else 1)
         assert (
             metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled") == pulled + 1

@@ -8,6 +8,7 @@ import pytest
 
 from pdchat.clients.chat import ChatError, ChatOutput
 from pdchat.clients.choices import MAX_CHOICES, choice_bodies, choice_count, fan_out
+from tests.integration.helpers import blocking
 
 
 def test_n_is_counted_and_bounded_by_name():
@@ -49,7 +50,7 @@ class FakeFront:
     def __init__(self):
         self.log: list[str] = []
 
-    def serve(self, body, request_id, form):
+    async def serve(self, body, request_id, form):
         self.log.append(f"start {request_id}")
         seed = body.get("seed", 0)
         if not body.get("stream"):
@@ -68,7 +69,7 @@ class FakeFront:
 def test_streamed_choices_start_one_after_the_others_first_chunk_and_merge_under_one_id():
     front = FakeFront()
     body = {"n": 3, "seed": 10, "stream": True, "stream_options": {"include_usage": True}}
-    chunks = [json.loads(o.response_json) for o in fan_out(front.serve, body, "r", "completion_request")]
+    chunks = [json.loads(o.response_json) for o in blocking(fan_out(front.serve, body, "r", "completion_request"))]
     assert front.log[:6] == ["start r-0", "chunk r-0", "start r-1", "chunk r-1", "start r-2", "chunk r-2"]
     assert {c["id"] for c in chunks} == {"r-0"}
     assert [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in chunks[:-1]] == [
@@ -85,7 +86,7 @@ def test_streamed_choices_start_one_after_the_others_first_chunk_and_merge_under
 
 def test_a_whole_answer_holds_every_choice_and_the_prompt_once():
     front = FakeFront()
-    [answer] = fan_out(front.serve, {"n": 3, "seed": 1}, "r", "request")
+    [answer] = blocking(fan_out(front.serve, {"n": 3, "seed": 1}, "r", "request"))
     body = json.loads(answer.response_json)
     assert front.log[0] == "start r-0"
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "s1"), (1, "s2"), (2, "s3")]
@@ -94,4 +95,6 @@ def test_a_whole_answer_holds_every_choice_and_the_prompt_once():
 
 def test_one_choice_is_served_as_it_is():
     front = FakeFront()
-    assert len(list(fan_out(front.serve, {"stream": True}, "r", "request"))) == 3 and front.log[0] == "start r"
+    assert (
+        len(list(blocking(fan_out(front.serve, {"stream": True}, "r", "request")))) == 3 and front.log[0] == "start r"
+    )

@@ -5,19 +5,19 @@ timeout, the rest end with an error event; and the front's own error answers for
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from pdchat.clients.backend_pool import Draining, UpstreamTimeout
-from pdchat.clients.chat import ChatOutput
+from pdchat.clients.chat import ChatOutput, ChatStream
 from pdchat.clients.fronts import RouterStats
 from pdchat.clients.http_errors import chat_api_error
 from pdchat.clients.openai_api import HttpSettings, make_server
@@ -34,15 +34,13 @@ class StandIn:
 
     def __init__(self) -> None:
         self.stats = RouterStats()
-        self.reason = ""
-        self.aborted = threading.Event()
+        self.reason = ""  # why it was aborted
 
-    def chat(
-        self, body: dict[str, Any], request_id: str = "", form: str = "request", streams=None
-    ) -> Iterator[ChatOutput]:
+    async def chat(self, body: dict[str, Any], request_id: str = "", form: str = "request") -> ChatStream:
         count = body["max_tokens"]
         for index in range(count):
-            if self.aborted.wait(GAP_S):
+            await asyncio.sleep(GAP_S)
+            if self.reason:
                 raise Draining(self.reason)
             finish = "length" if index == count - 1 else None
             chunk = {
@@ -53,7 +51,6 @@ class StandIn:
 
     def abort(self, reason: str) -> None:
         self.reason = reason
-        self.aborted.set()
 
     def health(self) -> dict[str, Any]:
         return {"ok": True}

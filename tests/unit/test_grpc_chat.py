@@ -1,11 +1,11 @@
 """GrpcChat's cancelled streams leave nothing running: a front whose clients leave mid-stream,
 or whose servers stall, keeps its thread count (and memory) flat and its server's streams
-closed. And what `waiting` says of a stream's next response, which a front reads on its
-event loop only when it is an output.
+closed.
 
 Stand-in gRPC servers: one whose ModelStreamInfer reads requests and never answers, as a
 stalled decode server does; one that sends the responses a test hands it, when it does."""
 
+import asyncio
 import queue
 import threading
 import time
@@ -17,8 +17,7 @@ import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from pdchat import tensors
-from pdchat.clients.backend_pool import RequestStreams
-from pdchat.clients.chat import DEFAULT_MODEL, ChatError, GrpcChat, ServerSilent, Waiting, _Arrival, chat_inputs
+from pdchat.clients.chat import DEFAULT_MODEL, ChatError, GrpcChat, ServerSilent, chat_inputs
 from pdchat.clients.grpc_streams import raw_tensor
 from pdchat.core.errors import ErrorCode
 from tests.integration.helpers import wait_for
@@ -183,49 +182,24 @@ def test_a_stream_cancelled_from_another_thread_leaves_no_thread_behind(silent_s
     chat.close()
 
 
-def test_waiting_says_which_next_responses_can_be_taken_without_waiting(scripted_server):
-    url, servicer = scripted_server
-    chat = GrpcChat(url, timeout_s=10)
-    arrivals = threading.Semaphore(0)
-    streams = RequestStreams()
-    streams.on_arrival = arrivals.release
-    assert chat.waiting() is Waiting.OTHER  # no stream runs
+def test_an_async_stream_cancelled_on_its_loop_cancels_its_request(silent_server):
+    """As a front's request task is when its client leaves: no thread takes part."""
+    url, servicer = silent_server
+    chat = GrpcChat(url, timeout_s=30)
 
-    def arrive(reply) -> None:
-        servicer.responses.put(reply)
-        assert arrivals.acquire(timeout=5)
+    async def leave() -> None:
+        before = threads()
+        reading = asyncio.ensure_future(anext(chat.astream(chat_inputs(HI))))
+        while servicer.open == 0:
+            await asyncio.sleep(0.02)
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        while servicer.open:
+            await asyncio.sleep(0.02)
+        assert threads() == before
 
-    with streams.holding(chat, "r"):
-        outputs = chat.stream(chat_inputs(HI))
-        servicer.responses.put(response('{"n": 0}'))
-        assert next(outputs).response == {"n": 0}  # the stream starts with its first `next`
-        assert arrivals.acquire(timeout=5)
-        assert chat.waiting() is Waiting.NOTHING and streams.waiting() is Waiting.NOTHING
-        arrive(response(None))  # a heartbeat alone: still nothing to take
-        assert chat.waiting() is Waiting.NOTHING
-        arrive(response('{"n": 1}'))
-        assert chat.waiting() is Waiting.OUTPUT and streams.waiting() is Waiting.OUTPUT
-        assert next(outputs).response == {"n": 1}  # past the heartbeat
-        arrive(response('{"n": 2}', final=True))
-        assert chat.waiting() is Waiting.OTHER  # the last output: the `next` after it closes the stream
-        assert next(outputs).response == {"n": 2}
-        assert chat.waiting() is Waiting.OTHER
-        assert list(outputs) == []
-    assert chat.waiting() is Waiting.OTHER and streams.waiting() is Waiting.OTHER
-    assert chat.on_arrival is None  # a pooled client is handed on without its last request's hook
-    chat.close()
-
-
-def test_waiting_is_other_for_a_bare_final_response(scripted_server):
-    url, servicer = scripted_server
-    chat = GrpcChat(url, timeout_s=10)
-    outputs = chat.stream(chat_inputs(HI))
-    servicer.responses.put(response('{"n": 0}'))
-    next(outputs)
-    servicer.responses.put(response(None, final=True))
-    assert wait_for(lambda: chat.waiting() is not Waiting.NOTHING, timeout=5)
-    assert chat.waiting() is Waiting.OTHER
-    assert list(outputs) == []
+    asyncio.run(asyncio.wait_for(leave(), 10))
     chat.close()
 
 
@@ -248,13 +222,6 @@ def test_an_output_carries_its_ids_and_finish_reason(scripted_server):
     assert output.prompt_token_ids == [7, 8, 9] and output.finish_reason == "length"
     assert output.output_token_ids == [] and output.text == ""  # outputs not sent read as empty
     chat.close()
-
-
-def test_a_ticket_is_not_an_output_to_take_on_the_loop():
-    """A ticket's `next` sends decode's request and then waits for decode: never on a loop."""
-    seal = {tensors.STAGE_SEAL: np.array([b"seal"], dtype=np.object_)}
-    assert _Arrival(response(None, **seal), None).is_ticket
-    assert not _Arrival(response('{"n": 0}'), None).is_ticket
 
 
 def test_a_ticket_sends_decode_its_request_on_the_same_stream(scripted_server):

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdchat.clients.chat import ChatError, ChatOutput
+from pdchat.clients.chat import ChatError, ChatOutput, ChatStream
 from pdchat.clients.http_body import JsonTooDeep, json_depth, parse_json_body
 from pdchat.clients.http_errors import ApiError, chat_api_error
 from pdchat.clients.http_limits import HttpSettings, request_id_of
@@ -120,7 +120,7 @@ class _Router:
 
     stats = SimpleNamespace(prefill_fallbacks=0)
 
-    def chat(self, body: dict, request_id: str = "", form: str = "request", streams=None) -> Iterator[ChatOutput]:
+    async def chat(self, body: dict, request_id: str = "", form: str = "request") -> ChatStream:
         yield ChatOutput("hi", json.dumps({"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}]}))
 
     def health(self) -> dict:

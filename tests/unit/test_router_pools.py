@@ -3,6 +3,7 @@ waits for a probe, a server silent past the stall deadline is cancelled and mark
 until a probe finds it ready, no prefill work starts while no decode server could
 finish it, and a prefill leg's first output goes out as it arrives."""
 
+import asyncio
 import socket
 import threading
 import time
@@ -16,7 +17,7 @@ from pdchat.clients.chat import ChatError, ChatOutput, chat_inputs
 from pdchat.clients.router import PDRouter
 from pdchat.core.errors import ErrorCode
 from pdchat.launcher import free_port
-from tests.integration.helpers import wait_for
+from tests.integration.helpers import blocking, wait_for
 
 HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -113,7 +114,7 @@ def test_a_silent_server_ends_the_stream_at_the_stall_deadline_and_is_marked_unr
     pool = BackendPool([silent()], "decode", reprobe_s=3600, stall_timeout_s=0.5)
     started = time.monotonic()
     with pytest.raises(UpstreamTimeout) as info, pool.pick() as backend:
-        list(pool.stream(backend, chat_inputs(HI)))
+        list(blocking(pool.stream(backend, chat_inputs(HI))))
     assert 0.5 <= time.monotonic() - started < 2.0
     assert str(info.value) == (
         f"decode server {backend.url} sent nothing for 0.5 s (setting stall_timeout_s); the request was cancelled"
@@ -128,13 +129,13 @@ def test_a_stalled_prefill_leg_falls_back_to_decode_and_a_stalled_decode_is_a_ti
     router = PDRouter([silent()], [silent()], stall_timeout_s=0.3)
     started = time.monotonic()
     with pytest.raises(UpstreamTimeout, match="^decode server"):
-        list(router.chat(HI))
+        list(blocking(router.chat(HI)))
     assert 0.6 <= time.monotonic() - started < 3.0, "one stall deadline per leg"
     assert router.stats.prefill_fallbacks == 1 and router.stats.failed == 1
     assert not router.prefill.backends[0].healthy and not router.decode.backends[0].healthy
     started = time.monotonic()
     with pytest.raises(ChatError, match="no decode server is ready"):
-        list(router.chat(HI))
+        list(blocking(router.chat(HI)))
     assert time.monotonic() - started < 0.5
 
 
@@ -145,7 +146,7 @@ def test_abort_ends_running_streams_with_draining_and_refuses_new_ones(silent):
 
     def run() -> None:
         try:
-            list(router.chat(HI))
+            list(blocking(router.chat(HI)))
         except ChatError as exc:
             ended.append(exc)
 
@@ -159,14 +160,14 @@ def test_abort_ends_running_streams_with_draining_and_refuses_new_ones(silent):
     assert len(ended) == 1 and isinstance(ended[0], Draining) and str(ended[0]) == "stopping"
     assert router.decode.backends[0].healthy, "an aborted stream is no fault of its server"
     with pytest.raises(Draining, match="stopping"):
-        list(router.chat(HI))
+        list(blocking(router.chat(HI)))
 
 
 def test_no_prefill_leg_starts_while_no_decode_server_is_ready():
     router = PDRouter([unreachable()], [unreachable()])
     router.decode.mark_failed(router.decode.backends[0])
     with pytest.raises(ChatError) as info:
-        list(router.chat({"messages": [{"role": "user", "content": "hi"}]}))
+        list(blocking(router.chat({"messages": [{"role": "user", "content": "hi"}]})))
     assert info.value.code is ErrorCode.UNAVAILABLE
     assert router.stats.prefill_fallbacks == 0 and router.prefill.backends[0].checked_at == 0.0, "prefill was tried"
 
@@ -181,14 +182,15 @@ class PrefillLeg:
         router.prefill.stream = self.stream
         router._stream = self.decode
 
-    def stream(self, used, inputs, request_id, streams, parameters):
+    async def stream(self, used, inputs, request_id, parameters):
         yield ChatOutput(text="first", response_json="{}")
-        assert self.release.wait(5)
+        while not self.release.is_set():  # as a server's next response, awaited on the loop
+            await asyncio.sleep(0.01)
         if self.failure is not None:
             raise self.failure
         yield ChatOutput(text="", response_json="{}", prompt_token_ids=[1, 2], kv_transfer_params_json='{"k": 1}')
 
-    def decode(self, text, request_id, form, streams, parameters, **forwarded):
+    async def decode(self, text, request_id, form, parameters, **forwarded):
         self.decode_parameters.append((parameters, forwarded))
         yield ChatOutput(text="rest", response_json="{}")
 
@@ -197,7 +199,7 @@ def test_the_prefill_legs_first_output_goes_out_before_its_answer_arrives(probes
     router = PDRouter([unreachable()], [unreachable()], forward_ids=True)
     probes.ready.update(backend.url for backend in (*router.prefill.backends, *router.decode.backends))
     leg = PrefillLeg(router)
-    outputs = router.chat(HI)
+    outputs = blocking(router.chat(HI))
     assert next(outputs).text == "first" and not leg.release.is_set()
     leg.release.set()
     assert [output.text for output in outputs] == ["rest"]
@@ -211,7 +213,7 @@ def test_a_prefill_leg_failing_after_its_first_output_ends_the_request_not_falls
     probes.ready.update(backend.url for backend in (*router.prefill.backends, *router.decode.backends))
     leg = PrefillLeg(router, failure=ChatError("prefill died", ErrorCode.UNAVAILABLE))
     leg.release.set()
-    outputs = router.chat(HI)
+    outputs = blocking(router.chat(HI))
     assert next(outputs).text == "first"
     with pytest.raises(ChatError, match="prefill died"):
         next(outputs)
