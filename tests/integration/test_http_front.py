@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import select
 import socket
 import time
@@ -21,7 +22,7 @@ import pytest
 from pdchat.clients.openai_api import HttpSettings
 from pdchat.clients.router import PDRouter
 from pdchat.launcher import PDStack, resident_bytes
-from tests.integration.helpers import metric, wait_for
+from tests.integration.helpers import StreamReader, metric, wait_for
 from tests.raw_http import error_of, exchange, one_reply, read_to_end, request, running_fronts
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
@@ -365,6 +366,37 @@ def test_client_leaving_a_whole_answer_cancels_it_and_no_other(stack, router_por
     assert after.get(unavailable, 0) == before.get(unavailable, 0), "a client that left counted as an error"
     assert failed_of(stack) == failed, "a client that left counted as a failure"
     assert_serves(router_port)
+
+
+CONCURRENT_STREAMS = 32
+THREAD_SLACK = 2  # threads gRPC's core may start or end of its own accord
+
+
+def threads_of(pid: int) -> int:
+    """The threads of process `pid`, Python's and native ones."""
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_concurrent_streams_leave_the_front_s_thread_count_flat(stack, router_port):
+    """A stream's outputs are taken on the front's event loop, from the route to its gRPC
+    stream: 32 streams at once start no thread in the router process, and leave none."""
+    pid = stack.router.pid
+    assert_serves(router_port)  # the streams' loop, its channel and gRPC's own threads are up
+    before = peak = threads_of(pid)
+
+    def sampled(done) -> bool:
+        nonlocal peak
+        peak = max(peak, threads_of(pid))
+        return done()
+
+    body = {**CHAT, "max_tokens": 200, "ignore_eos": True}
+    readers = [StreamReader(stack.router_url, body) for _ in range(CONCURRENT_STREAMS)]
+    assert wait_for(lambda: sampled(lambda: all(r.first.is_set() for r in readers)), timeout=120, interval=0.01)
+    assert scrape(stack.router_url)["pdchat_router_requests_in_flight"] == CONCURRENT_STREAMS, "not all at once"
+    assert wait_for(lambda: sampled(lambda: not any(r.is_alive() for r in readers)), timeout=300, interval=0.01)
+    assert all(r.status == 200 and r.events[-1] == "[DONE]" and len(r.events) > 200 for r in readers)
+    after = threads_of(pid)
+    assert peak <= before + THREAD_SLACK and after <= before + THREAD_SLACK, f"{before} -> {peak} -> {after}"
 
 
 def test_openai_client_streams_through_the_front_with_its_api_key(fronts):
