@@ -1,17 +1,20 @@
 """The HTTP front's drain: SIGTERM, SIGINT (clients/http_limits.py's server) or `POST /drain`.
 
-From the moment a drain begins, new chat requests get 503 `draining` and `/health` 503; the
+From the moment a drain begins, new requests get 503 `draining` and `/health` 503; the
 running ones have `drain_timeout_s` to finish, then end with an error, their servers told to
-cancel them (`ChatFront.abort`). SIGTERM then stops the process; `/drain` leaves it up, not
-admitting, until a signal stops it.
+cancel them (`ChatFront.abort`). Then the process stops, whichever began it, so a supervisor
+(systemd, Kubernetes) starts it again: a drained front never stays up refusing everything.
+`POST /drain` needs authority: the API key where the front has one, else a client on this host
+(`may_drain`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -34,6 +37,7 @@ class Drain:
         self.draining = False  # set once, never cleared
         self.running = 0  # chat requests being served
         self._drain: asyncio.Future[None] | None = None
+        self.stop: Callable[[], None] = lambda: None  # stops the process once drained (the server sets it)
 
     @contextmanager
     def counting(self) -> Iterator[None]:
@@ -64,7 +68,8 @@ class Drain:
             )
             self._router.abort(reason)  # cancels their gRPC streams: it does not block
             await self._settled(self.shutdown_timeout_s)
-        log.info("drained: %d requests still running", self.running)
+        log.info("drained: %d requests still running; stopping", self.running)
+        self.stop()
 
     async def _settled(self, timeout: float) -> bool:
         """Whether no chat request runs, waiting up to `timeout` for that."""
@@ -72,3 +77,14 @@ class Drain:
         while self.running and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
         return not self.running
+
+
+def may_drain(api_key: str | None, client_host: str | None) -> bool:
+    """Whether a `POST /drain` may drain: with an API key the guard checked it already; without
+    one, only a client on this host (a loopback address) may."""
+    if api_key is not None:
+        return True
+    try:
+        return client_host is not None and ipaddress.ip_address(client_host).is_loopback
+    except ValueError:
+        return False

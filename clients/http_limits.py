@@ -365,6 +365,7 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, drain: Drain):
         super().__init__(config)
         self.drain = drain
+        drain.stop = self._stop
         self._signalled = False
         self._draining: asyncio.Future[None] | None = None
 
@@ -380,7 +381,9 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
     async def _drain_then_exit(self) -> None:
-        await self.drain.drain()
+        await self.drain.drain()  # stops the server once drained
+
+    def _stop(self) -> None:
         self.should_exit = True
 
     def serve_until_signalled(self) -> None:

@@ -31,7 +31,7 @@ from pdchat import tensors
 from pdchat.clients.chat import ChatError, ChatOutput, ChatStream
 from pdchat.clients.choices import fan_out
 from pdchat.clients.http_body import json_body
-from pdchat.clients.http_drain import Drain
+from pdchat.clients.http_drain import Drain, may_drain
 from pdchat.clients.http_errors import ApiError, chat_api_error, error_response, json_response
 from pdchat.clients.http_metrics import FrontMetrics
 from pdchat.clients.http_sse import EventStream, answer_events
@@ -65,6 +65,11 @@ class Routes:
             self._limiter = anyio.CapacityLimiter(self.settings.max_connections)
         return await anyio.to_thread.run_sync(func, *args, limiter=self._limiter)
 
+    def _admitting(self) -> None:
+        """Refuse a request that would render, tokenize or generate while the front drains."""
+        if self.drain.draining:
+            raise ApiError(503, "this front is draining: it takes no new requests", "draining", close=True)
+
     def error_response(self, error: ApiError, headers: dict[str, str] | None = None) -> Response:
         """`error`'s answer, counted."""
         self.metrics.count_error(error)
@@ -74,8 +79,7 @@ class Routes:
         """A chat completion or a completion (GENERATION_FORMS: by the route), streamed or whole,
         its `n` choices each a request of one (pdchat.clients.choices)."""
         started = time.perf_counter()
-        if self.drain.draining:
-            raise ApiError(503, "this front is draining: it takes no new requests", "draining", close=True)
+        self._admitting()
         body = await self._json_body(request)
         outputs = fan_out(self.router.chat, body, request.state.request_id, GENERATION_FORMS[request.url.path])
         try:
@@ -142,6 +146,7 @@ class Routes:
     async def _tokenizer_route(
         self, request: Request, answer: Callable[[dict[str, Any], str], Awaitable[dict[str, Any]]]
     ) -> Response:
+        self._admitting()
         body = await self._json_body(request)
         try:
             return json_response(200, await answer(body, request.state.request_id))
@@ -159,7 +164,11 @@ class Routes:
         return json_response(200 if status["ok"] else 503, status)
 
     async def drain_route(self, request: Request) -> Response:
-        """`POST /drain`: answered once drained; the process stays up, not admitting."""
+        """`POST /drain`: answered once drained, then the process stops (http_drain)."""
+        if not may_drain(self.settings.api_key, request.client.host if request.client else None):
+            raise ApiError(
+                403, "POST /drain needs the front's API key (--api-key), or a client on this host", "forbidden"
+            )
         await self.drain.drain()
         return json_response(200, {"drained": not self.drain.running})
 

@@ -19,6 +19,7 @@ import pytest
 from pdchat.clients.backend_pool import Draining, UpstreamTimeout
 from pdchat.clients.chat import ChatOutput, ChatStream
 from pdchat.clients.fronts import RouterStats
+from pdchat.clients.http_drain import may_drain
 from pdchat.clients.http_errors import chat_api_error
 from pdchat.clients.openai_api import HttpSettings, make_server
 from pdchat.launcher import free_port
@@ -51,6 +52,9 @@ class StandIn:
 
     def abort(self, reason: str) -> None:
         self.reason = reason
+
+    async def tokenize(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        return {"count": 0, "tokens": []}
 
     def health(self) -> dict[str, Any]:
         return {"ok": True}
@@ -110,7 +114,7 @@ def test_a_drain_refuses_new_requests_turns_readiness_false_and_lets_running_str
     assert not any("error" in event for event in stream.events[:-1])
     assert wait_for(lambda: answers, timeout=5, interval=0.02)
     assert answers == [(200, b'{"drained": true}')]
-    assert call(url, "/health")[0] == 503, "a drained front stays up, not ready"
+    assert server.should_exit, "a drained front stops, for its supervisor to start it again"
 
 
 def test_streams_running_past_the_drain_timeout_end_with_an_error_event(front):
@@ -133,6 +137,33 @@ def test_drain_needs_the_api_key(front):
     status, body = call(url, "/drain", {}, key=None)
     assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
     assert not server.drain.draining
+
+
+@pytest.mark.parametrize(
+    ("api_key", "host", "allowed"),
+    [
+        ("k", "203.0.113.9", True),  # the guard checked the key already
+        (None, "127.0.0.1", True),
+        (None, "::1", True),
+        (None, "203.0.113.9", False),
+        (None, "10.1.2.3", False),
+        (None, None, False),  # no peer address: refused
+        (None, "not-an-address", False),
+    ],
+)
+def test_without_an_api_key_only_a_client_on_this_host_may_drain(api_key, host, allowed):
+    assert may_drain(api_key, host) is allowed
+
+
+def test_a_draining_front_tokenizes_nothing_either(front):
+    server, url = front
+    stream = start_stream(url, max_tokens=10)  # the drain waits for it
+    assert stream.first.wait(5)
+    drain_in_background(url)
+    assert wait_for(lambda: server.drain.draining, timeout=2, interval=0.01)
+    status, body = call(url, "/tokenize", {"prompt": "hi"})
+    assert status == 503 and json.loads(body)["error"]["code"] == "draining"
+    stream.join(10)
 
 
 def test_the_first_sigterm_drains_then_stops_the_server(front):

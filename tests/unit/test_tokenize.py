@@ -65,3 +65,19 @@ def test_bad_detokenize_bodies_and_other_models_are_refused(renderer):
             tokenize(renderer, request)
     with pytest.raises(ModelNotFound):
         detokenize(renderer, parse_detokenize({"tokens": [1], "model": "gpt-9"}))
+
+
+def test_tokenize_and_detokenize_keep_the_limits_a_completion_keeps(renderer, monkeypatch):
+    """The red team tokenized 3 MB through /tokenize (1.5-3 s of renderer time each) where a
+    completion of the same prompt is refused at once: every route that tokenizes checks the
+    prompt's size first, and detokenize takes no more ids than the context holds."""
+    encoded = []
+    monkeypatch.setattr(renderer.tokenizer, "encode", lambda *a, **k: encoded.append(a) or [1])
+    too_long = "x" * (renderer.max_prompt_chars + 1)
+    with pytest.raises(InvalidRequest, match=f"the prompt holds {len(too_long)} characters"):
+        tokenize(renderer, parse_tokenize({"prompt": too_long}))
+    with pytest.raises(InvalidRequest, match="the messages and tools hold"):
+        tokenize(renderer, parse_tokenize({"messages": [{"role": "user", "content": too_long}]}))
+    assert encoded == []  # refused before the tokenizer
+    with pytest.raises(InvalidRequest, match="no text over this model's context"):
+        detokenize(renderer, parse_detokenize({"tokens": [1] * (renderer.context_length + 1)}))

@@ -74,13 +74,17 @@ class PromptRenderer:
         fit the context: every field a render writes counts (contents, reasoning, tool calls,
         tools). Returns the characters counted."""
         chars = sum(len(text) for text in rendered_texts(request))
+        self.check_chars(chars, "the messages and tools hold" if request.prompt is None else "the prompt holds")
+        return chars
+
+    def check_chars(self, chars: int, what: str) -> None:
+        """Refuse `chars` characters of text to tokenize (`what` holds them) that cannot fit
+        the context, before the tokenizer sees them: the bound on every route that tokenizes."""
         if chars > self.max_prompt_chars:
-            what = "the messages and tools hold" if request.prompt is None else "the prompt holds"
             raise InvalidRequest(
                 f"{what} {chars} characters; no prompt over {self.max_prompt_chars} "
                 f"fits this model's context of {self.context_length} tokens"
             )
-        return chars
 
     def render(self, request: ChatRequest) -> RenderedPrompt:
         self.check_size(request)

@@ -104,6 +104,7 @@ def tokenize(renderer: Any, request: TokenizeRequest) -> dict[str, Any]:
         ids = list(renderer.render(chat).prompt_token_ids)
     else:
         check_served_model(request.model, renderer.served_names)
+        renderer.check_chars(len(request.prompt), "the prompt holds")  # as a completion's prompt is
         ids = list(renderer.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
     answer: dict[str, Any] = {"count": len(ids), "max_model_len": renderer.context_length, "tokens": ids}
     if request.return_token_strs:
@@ -114,6 +115,11 @@ def tokenize(renderer: Any, request: TokenizeRequest) -> dict[str, Any]:
 def detokenize(renderer: Any, request: DetokenizeRequest) -> dict[str, Any]:
     """vLLM's detokenize answer: the ids' text, special tokens kept (vLLM's default)."""
     check_served_model(request.model, renderer.served_names)
+    if len(request.tokens) > renderer.context_length:
+        raise InvalidRequest(
+            f"'tokens' holds {len(request.tokens)} ids; no text over this model's context of "
+            f"{renderer.context_length} tokens is detokenized"
+        )
     renderer.check_vocabulary("tokens", request.tokens)
     return {"prompt": renderer.tokenizer.decode(list(request.tokens))}
 
