@@ -32,6 +32,7 @@ from pdchat.core.errors import ErrorCode
 
 MAX_CHOICES = 16  # a bound on the requests one body fans out to
 SEED_MODULUS = 1 << 63  # the servers take a seed modulo this (protocol's _seed)
+SEED_LIMIT = 1 << 64  # the servers parse no JSON integer at or past it: no n takes such a seed
 
 Serve = Callable[[dict[str, Any], str, str], ChatStream]  # ChatFront.chat
 
@@ -62,13 +63,16 @@ def choice_count(body: dict[str, Any]) -> int:
 def choice_bodies(body: dict[str, Any], n: int) -> list[dict[str, Any]]:
     """The n one-choice bodies: `n` left out, choice i seeded `seed + i` when a seed is given
     (a seed that is no integer, or a negative one, stays as it is, for the parser to refuse by
-    name). The servers take a seed modulo 2**63, so `seed + i` is sent so reduced: the servers
+    name; one of 2**64 or more is refused here, as a server refuses it for n = 1). The servers
+    take a seed modulo 2**63, so `seed + i` is sent so reduced: the servers
     parse JSON integers past 2**64 - 1 as floats and refuse them, which failed choice i of a seed
     just below 2**64 after the choices before it ran."""
     single = {key: value for key, value in body.items() if key != "n"}
     seed = body.get("seed")
     if type(seed) is not int:
         return [single] * n
+    if seed >= SEED_LIMIT:
+        raise ChatError(f"'seed' must be a non-negative integer below 2**64, got {seed}", ErrorCode.INVALID_ARG)
     if seed < 0:
         return [{**single, "seed": seed + i} for i in range(n)]
     return [{**single, "seed": (seed + i) % SEED_MODULUS} for i in range(n)]

@@ -309,3 +309,9 @@ def test_n_for_completions_and_best_of_refused_by_name(fronts):
     assert status == 400 and "best_of" in chat_refused["error"]["message"]
     status, too_many = chat(fronts["router"], n=17)
     assert status == 400 and "'n' must be an integer in [1, 16]" in too_many["error"]["message"]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_seed_of_2_64_is_refused_by_name_whatever_n(fronts, n):
+    status, refused = chat(fronts["router"], n=n, seed=2**64)
+    assert status == 400 and "'seed'" in refused["error"]["message"], refused

@@ -8,6 +8,7 @@ import pytest
 
 from pdchat.clients.chat import ChatError, ChatOutput
 from pdchat.clients.choices import MAX_CHOICES, choice_bodies, choice_count, fan_out
+from pdchat.core.errors import ErrorCode
 from tests.integration.helpers import blocking
 
 
@@ -98,3 +99,13 @@ def test_one_choice_is_served_as_it_is():
     assert (
         len(list(blocking(fan_out(front.serve, {"stream": True}, "r", "request")))) == 3 and front.log[0] == "start r"
     )
+
+
+def test_a_seed_of_2_64_or_more_is_refused_whatever_n():
+    """n = 1 was refused by the servers (they parse no integer that large) while n >= 2 wrapped
+    it modulo 2**63 (2**64 behaved as seed 0): one rule now, refused by name."""
+    for seed in (2**64, 2**70):
+        with pytest.raises(ChatError, match="'seed' must be a non-negative integer below 2\\*\\*64") as info:
+            choice_bodies({"n": 2, "seed": seed, "prompt": "x"}, 2)
+        assert info.value.code is ErrorCode.INVALID_ARG
+    assert choice_bodies({"n": 2, "seed": 2**64 - 1}, 2)[1]["seed"] == (2**64) % 2**63
