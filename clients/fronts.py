@@ -52,9 +52,10 @@ class ChatFront:
     the `chat` model of a pool of servers, the served model names, health and stats.
 
     `served_model_names` (--served-model-name): the names a request's `model` may give,
-    checked here (ModelNotFound: 404 model_not_found) and listed by /v1/models; they must be
-    among the servers' own (setting SERVED_MODEL_NAME), which check them again. None given:
-    the name a server reports, and the servers alone check."""
+    checked here (ModelNotFound: 404 model_not_found) and listed by /v1/models; a request
+    goes to the servers without its `model`, so they serve it whatever names they have (their
+    answers report theirs). None given: the name a server reports, and the servers alone check.
+    Either way /v1/models answers 503 while no server is ready, as a request would."""
 
     def __init__(self, serving: BackendPool, served_model_names: Sequence[str] = ()):
         self.serving = serving
@@ -80,7 +81,10 @@ class ChatFront:
             pool.abort(reason)
 
     async def served_models(self) -> tuple[str, ...]:
-        """The model names clients may send, the one reported first."""
+        """The model names clients may send, the one reported first; ChatError UNAVAILABLE
+        while no server is ready (probed now, in a worker thread: a list is no hot path)."""
+        if not any((await asyncio.to_thread(self.serving.probe_all)).values()):
+            raise self.serving.none_ready()
         return self.served_model_names or (await self.served_model(),)
 
     async def served_model(self) -> str:
@@ -123,9 +127,16 @@ class ChatFront:
             chat = BODY_VALIDATORS[form](body)
             if self.served_model_names:
                 check_served_model(chat.model, self.served_model_names)
-            return utf8_json(body), chat
+            return utf8_json(self._for_servers(body)), chat
         except InvalidRequest as exc:
             raise ChatError(str(exc), exc.code) from exc
+
+    def _for_servers(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`body` as the servers get it: without its `model` where this front checked it
+        against its own names (a server's names may differ)."""
+        if not self.served_model_names or "model" not in body:
+            return body
+        return {key: value for key, value in body.items() if key != "model"}
 
     def _checked(self, parse: Any, body: dict[str, Any]) -> Any:
         """`parse(body)`, and its model among the served names where this front has them;
@@ -143,7 +154,7 @@ class ChatFront:
         ready server (errors as `BackendPool.stream` says, but for stalls: its client's timeout),
         asked by a worker thread (GrpcChat.answer blocks)."""
         try:
-            text = utf8_json(body)
+            text = utf8_json(self._for_servers(body))
         except InvalidRequest as exc:
             raise ChatError(str(exc), exc.code) from exc
         pool = next((p for p in self.renderer_pools if p.any_healthy()), self.renderer_pools[0])

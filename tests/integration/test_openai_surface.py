@@ -19,6 +19,7 @@ import pdchat
 from pdchat.clients.fronts import ServerFront
 from pdchat.clients.openai_api import HttpSettings
 from pdchat.clients.router import PDRouter
+from pdchat.launcher import free_port
 from tests.integration.conftest import SERVED_NAMES
 from tests.integration.helpers import metric
 from tests.raw_http import running_fronts
@@ -315,3 +316,29 @@ def test_n_for_completions_and_best_of_refused_by_name(fronts):
 def test_a_seed_of_2_64_is_refused_by_name_whatever_n(fronts, n):
     status, refused = chat(fronts["router"], n=n, seed=2**64)
     assert status == 400 and "'seed'" in refused["error"]["message"], refused
+
+
+def test_a_front_named_otherwise_than_its_server_serves_its_own_names(decode_server):
+    """The red team's `pdchat openai --served-model-name tiny` before a server without that
+    name accepted "model": "tiny", then relayed the server's 404: the front checks its own
+    names and sends the request on without `model`."""
+    front = ServerFront(decode_server.grpc_url, served_model_names=("front-only",))
+    with running_fronts(front) as start:
+        port = start(HttpSettings())
+        status, models = call(port, "GET", "/v1/models")
+        assert status == 200 and [m["id"] for m in models["data"]] == ["front-only"]
+        status, answer = chat(port, model="front-only")
+        assert status == 200 and answer["model"] == NAMES[0], answer  # the server's own name
+        status, answer = call(port, "POST", "/tokenize", {"prompt": "Rivers", "model": "front-only"})
+        assert status == 200 and answer["count"] > 0, answer
+        assert chat(port, model=NAMES[0])[0] == 404  # not among the front's names
+
+
+@pytest.mark.parametrize("names", [("front-only",), ()], ids=["named", "unnamed"])
+def test_models_are_listed_only_while_a_server_is_ready(names):
+    """With its own names a front listed them (200) while no server was ready: a client's
+    first requests then got 503 after a "ready" model list."""
+    front = ServerFront(f"127.0.0.1:{free_port()}", served_model_names=names)  # nothing listens there
+    with running_fronts(front) as start:
+        status, answer = call(start(HttpSettings()), "GET", "/v1/models")
+    assert status == 503, answer
