@@ -127,6 +127,7 @@ class DecodeKernels:
         # The GreedyHead's screens in this build: "int8" (AVX2), "bf16" (AVX-512 BF16, or AVX2 with FMA).
         screens = self._head_screens()
         self.head_screens = tuple(name for name, code in _HEAD_SCREENS.items() if screens & code)
+        self.isa = instruction_set()  # what -march=native compiled them for, by name
 
     def set_threads(self, threads: int) -> None:
         """Let the row kernels and the head's screen split their work over `threads` (the
@@ -489,6 +490,13 @@ def _check(valid: bool) -> None:
         raise ValueError("a decode kernel got tensors of another layout, dtype, shape or device than it computes")
 
 
+def library_dir() -> Path:
+    """Where servers look for the kernels: the cache directory's kernels/ (setting cache_dir)."""
+    from pdchat.core.settings import cache_dir
+
+    return cache_dir() / "kernels"
+
+
 def load(cache_dir: Path) -> DecodeKernels | None:
     """The kernels, built into `cache_dir` if no build for this host is there yet; None
     when it cannot be built here (logged once per process and directory)."""
@@ -522,6 +530,17 @@ def _build_key(compiler: list[str]) -> str:
     flags = " ".join(COMPILE_FLAGS + OPENMP_FLAGS)
     parts = [SOURCE.read_text(), flags, version.stdout, platform.machine(), cpu_flags()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def instruction_set() -> str:
+    """The widest vector instructions this CPU has, by the name the startup log gives them:
+    avx512, avx2, else the machine's name (x86_64, aarch64, ...)."""
+    flags = cpu_flags().split()
+    if "avx512f" in flags:
+        return "avx512"
+    if "avx2" in flags:
+        return "avx2"
+    return platform.machine() or "unknown"
 
 
 def cpu_flags() -> str:
