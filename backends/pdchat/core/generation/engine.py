@@ -12,21 +12,18 @@ attention, so every layer has one layout on the wire and in the pool.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from pdchat.core.engine_api import KVSource
 from pdchat.core.errors import InvalidRequest, Unavailable
 from pdchat.core.generation import cpu_kernels, llama, runners
 from pdchat.core.generation.paged import NULL_BLOCK, PAGED_ATTENTION, BlockPool, PagedForward, Sequence, root_hash
 from pdchat.core.generation.projection import RowGemm
 from pdchat.core.kv.base import KV_TOKEN_AXIS, KV_WIRE_TYPES, kv_dtype_name
 from pdchat.core.settings import DEFAULT_KV_POOL, DTYPE, KVPoolOptions
-
-# The prompt's KV from a token on (export_kv's layout), or None when it cannot be had.
-KVSource = Callable[[int], np.ndarray | None]
 
 
 def pick_device(preference: str) -> str:
