@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pdchat import embedded, registry
+from pdchat.core.engine_api import TRANSFORMERS
 from pdchat.core.generation import cpu_kernels, runners
 from pdchat.core.generation.engine import CausalLM, DecodeBatch
 from pdchat.core.settings import KVPoolOptions
@@ -61,6 +62,6 @@ def test_each_part_names_its_runner_and_every_runner_picks_the_same_tokens(tiny_
 
 def test_a_model_the_own_forward_does_not_compute_runs_transformers():
     gpt_oss = CausalLM(embedded.ensure_model(registry.TINY_GPTOSS), "cpu")
-    assert gpt_oss.path.forward == runners.TRANSFORMERS and not gpt_oss.path.greedy_head
+    assert gpt_oss.path.forward == TRANSFORMERS and not gpt_oss.path.greedy_head
     bf16 = CausalLM(embedded.ensure_model(registry.TINY), "cpu", "bfloat16")
     assert bf16.path.label() == "transformers" and bf16.path.dtype == "bfloat16"

@@ -33,13 +33,51 @@ if TYPE_CHECKING:
     import numpy as np
 
     from pdchat.core.generation.paged import BlockPool, PoolUsage
-    from pdchat.core.generation.runners import ExecutionPath
     from pdchat.core.generation.sampling import Choice
     from pdchat.core.generation.scheduler import SchedulerState
     from pdchat.core.output.responses import ClientOutput, Delta, ResponseAssembler
     from pdchat.core.placement import CpuPlacement
     from pdchat.core.request.protocol import GenerationParams
     from pdchat.models import ModelSettings
+
+TRANSFORMERS, OWN_LLAMA = "transformers", "llama"  # pdchat's forward passes, as ExecutionPath names them
+_FORWARD_NAMES = {TRANSFORMERS: "transformers forward", OWN_LLAMA: "own Llama forward"}
+
+
+@dataclass(frozen=True)
+class ExecutionPath:
+    """What computes an engine's passes: its `forward` (pdchat's: TRANSFORMERS or OWN_LLAMA;
+    another engine names itself), the C kernels' instruction set (None: torch ops between the
+    GEMMs) and the threads they start with, and the GreedyHead's screens (empty: greedy tokens
+    are the argmax of full logits)."""
+
+    device: str
+    dtype: str
+    forward: str
+    kernels: str | None = None
+    kernel_threads: int = 1
+    greedy_head: tuple[str, ...] = ()
+
+    def label(self) -> str:
+        """A stable name for a metric label: the forward, then `+c-kernels` and `+greedy-head` when they run."""
+        parts = [self.forward]
+        if self.kernels is not None:
+            parts.append("c-kernels")
+        if self.greedy_head:
+            parts.append("greedy-head")
+        return "+".join(parts)
+
+    def describe(self) -> str:
+        """For the startup log, e.g. `own Llama forward + C kernels (avx512, 1 thread) + greedy
+        head (int8, bf16), cpu float32`."""
+        text = _FORWARD_NAMES.get(self.forward, f"{self.forward} engine")
+        if self.kernels is not None:
+            threads = f"{self.kernel_threads} thread{'s' if self.kernel_threads != 1 else ''}"
+            text += f" + C kernels ({self.kernels}, {threads})"
+        if self.greedy_head:
+            text += f" + greedy head ({', '.join(self.greedy_head)})"
+        return f"{text}, {self.device} {self.dtype}"
+
 
 # The prompt's KV from a token on (Prefilled.kv's layout), or None when it cannot be had.
 KVSource = Callable[[int], "np.ndarray | None"]

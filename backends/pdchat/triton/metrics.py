@@ -251,7 +251,7 @@ class KVPoolMetrics:
 
 class EngineInfo:
     """pdchat_engine_info{model, instance, path, device, dtype} 1: which execution path an
-    instance's engine runs (core.generation.runners.ExecutionPath: `path` is its label, e.g.
+    instance's engine runs (core.engine_api.ExecutionPath: `path` is its label, e.g.
     `llama+c-kernels+greedy-head` or `transformers`), set once at load."""
 
     def __init__(self, model_name: str, instance_name: str, path):

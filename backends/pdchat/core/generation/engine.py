@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pdchat.core.engine_api import KVSource
+from pdchat.core.engine_api import OWN_LLAMA, TRANSFORMERS, ExecutionPath, KVSource
 from pdchat.core.errors import InvalidRequest, Unavailable
 from pdchat.core.generation import cpu_kernels, llama, runners
 from pdchat.core.generation.paged import NULL_BLOCK, PAGED_ATTENTION, BlockPool, PagedForward, Sequence, root_hash
@@ -134,13 +134,13 @@ class CausalLM:
         return self._heads[key]
 
     @property
-    def path(self) -> runners.ExecutionPath:
+    def path(self) -> ExecutionPath:
         """What computes this engine's passes, for the startup log and the engine-info metric."""
         head = getattr(self._runner, "head", None)
-        return runners.ExecutionPath(
+        return ExecutionPath(
             device=self.device,
             dtype=self.dtype_name,
-            forward=runners.TRANSFORMERS if self._own_forward is None else runners.OWN_LLAMA,
+            forward=TRANSFORMERS if self._own_forward is None else OWN_LLAMA,
             kernels=None if self._kernels is None else self._kernels.isa,
             kernel_threads=torch.get_num_threads(),
             greedy_head=() if head is None else tuple(way for way in head.way_names if way != "fp32"),

@@ -11,13 +11,12 @@ runners, each a superset of the one before:
   GreedyHead straight from the hidden state (core.generation.cpu_kernels).
 
 `kernels` (the C kernels, or None) go to every pass's PagedForward and decide the argmax;
-they are part of the runner, not looked up per pass. A runner's `path` names what it runs,
-for the startup log and the `pdchat_engine_info` metric.
+they are part of the runner, not looked up per pass. CausalLM.path names what its runner
+runs (core.engine_api.ExecutionPath), for the startup log and the `pdchat_engine_info` metric.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -27,42 +26,6 @@ from pdchat.core.generation.paged import PagedForward
 
 if TYPE_CHECKING:
     from pdchat.core.generation.llama import LlamaForward
-
-TRANSFORMERS, OWN_LLAMA = "transformers", "llama"
-
-
-@dataclass(frozen=True)
-class ExecutionPath:
-    """What computes a model's passes: `forward` (TRANSFORMERS or OWN_LLAMA), the C kernels'
-    instruction set (None: torch ops between the GEMMs) and the threads they start with, and
-    the GreedyHead's screens (empty: greedy tokens are the argmax of full logits)."""
-
-    device: str
-    dtype: str
-    forward: str
-    kernels: str | None = None
-    kernel_threads: int = 1
-    greedy_head: tuple[str, ...] = ()
-
-    def label(self) -> str:
-        """A stable name for a metric label: the forward, then `+c-kernels` and `+greedy-head` when they run."""
-        parts = [self.forward]
-        if self.kernels is not None:
-            parts.append("c-kernels")
-        if self.greedy_head:
-            parts.append("greedy-head")
-        return "+".join(parts)
-
-    def describe(self) -> str:
-        """For the startup log, e.g. `own Llama forward + C kernels (avx512, 1 thread) + greedy
-        head (int8, bf16), cpu float32`."""
-        text = "own Llama forward" if self.forward == OWN_LLAMA else "transformers forward"
-        if self.kernels is not None:
-            threads = f"{self.kernel_threads} thread{'s' if self.kernel_threads != 1 else ''}"
-            text += f" + C kernels ({self.kernels}, {threads})"
-        if self.greedy_head:
-            text += f" + greedy head ({', '.join(self.greedy_head)})"
-        return f"{text}, {self.device} {self.dtype}"
 
 
 class Runner(Protocol):
