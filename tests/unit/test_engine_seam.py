@@ -15,8 +15,8 @@ from pdchat.core.engine_api import (
     DecodeRequest,
     EngineHooks,
     PrefillRequest,
-    open_engine,
 )
+from pdchat.core.engines import open_engine
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.kv.base import KV_TOKEN_AXIS
 from pdchat.core.request.protocol import GenerationParams

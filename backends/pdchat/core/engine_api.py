@@ -19,8 +19,7 @@ its own (pdchat's schedulers) or an event loop (an `AsyncLLM`), and calls the ca
 there; they must not block (a stage model hands their work to its outbox thread). Errors
 reach a request's `fail` as pdchat's errors (core.errors). No Triton import here.
 
-`open_engine` builds the engine the settings choose (pdchat's own:
-core.generation.stage_engine.PdchatEngine).
+pdchat.core.engines.open_engine builds the engine the settings choose.
 """
 
 from __future__ import annotations
@@ -34,11 +33,8 @@ if TYPE_CHECKING:
 
     from pdchat.core.generation.paged import BlockPool, PoolUsage
     from pdchat.core.generation.sampling import Choice
-    from pdchat.core.generation.scheduler import SchedulerState
     from pdchat.core.output.responses import ClientOutput, Delta, ResponseAssembler
-    from pdchat.core.placement import CpuPlacement
     from pdchat.core.request.protocol import GenerationParams
-    from pdchat.models import ModelSettings
 
 TRANSFORMERS, OWN_LLAMA = "transformers", "llama"  # pdchat's forward passes, as ExecutionPath names them
 _FORWARD_NAMES = {TRANSFORMERS: "transformers forward", OWN_LLAMA: "own Llama forward"}
@@ -131,13 +127,22 @@ class DecodeCallbacks:
 
 
 @dataclass(frozen=True)
+class EngineState:
+    """A decode engine's requests and KV now."""
+
+    running: int  # decoding, or computing their prompt
+    waiting: int  # queued for room
+    kv_bytes: int  # KV its requests hold
+
+
+@dataclass(frozen=True)
 class EngineHooks:
     """What a decode engine reports while it runs, on its own thread (each must be cheap):
     `on_state` its running/waiting requests and KV held (throttled), `on_load(held, queued)`
     the requests it holds and those waiting for room (every pass), `on_emitted()` a step's
     deltas all handed out."""
 
-    on_state: Callable[[SchedulerState], None] | None = None
+    on_state: Callable[[EngineState], None] | None = None
     on_load: Callable[[int, int], None] | None = None
     on_emitted: Callable[[], None] | None = None
 
@@ -180,15 +185,3 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Stop: requests still queued or running end cancelled or failed."""
-
-
-def open_engine(
-    role: str, settings: ModelSettings, parameters: dict[str, str], instance: str, cpus: CpuPlacement | None = None
-) -> Engine:
-    """The engine of a `prefill` or `decode` (`role`) instance named `instance`, loaded where
-    `settings` place it, configured by the stage's `parameters`, its decode thread on `cpus`'
-    decode cores (setting decode_cpus: the caller bound the process off them before anything
-    started threads); not started."""
-    from pdchat.core.generation.stage_engine import PdchatEngine
-
-    return PdchatEngine.for_stage(role, settings, parameters, instance, cpus)

@@ -23,7 +23,8 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
-from pdchat.core.engine_api import DECODE, DecodeCallbacks, DecodeRequest, EngineHooks, open_engine
+from pdchat.core.engine_api import DECODE, DecodeCallbacks, DecodeRequest, EngineHooks
+from pdchat.core.engines import open_engine
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.generation.sampling import Choice
 from pdchat.core.kv.connector import Connectors, KVHandover, KVUnavailable

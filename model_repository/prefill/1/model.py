@@ -19,7 +19,8 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
-from pdchat.core.engine_api import PREFILL, PrefillRequest, open_engine
+from pdchat.core.engine_api import PREFILL, PrefillRequest
+from pdchat.core.engines import open_engine
 from pdchat.core.kv.connector import Connectors
 from pdchat.core.settings import keep_off_decode_cpus, kv_options
 from pdchat.ensemble.seal import StageSeal
