@@ -23,7 +23,7 @@ import numpy as np
 from tritonclient.grpc import InferResult
 
 from pdchat import tensors
-from pdchat.clients.decode_feed import DecodeFeed
+from pdchat.clients.decode_feed import DecodeFeed, new_feed_id
 from pdchat.clients.grpc_streams import StreamCall, StreamLoop, infer_request, output_values
 from pdchat.core.errors import ErrorCode, PdchatError, parse_tag
 from pdchat.core.output.responses import FAILED
@@ -163,9 +163,9 @@ def _to_output(get: Callable[[str], Any]) -> ChatOutput:
 
 class _Arrival:
     """A response of a stream (a ModelInferResponse) or its error, read as it arrives; or
-    (`fed`) an output that came through decode's feed."""
+    (`fed`) an output that came through decode's feed; or (`feed_end`) the end of that feed."""
 
-    __slots__ = ("response", "error", "final", "values", "is_ticket", "through_feed", "fed_outputs")
+    __slots__ = ("response", "error", "final", "values", "is_ticket", "through_feed", "fed_outputs", "feed_ended")
 
     def __init__(self, response: Any, error: Any):
         self.response, self.error = response, error
@@ -174,6 +174,7 @@ class _Arrival:
         self.is_ticket = tensors.STAGE_SEAL in self.values  # chat's ticket: decode's sealed inputs
         self.through_feed = False
         self.fed_outputs = self.values.get(tensors.FED_OUTPUTS, [0])[0]  # a fed stream's last: the feed's count
+        self.feed_ended: Any = None  # the cause, when the stream's feed ended
 
     @classmethod
     def fed(cls, body: bytes) -> _Arrival:
@@ -182,7 +183,14 @@ class _Arrival:
         arrival.response = arrival.error = None
         arrival.final = arrival.is_ticket = False
         arrival.values = {tensors.RESPONSE: [body]}
-        arrival.through_feed, arrival.fed_outputs = True, 0
+        arrival.through_feed, arrival.fed_outputs, arrival.feed_ended = True, 0, None
+        return arrival
+
+    @classmethod
+    def feed_end(cls, cause: Any) -> _Arrival:
+        """The stream's feed ended (`cause`): outputs it still owed the stream are lost."""
+        arrival = cls.fed(b"")
+        arrival.values, arrival.through_feed, arrival.feed_ended = {}, False, cause
         return arrival
 
 
@@ -230,7 +238,9 @@ class GrpcChat:
     DECODE_FEED): such answers take their outputs but the last through the server's
     decode feed (pdchat.clients.decode_feed), where `outputs` names no output but the
     response JSON, finish reason and KV transfer params (tensors.FRONT_OUTPUTS): a fed
-    output carries its response JSON only."""
+    output carries its response JSON only. An answer whose feed could not be opened, or
+    ended before carrying any of its outputs, is streamed unfed; one whose fed outputs the
+    feed's end lost fails Unavailable."""
 
     def __init__(
         self,
@@ -251,19 +261,20 @@ class GrpcChat:
         self.model = model
         self.timeout_s = timeout_s
         self.decode_direct = decode_direct
+        # What a fed output gives in full: its JSON; the others are empty until an answer's last.
+        fed_only = {tensors.RESPONSE, tensors.FINISH_REASON, tensors.KV_TRANSFER_PARAMS}
+        fed_ready = outputs is not None and set(outputs) <= fed_only
+        self.decode_feed = decode_direct and fed_ready and (DECODE_FEED.get() if decode_feed is None else decode_feed)
         wanted = outputs
-        if outputs is not None and decode_direct:  # chat's answer may be a ticket
-            wanted = tuple(dict.fromkeys(outputs + tensors.DECODE_TICKET_OUTPUTS))
+        if outputs is not None and decode_direct:  # chat's answer may be a ticket, with a feed grant
+            grant = (tensors.FEED_SEAL,) if self.decode_feed else ()
+            wanted = tuple(dict.fromkeys(outputs + tensors.DECODE_TICKET_OUTPUTS + grant))
         self._outputs = None if wanted is None else list(wanted)
         # What the caller asked for: chat's outputs before a ticket carry no ticket-only output it did not.
         self._asked = None if outputs is None else frozenset(outputs)
         self._decode_outputs = None  # None: every output of decode (all client outputs)
         if outputs is not None:
             self._decode_outputs = [name for name in outputs if name in tensors.CLIENT_OUTPUTS]
-        # What a fed output gives in full: its JSON; the others are empty until an answer's last.
-        fed_only = {tensors.RESPONSE, tensors.FINISH_REASON, tensors.KV_TRANSFER_PARAMS}
-        fed_ready = outputs is not None and set(outputs) <= fed_only
-        self.decode_feed = decode_direct and fed_ready and (DECODE_FEED.get() if decode_feed is None else decode_feed)
         if self.decode_feed:
             self._decode_outputs = [*self._decode_outputs, tensors.FED_OUTPUTS]
         # Called on the stream loop's thread after each response (or error) arrives.
@@ -293,12 +304,16 @@ class GrpcChat:
         ticketed = False  # chat answered with a ticket: the responses from here on are decode's
         feed, feed_key = None, ""  # decode's feed this answer's outputs come through (decode_feed)
         fed = 0  # outputs taken from the feed
+        feed_lost = None  # the feed's end, once it ended: what it still owed is lost
         last: _Arrival | None = None  # the last output, come before some of those the feed sent
+        grant_id = None  # the feed this answer asks chat to grant, when its server has none open
         try:
             try:
                 chat_parameters = {**heartbeats, **(parameters or {})}
                 if self.decode_direct:
                     chat_parameters[tensors.DECODE_TICKET] = True
+                if self.decode_feed and DecodeFeed.wants_grant(self.url):
+                    grant_id = chat_parameters[tensors.DECODE_FEED_GRANT] = new_feed_id()
                 call.write(infer_request(self.model, inputs, self._outputs, request_id, chat_parameters))
             except Exception as exc:  # noqa: BLE001 - a request that cannot be built (its inputs or parameters)
                 finished = True
@@ -317,10 +332,10 @@ class GrpcChat:
                     arrays = {name: ticket.as_numpy(name) for name in tensors.DECODE_TICKET_OUTPUTS}
                     decode_inputs = {name: array for name, array in arrays.items() if array is not None}
                     decode_parameters: dict[str, Any] = heartbeats
-                    if self.decode_feed:
-                        feed = DecodeFeed.of(self.url)
+                    feed = self._feed(ticket, grant_id)
+                    if feed is not None:
                         feed_key = feed.register(
-                            functools.partial(self._fed, responses), functools.partial(self._arrived, responses, None)
+                            functools.partial(self._fed, responses), functools.partial(self._feed_ended, responses)
                         )
                         feed_parameters = {tensors.DECODE_FEED: feed.id, tensors.DECODE_FEED_KEY: feed_key}
                         decode_parameters = {**heartbeats, **feed_parameters}
@@ -329,6 +344,14 @@ class GrpcChat:
                     )
                     call.write(decode)
                     continue
+                if arrival.feed_ended is not None:
+                    feed_lost = arrival.feed_ended
+                if feed_lost is not None and (last or arrival).fed_outputs > fed:
+                    finished = last is not None or arrival.final  # else leaving cancels it on the server
+                    raise ChatError(
+                        f"the decode feed from {self.url} ended mid-answer: {feed_lost.message()}",
+                        ErrorCode.UNAVAILABLE,
+                    )
                 if arrival.through_feed:
                     fed += 1
                 elif arrival.final and arrival.fed_outputs > fed:
@@ -378,8 +401,22 @@ class GrpcChat:
     def _arrived(self, responses: _ArrivalQueue, response: Any, error: Any) -> None:
         self._put(responses, _Arrival(response, error))
 
+    def _feed(self, ticket: InferResult, grant_id: str | None) -> DecodeFeed | None:
+        """The feed a ticket's answer comes through: its server's open one, else the one
+        this answer's grant opens; None when the answer goes unfed."""
+        if not self.decode_feed:
+            return None
+        feed = DecodeFeed.current(self.url)
+        grant = ticket.as_numpy(tensors.FEED_SEAL)
+        if feed is None and grant_id is not None and grant is not None:
+            feed = DecodeFeed.open_with(self.url, grant_id, grant[0].decode())
+        return feed
+
     def _fed(self, responses: _ArrivalQueue, body: bytes) -> None:
         self._put(responses, _Arrival.fed(body))
+
+    def _feed_ended(self, responses: _ArrivalQueue, cause: Any) -> None:
+        self._put(responses, _Arrival.feed_end(cause))
 
     def _put(self, responses: _ArrivalQueue, arrival: _Arrival) -> None:
         responses.put(arrival)

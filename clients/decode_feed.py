@@ -5,14 +5,21 @@ and decode sends their outputs but the last through it, one response per decode 
 all of them, instead of one response per output on each stream. The feed hands each output
 to the stream that registered its key; the stream's last output still comes on the
 stream itself, with the count of its outputs sent through the feed (GrpcChat waits for
-them). One feed per server address and stream loop, opened on first use; one that ended is
-replaced on the next use, and the streams registered when it ended hear of it.
+them, and fails the answer when the feed ended before bringing them all).
+
+A feed opens with a grant: a stream that finds no open feed of its server (`current`)
+asks chat for one with its ticket (tensors.DECODE_FEED_GRANT, naming the feed it would
+open), and opens the feed with it (`open_with`) unless another stream opened one
+meanwhile. One feed per server address and stream loop; one that ended is replaced by the
+next grant, at most once per RETRY_S (decode refuses feeds while all of its own carry
+streams: the streams of that while go unfed, on their own streams, as without a feed).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
@@ -21,37 +28,54 @@ from tritonclient.utils import InferenceServerException
 
 from pdchat import tensors
 from pdchat.clients.grpc_streams import StreamLoop, infer_request, output_values
-from pdchat.core.errors import ErrorCode, tag
 
 log = logging.getLogger(__name__)
 
-# deliver(body): one output's RESPONSE JSON; ended(error): the feed ended before the stream.
+# deliver(body): one output's RESPONSE JSON; ended(cause): the feed ended before the stream.
 Deliver = Callable[[bytes], None]
 Ended = Callable[[InferenceServerException], None]
 
 
 class DecodeFeed:
+    RETRY_S = 1.0
     _feeds: dict[tuple[int, str], DecodeFeed] = {}
     _feeds_lock = threading.Lock()
 
     @classmethod
-    def of(cls, url: str) -> DecodeFeed:
+    def current(cls, url: str) -> DecodeFeed | None:
         """The open feed from the decode model of the server at `url` on this process's
-        stream loop, opened now if there is none."""
+        stream loop; None when there is none."""
+        with cls._feeds_lock:
+            feed = cls._feeds.get((id(StreamLoop.shared()), url))
+            return None if feed is None or feed.ended else feed
+
+    @classmethod
+    def wants_grant(cls, url: str) -> bool:
+        """True when a stream to the server at `url` should ask chat for a feed grant: no
+        feed of it is open, and none was opened in the last RETRY_S."""
+        with cls._feeds_lock:
+            feed = cls._feeds.get((id(StreamLoop.shared()), url))
+            return feed is None or (feed.ended and time.monotonic() - feed.opened_at >= cls.RETRY_S)
+
+    @classmethod
+    def open_with(cls, url: str, feed_id: str, grant: str) -> DecodeFeed:
+        """The open feed from the server at `url`: the current one, else one opened now as
+        `feed_id` with `grant`, chat's seal for it."""
         streams = StreamLoop.shared()
         with cls._feeds_lock:
             feed = cls._feeds.get((id(streams), url))
             if feed is None or feed.ended:
-                feed = cls._feeds[(id(streams), url)] = cls(streams, url)
+                feed = cls._feeds[(id(streams), url)] = cls(streams, url, feed_id, grant)
             return feed
 
-    def __init__(self, streams: StreamLoop, url: str):
-        self.id = uuid.uuid4().hex
+    def __init__(self, streams: StreamLoop, url: str, feed_id: str, grant: str):
+        self.id = feed_id
         self.url = url
         self.ended = False
+        self.opened_at = time.monotonic()
         self._streams: dict[str, tuple[Deliver, Ended]] = {}
         self._call = streams.open(url, self._arrived)
-        seal = {tensors.STAGE_SEAL: np.array([b""], dtype=np.object_)}  # a feed opens without a seal
+        seal = {tensors.STAGE_SEAL: np.array([grant.encode()], dtype=np.object_)}
         outputs = [tensors.FEED_KEYS, tensors.FEED_RESPONSES]
         self._call.write(infer_request(tensors.DECODE, seal, outputs, "", {tensors.DECODE_FEED_OPEN: self.id}))
 
@@ -80,9 +104,11 @@ class DecodeFeed:
             self._call.close()
         cause = error or InferenceServerException(msg="decode closed the feed")
         log.warning("decode feed from %s ended: %s", self.url, cause)
-        lost = InferenceServerException(
-            msg=tag(ErrorCode.UNAVAILABLE, f"the decode feed from {self.url} ended mid-answer: {cause.message()}")
-        )
         for _, ended in list(self._streams.values()):
-            ended(lost)
+            ended(cause)
         self._streams.clear()
+
+
+def new_feed_id() -> str:
+    """A feed's id: random, so no other caller can name it."""
+    return uuid.uuid4().hex

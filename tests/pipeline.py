@@ -116,6 +116,8 @@ class LocalStages:
         self.first_output_early = False  # a prefill leg's caller asks for the first output
         self.first_output_sent = False  # a decode leg's caller has it
         self.tickets: list[DecodeCall] = []
+        self.feed_grant: str | None = None  # the decode feed a ticketed client asks a grant for
+        self.feed_seals: list[str | None] = []  # the grant sent with each ticket
 
     def routed(self, route: Route) -> None:
         self.route = route
@@ -174,8 +176,12 @@ class LocalStages:
     def has_first_output(self) -> bool:
         return self.first_output_sent
 
-    def ticket(self, call: DecodeCall) -> None:
+    def feed_to_grant(self) -> str | None:
+        return self.feed_grant
+
+    def ticket(self, call: DecodeCall, feed_seal: str | None) -> None:
         self.tickets.append(call)
+        self.feed_seals.append(feed_seal)
 
     def close(self) -> None:
         self.closed = True

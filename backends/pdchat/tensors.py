@@ -45,14 +45,19 @@ HEARTBEAT_MS = "heartbeat_ms"
 # setting decode_direct). A ticket opens decode once, within stage_seal_ttl_s.
 DECODE_TICKET = "decode_ticket"
 # decode's feed: a caller streaming many answers from decode at once (the OpenAI fronts, setting
-# decode_feed) opens one request whose parameter DECODE_FEED_OPEN names the feed (a random string;
-# the request carries nothing else but an empty STAGE_SEAL and ends when its caller cancels it).
+# decode_feed) opens one request whose parameter DECODE_FEED_OPEN names the feed (a random string)
+# and whose STAGE_SEAL is a feed grant: chat answers a ticket request whose parameter
+# DECODE_FEED_GRANT names a feed with FEED_SEAL, a seal that opens decode's feed of that name once.
+# The feed request carries nothing else and ends when its caller cancels it (or decode gives its
+# place to a new feed while no stream names it: pdchat.core.output.feeds.DecodeFeeds).
 # Each ticket request that names the feed (parameters DECODE_FEED, and DECODE_FEED_KEY, its own
 # key there) gets its outputs but the last through it: one response per decode step for all its
 # streams, FEED_KEYS [n] and FEED_RESPONSES [n] (each output's RESPONSE JSON, nothing else); its
 # last output comes on its own stream with FED_OUTPUTS, how many went through the feed (requested
 # by the caller). A stream whose feed decode does not hold at its first output is not fed.
 DECODE_FEED_OPEN = "decode_feed_open"
+DECODE_FEED_GRANT = "decode_feed_grant"
+FEED_SEAL = "feed_seal"
 DECODE_FEED = "decode_feed"
 DECODE_FEED_KEY = "decode_feed_key"
 FEED_KEYS = "feed_keys"
@@ -138,4 +143,6 @@ CHAT_OUTPUTS = (
     TensorSpec(KV_HANDLE, "TYPE_STRING"),
     TensorSpec(STAGE_SEAL, "TYPE_STRING"),
     TensorSpec(FIRST_OUTPUT_SENT, "TYPE_BOOL"),
+    # A ticket's feed grant (DECODE_FEED_GRANT).
+    TensorSpec(FEED_SEAL, "TYPE_STRING"),
 )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pdchat.clients import load
+from benchmarks import load
 from pdchat.clients.chat import GrpcChat, chat_inputs
 from tests.integration.helpers import metric, wait_for
 

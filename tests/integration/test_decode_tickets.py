@@ -22,6 +22,7 @@ from pdchat.clients.chat import ChatError, GrpcChat, chat_inputs, collect
 from pdchat.clients.decode_feed import DecodeFeed
 from pdchat.clients.router import ServerFront
 from pdchat.core.errors import ErrorCode
+from pdchat.core.output.feeds import DecodeFeeds
 from tests.conversations import PARITY_CASES, chat_body
 
 
@@ -209,18 +210,28 @@ def test_concurrent_answers_share_the_feed_each_getting_its_own(server):
     assert together == alone
 
 
-def test_a_feed_that_ends_mid_answer_fails_its_answers_then_a_new_one_serves(server):
+def test_a_feed_that_ends_mid_answer_loses_no_output_silently_then_a_new_one_serves(server):
+    """The feed's connection breaks mid-answer: the answer either fails Unavailable naming the
+    feed (outputs decode sent through it were lost) or, where decode noticed before sending
+    any more through it, streams the rest unfed and equals the unfed answer; never a short one."""
+    body = chat_body("single_turn", max_tokens=400, temperature=0, stream=True)
+    unfed = front_answer(server, body, decode_feed=False)
     client = GrpcChat(server.grpc_url, outputs=tensors.FRONT_OUTPUTS, decode_direct=True, decode_feed=True)
-    outputs = client.stream(chat_inputs(chat_body("single_turn", max_tokens=400, temperature=0, stream=True)))
-    next(outputs)
-    feed = DecodeFeed.of(server.grpc_url)
+    outputs = client.stream(chat_inputs(body))
+    first = next(outputs)
+    feed = DecodeFeed.current(server.grpc_url)
+    assert feed is not None
     feed._call.cancel()  # as when the connection under it breaks
-    with pytest.raises(ChatError) as info:
-        collect(outputs)
-    assert info.value.code is ErrorCode.UNAVAILABLE and "decode feed" in str(info.value)
+    try:
+        rest = collect(outputs).outputs
+    except ChatError as error:
+        assert error.code is ErrorCode.UNAVAILABLE and "decode feed" in str(error)
+    else:
+        assert [(o.response.get("choices"), o.finish_reason) for o in [first, *rest]] == unfed
+    time.sleep(DecodeFeed.RETRY_S)
     body = chat_body("single_turn", max_tokens=6, temperature=0, stream=True)
     assert front_answer(server, body, decode_feed=True) == front_answer(server, body, decode_feed=False)
-    assert DecodeFeed.of(server.grpc_url) is not feed
+    assert DecodeFeed.current(server.grpc_url) not in (None, feed)
 
 
 @pytest.mark.parametrize(
@@ -237,21 +248,81 @@ def test_bad_feed_parameters_are_refused_naming_them(server, parameters, named):
     assert error is not None and f"'{named}'" in error.message()
 
 
-def test_decode_holds_a_bounded_number_of_feeds(server):
-    """A feed opens without a seal: past DecodeFeeds.MAX_FEEDS (64) more are refused, naming it."""
+def feed_grant(server, feed_id: str) -> str:
+    """The grant chat answers a ticket request with, for decode's feed `feed_id`."""
+    body = chat_body("single_turn", max_tokens=2, temperature=0, stream=True)
+    parameters = {tensors.DECODE_TICKET: True, tensors.DECODE_FEED_GRANT: feed_id}
+    *_, (result, error) = stream_raw(server, "chat", chat_inputs(body), parameters, [tensors.FEED_SEAL])
+    assert error is None, error
+    return result.as_numpy(tensors.FEED_SEAL)[0].decode()
+
+
+def open_feeds(server, grants: dict[str, str]):
+    """Open decode's feeds `grants` (id -> grant) on one gRPC stream; their responses (or
+    errors) go to the queue returned, with the client that holds them."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
     arrived: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: arrived.put(error))
-    seal = grpcclient.InferInput(tensors.STAGE_SEAL, [1], "BYTES")
-    seal.set_data_from_numpy(np.array([b""], dtype=np.object_))
+    client.start_stream(callback=lambda result, error: arrived.put((result, error)))
+    for feed_id, grant in grants.items():
+        seal = grpcclient.InferInput(tensors.STAGE_SEAL, [1], "BYTES")
+        seal.set_data_from_numpy(np.array([grant.encode()], dtype=np.object_))
+        client.async_stream_infer(
+            "decode", [seal], parameters={tensors.DECODE_FEED_OPEN: feed_id}, enable_empty_final_response=True
+        )
+    return client, arrived
+
+
+def closing(client) -> None:
+    client.stop_stream(cancel_requests=True)
+    client.close()
+
+
+@pytest.mark.parametrize(
+    ("grant", "refusal"),
+    [
+        (lambda server: "", "malformed"),  # the red team's: an empty stage_seal
+        (lambda server: feed_grant(server, "another-feed"), "altered"),  # a grant of another feed
+        (lambda server: "0" * 12 + ".1." + "0" * 32 + "." + "0" * 64, "not this server's"),
+    ],
+    ids=["empty", "other-feed", "forged"],
+)
+def test_a_feed_opens_only_with_chat_s_grant_for_it(server, grant, refusal):
+    client, arrived = open_feeds(server, {"feed-x": grant(server)})
     try:
-        for index in range(65):
-            client.async_stream_infer("decode", [seal], parameters={tensors.DECODE_FEED_OPEN: f"test-{index}"})
-        error = arrived.get(timeout=30)
-        assert error is not None and "feeds, its most" in error.message()
+        _, error = arrived.get(timeout=30)
+        assert error is not None and "a decode feed refused" in error.message() and f"({refusal}" in error.message()
     finally:
-        client.stop_stream(cancel_requests=True)
-        client.close()
-    time.sleep(1)  # decode closes the cancelled feeds at its next poll
-    body = chat_body("single_turn", max_tokens=6, temperature=0, stream=True)
-    assert front_answer(server, body, decode_feed=True) == front_answer(server, body, decode_feed=False)
+        closing(client)
+
+
+def test_a_grant_opens_one_feed_once(server):
+    grant = feed_grant(server, "feed-once")
+    client, arrived = open_feeds(server, {"feed-once": grant})
+    try:
+        again, again_arrived = open_feeds(server, {"feed-once": grant})
+        _, error = again_arrived.get(timeout=30)
+        closing(again)
+        assert error is not None and "(replayed" in error.message()
+        assert arrived.empty()  # the first stays open
+    finally:
+        closing(client)
+
+
+def test_idle_feeds_held_by_another_caller_keep_no_front_s_feed_out(server):
+    """The red team held decode's 64 feeds and every answer through the fronts failed. Now
+    each needs a grant, and a front's feed takes the place of an idle one: the front's
+    answers are fed and right, and one held feed is closed."""
+    grants = {f"held-{index}": feed_grant(server, f"held-{index}") for index in range(DecodeFeeds.MAX_FEEDS)}
+    client, arrived = open_feeds(server, grants)
+    try:
+        time.sleep(1)
+        assert arrived.empty()  # all 64 held, none refused
+        body = chat_body("single_turn", max_tokens=6, temperature=0, stream=True)
+        time.sleep(DecodeFeed.RETRY_S)  # past an earlier test's feed end
+        assert front_answer(server, body, decode_feed=True) == front_answer(server, body, decode_feed=False)
+        feed = DecodeFeed.current(server.grpc_url)
+        assert feed is not None and not feed.ended  # the front's own feed was opened
+        result, error = arrived.get(timeout=30)  # the idle feed whose place it took ended
+        assert error is None and result.get_response().parameters["triton_final_response"].bool_param
+    finally:
+        closing(client)

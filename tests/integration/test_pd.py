@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pdchat.clients import load
+from benchmarks import load
 from pdchat.clients.chat import GrpcChat, chat_inputs, collect
 from pdchat.core.kv.shm import SHM_PREFIX, ShmConnector, expired_files, kv_directory
 from pdchat.launcher import PDStack

@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 
-from pdchat.clients import load
+from benchmarks import load
 from pdchat.launcher import process_group
 from tests.integration.conftest import running_server
 from tests.integration.helpers import metric, wait_for

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdchat.clients import load
+from benchmarks import load
 from tests.integration.soak import soak
 
 

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdchat.clients import load
+from benchmarks import load
 from pdchat.core.kv.shm import FREE_PREFIX, OWNER_PREFIX, STAGING_PREFIX, kv_directory
 from pdchat.launcher import SHM_DIR, free_port, process_group, python_stubs
 from tests.integration.conftest import TEST_POOLS

@@ -20,7 +20,7 @@ import uuid
 
 import pytest
 
-from pdchat.clients.scaleout import start_front, vllm_router_command
+from benchmarks.scaleout import start_front, vllm_router_command
 from pdchat.launcher import free_port, start_service
 from tests.conversations import PARITY_CASES
 from tests.integration.conftest import at_once

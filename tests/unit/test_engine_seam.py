@@ -118,3 +118,23 @@ def test_each_engine_names_its_path(engines):
         assert engine.path.forward == "llama" and engine.path.device == "cpu"
         assert engine.path.describe().startswith("own Llama forward")
         assert engine.kv_capacity_tokens > len(PROMPT) and engine.vocab_size > max(PROMPT)
+
+
+def test_a_kv_prefetch_runs_before_the_request_is_queued_and_a_cancel_meanwhile_ends_it(engines):
+    """The prefetch (a pull that waits on the network) runs on a thread of the engine's
+    before the request is queued; a request cancelled while it waits ends cancelled, unstarted."""
+    import threading
+
+    _, decode = engines
+    release, prefetching = threading.Event(), threading.Event()
+
+    def prefetch():
+        prefetching.set()
+        release.wait(30)
+
+    answer = _Answer()
+    decode.decode(DecodeRequest("waits", PROMPT, _params("waits"), prefetch_kv=prefetch), answer.callbacks())
+    assert prefetching.wait(30) and threading.current_thread() is threading.main_thread()
+    decode.cancel("waits")
+    release.set()
+    assert answer.ended.result(timeout=60) == "cancelled" and not answer.started and not answer.tokens

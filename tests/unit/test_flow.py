@@ -314,11 +314,20 @@ def test_a_ticket_is_the_decode_call_chat_would_relay(prefill_server, decode_ser
     assert ticketed.route is (Route.REUSE if forwarded else Route.RENDER)
     [call] = ticketed.tickets
     assert ticketed.outputs == [] and not ticketed.closed and call.heartbeat_s is None
+    assert ticketed.feed_seals == [None]  # it asked no feed grant
     outputs = asyncio.run(_decoded(LocalStages(decode_server, handoff=True), call))
     assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in decode_server.run(chat())]
     if forwarded:
         with pytest.raises(ForwardedIdsRejected, match="this handoff was used already"):
             asyncio.run(decode_server.flow.serve(inputs, LocalStages(decode_server, handoff=True)))
+
+
+def test_a_ticket_carries_the_grant_of_the_feed_its_client_asked_for(decode_server):
+    stages = LocalStages(decode_server, handoff=True)
+    stages.ticketed, stages.feed_grant = True, "feed-1"
+    asyncio.run(decode_server.flow.serve(ChatInputs(chat()), stages))
+    [grant] = stages.feed_seals
+    decode_server.flow.seal.check_feed("feed-1", grant)  # opens decode's feed of that name, once
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from pdchat import tensors
 from pdchat.clients.chat import DEFAULT_MODEL, ChatError, GrpcChat, ServerSilent, Waiting, _Arrival, chat_inputs
 from pdchat.clients.grpc_streams import raw_tensor
 from pdchat.clients.router import RequestStreams
+from pdchat.core.errors import ErrorCode
 from tests.integration.helpers import wait_for
 
 HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -76,12 +77,14 @@ class WithFeed(Scripted):
     def __init__(self):
         super().__init__()
         self.feed_responses: queue.Queue = queue.Queue()
+        self.feed_requests: list[service_pb2.ModelInferRequest] = []
 
     def ModelStreamInfer(self, request_iterator, context):  # noqa: N802 - the gRPC method's name
         first = next(request_iterator)
         if tensors.DECODE_FEED_OPEN not in first.parameters:
             yield from self._answer(first, request_iterator)
             return
+        self.feed_requests.append(first)
         while (response := self.feed_responses.get()) is not None:
             yield service_pb2.ModelStreamInferResponse(infer_response=response)
 
@@ -292,34 +295,112 @@ def test_a_cancel_before_the_stream_starts_cancels_it(silent_server):
     chat.close()
 
 
-def test_a_fed_answer_s_last_output_waits_for_those_its_feed_brings(feed_server):
-    """The feed and an answer's own stream are not ordered against each other: the last output
-    says how many came through the feed, and goes to the caller after them."""
+def strings(*values: str) -> np.ndarray:
+    return np.array([value.encode() for value in values], dtype=np.object_)
+
+
+def fed_response(*outputs: tuple[str, str]) -> service_pb2.ModelInferResponse:
+    """A response of decode's feed: (key, RESPONSE JSON) of each stream."""
+    fed = service_pb2.ModelInferResponse(model_name="decode")
+    fed.parameters["triton_final_response"].bool_param = False
+    for name, values in (
+        (tensors.FEED_KEYS, [k for k, _ in outputs]),
+        (tensors.FEED_RESPONSES, [b for _, b in outputs]),
+    ):
+        datatype, content = raw_tensor(strings(*values))
+        fed.outputs.add(name=name, datatype=datatype, shape=[len(outputs)])
+        fed.raw_output_contents.append(content)
+    return fed
+
+
+def final_response() -> service_pb2.ModelInferResponse:
+    """A feed's last response: no outputs, the final flag (decode closed or refused it)."""
+    final = service_pb2.ModelInferResponse(model_name="decode")
+    final.parameters["triton_final_response"].bool_param = True
+    return final
+
+
+def fed_stream(feed_server, grant: bool = True):
+    """A front's answer (read on a thread into `taken`) whose chat answered with a ticket
+    (and a feed grant, with `grant`); returns its thread, `taken`, and decode's request."""
     url, servicer = feed_server
     chat = GrpcChat(url, timeout_s=10, outputs=tensors.FRONT_OUTPUTS, decode_direct=True, decode_feed=True)
     taken: list = []
-    reader = threading.Thread(target=lambda: taken.extend(o.response for o in chat.stream(chat_inputs(HI))))
+
+    def read():
+        try:
+            taken.extend(o.response for o in chat.stream(chat_inputs(HI)))
+        except ChatError as exc:
+            taken.append(exc)
+
+    reader = threading.Thread(target=read)
     reader.start()
-    servicer.responses.put(response(None, **{tensors.STAGE_SEAL: np.array([b"seal"], dtype=np.object_)}))
+    assert wait_for(lambda: len(servicer.requests) == 1, timeout=5)
+    asked = servicer.requests[0].parameters[tensors.DECODE_FEED_GRANT].string_param
+    assert asked  # no feed of this server yet: the answer asks chat for a grant
+    ticket = {tensors.STAGE_SEAL: strings("seal"), **({tensors.FEED_SEAL: strings("grant")} if grant else {})}
+    servicer.responses.put(response(None, **ticket))
     assert wait_for(lambda: len(servicer.requests) == 2, timeout=5)
-    decode_request = servicer.requests[1]
+    return reader, taken, servicer.requests[1]
+
+
+def test_a_fed_answer_s_last_output_waits_for_those_its_feed_brings(feed_server):
+    """The feed and an answer's own stream are not ordered against each other: the last output
+    says how many came through the feed, and goes to the caller after them."""
+    _, servicer = feed_server
+    reader, taken, decode_request = fed_stream(feed_server)
+    assert wait_for(lambda: len(servicer.feed_requests) == 1, timeout=5)
+    [opened] = servicer.feed_requests  # opened with chat's grant, under the name the grant was asked for
+    assert opened.parameters[tensors.DECODE_FEED_OPEN].string_param == (
+        servicer.requests[0].parameters[tensors.DECODE_FEED_GRANT].string_param
+    )
+    assert opened.raw_input_contents[0].endswith(b"grant")
     key = decode_request.parameters[tensors.DECODE_FEED_KEY].string_param
-    assert decode_request.parameters[tensors.DECODE_FEED].string_param and key
-    assert tensors.FED_OUTPUTS in [output.name for output in decode_request.outputs]
+    assert (
+        decode_request.parameters[tensors.DECODE_FEED].string_param
+        == opened.parameters[tensors.DECODE_FEED_OPEN].string_param
+    )
+    assert key and tensors.FED_OUTPUTS in [output.name for output in decode_request.outputs]
     servicer.responses.put(response('{"n": 2}', final=True, **{tensors.FED_OUTPUTS: np.array([2], dtype=np.int32)}))
     time.sleep(0.3)
     assert taken == []  # held for the two the feed has not brought yet
-    fed = service_pb2.ModelInferResponse(model_name="decode")
-    fed.parameters["triton_final_response"].bool_param = False
-    for name, values in ((tensors.FEED_KEYS, [key, "another"]), (tensors.FEED_RESPONSES, ['{"n": 0}', '{"x": 1}'])):
-        datatype, content = raw_tensor(np.array([value.encode() for value in values], dtype=np.object_))
-        fed.outputs.add(name=name, datatype=datatype, shape=[2])
-        fed.raw_output_contents.append(content)
-    servicer.feed_responses.put(fed)
-    fed_again = service_pb2.ModelInferResponse()
-    fed_again.CopyFrom(fed)
-    fed_again.raw_output_contents[1] = raw_tensor(np.array([b'{"n": 1}', b'{"x": 2}'], dtype=np.object_))[1]
-    servicer.feed_responses.put(fed_again)
+    servicer.feed_responses.put(fed_response((key, '{"n": 0}'), ("another", '{"x": 1}')))
+    servicer.feed_responses.put(fed_response((key, '{"n": 1}'), ("another", '{"x": 2}')))
     reader.join(5)
     assert taken == [{"n": 0}, {"n": 1}, {"n": 2}]  # another stream's outputs not among them
-    chat.close()
+
+
+def test_an_answer_whose_feed_is_refused_streams_unfed(feed_server):
+    """decode refuses a feed (every one of its feeds carries streams): the answer does not
+    fail; decode, not holding the feed, sends every output on the answer's own stream."""
+    _, servicer = feed_server
+    reader, taken, _ = fed_stream(feed_server)
+    servicer.feed_responses.put(final_response())  # the feed ends at once
+    servicer.responses.put(response('{"n": 0}'))
+    servicer.responses.put(response('{"n": 1}', final=True, **{tensors.FED_OUTPUTS: np.array([0], dtype=np.int32)}))
+    reader.join(5)
+    assert taken == [{"n": 0}, {"n": 1}]
+
+
+def test_an_answer_whose_fed_outputs_the_feed_lost_fails_unavailable(feed_server):
+    _, servicer = feed_server
+    reader, taken, decode_request = fed_stream(feed_server)
+    key = decode_request.parameters[tensors.DECODE_FEED_KEY].string_param
+    servicer.feed_responses.put(fed_response((key, '{"n": 0}')))
+    assert wait_for(lambda: len(taken) == 1, timeout=5)
+    servicer.feed_responses.put(final_response())  # the feed ends; it owed the answer one more output
+    servicer.responses.put(response('{"n": 2}', final=True, **{tensors.FED_OUTPUTS: np.array([2], dtype=np.int32)}))
+    reader.join(5)
+    *outputs, error = taken
+    assert isinstance(error, ChatError) and error.code is ErrorCode.UNAVAILABLE and "decode feed" in str(error)
+    assert outputs == [{"n": 0}]
+
+
+def test_an_answer_without_a_grant_goes_unfed(feed_server):
+    """A chat that grants no feed (an older server, or a refusal): decode is asked for no feed."""
+    _, servicer = feed_server
+    reader, taken, decode_request = fed_stream(feed_server, grant=False)
+    assert tensors.DECODE_FEED not in decode_request.parameters and servicer.feed_requests == []
+    servicer.responses.put(response('{"n": 0}', final=True))
+    reader.join(5)
+    assert taken == [{"n": 0}]

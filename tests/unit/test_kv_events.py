@@ -5,7 +5,11 @@ sockets: the multipart frames, the replay protocol, a slow subscriber's loss cou
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -23,15 +27,16 @@ from pdchat.core.kv_events import (
     ReplayBuffer,
     Stored,
     coalesce,
+    decode,
     encode,
     instance_endpoint,
 )
 from pdchat.core.settings import kv_events_options
 from pdchat.launcher import free_port
-from tests.kv_event_types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
+from tests.kv_event_types import ARRAY, BlockRemoved, BlockStored, KVEventBatch
 
 
-class OldBlockStored(KVCacheEvent, tag="BlockStored"):
+class OldBlockStored(ARRAY.KVCacheEvent, tag="BlockStored"):
     """The first vLLM layout (five fields): a consumer that old still parses ours."""
 
     block_hashes: list[int]
@@ -46,8 +51,8 @@ TOP = (1 << 64) - 1  # our keys are 8-byte unsigned ints: msgpack's uint64
 
 
 def test_the_array_layout_is_vllms_positional_structs_tag_first():
-    events = [Stored([TOP, 7], None, list(range(32))), Removed([5]), Cleared()]
-    payload = encode(events, block_size=16, rank=2, ts=12.5)
+    events = [Stored([TOP, 7], None, list(range(32)), [None, None]), Removed([5]), Cleared()]
+    payload = encode(events, block_size=16, rank=2, layout="array", ts=12.5)
     assert msgspec.msgpack.decode(payload) == [
         12.5,
         [
@@ -57,12 +62,12 @@ def test_the_array_layout_is_vllms_positional_structs_tag_first():
         ],
         2,
     ]
-    batch = DECODER.decode(payload)
+    batch = msgspec.msgpack.Decoder(ARRAY.KVEventBatch).decode(payload)
     assert batch.data_parallel_rank == 2
     assert batch.events == [
-        BlockStored([TOP, 7], None, list(range(32)), 16, None, "GPU", None, group_idx=0),
-        BlockRemoved([5], "GPU", group_idx=0),
-        AllBlocksCleared(),
+        ARRAY.BlockStored([TOP, 7], None, list(range(32)), 16, None, "GPU", None, group_idx=0),
+        ARRAY.BlockRemoved([5], "GPU", group_idx=0),
+        ARRAY.AllBlocksCleared(),
     ]
     old = msgspec.msgpack.Decoder(list[OldBlockStored]).decode(
         msgspec.msgpack.encode(msgspec.msgpack.decode(payload)[1][:1])
@@ -71,7 +76,7 @@ def test_the_array_layout_is_vllms_positional_structs_tag_first():
 
 
 def test_the_map_layout_tags_each_event_under_type_in_a_positional_batch():
-    payload = encode([Stored([3], 9, [1, 2]), Removed([3])], block_size=2, rank=0, layout="map", ts=1.0)
+    payload = encode([Stored([3], 9, [1, 2], [None]), Removed([3])], block_size=2, rank=0, ts=1.0)  # the default
     ts, events, rank = msgspec.msgpack.decode(payload)
     assert (ts, rank) == (1.0, 0)
     assert events[0] == {
@@ -90,19 +95,19 @@ def test_the_map_layout_tags_each_event_under_type_in_a_positional_batch():
 
 def test_coalesce_joins_a_chain_and_consecutive_removals_keeping_the_order():
     raw = [
-        ("stored", 1, None, [1, 1]),
-        ("stored", 2, 1, [2, 2]),  # child of 1: joins
-        ("stored", 3, None, [3, 3]),  # another sequence's first block
-        ("stored", 4, 2, [4, 4]),  # child of 2, but not of the last one stored: apart
+        ("stored", 1, None, [1, 1], ("salt",)),
+        ("stored", 2, 1, [2, 2], None),  # child of 1: joins
+        ("stored", 3, None, [3, 3], None),  # another sequence's first block
+        ("stored", 4, 2, [4, 4], None),  # child of 2, but not of the last one stored: apart
         ("removed", 1),
         ("removed", 3),
         ("cleared",),
         ("removed", 4),
     ]
     assert coalesce(raw) == [
-        Stored([1, 2], None, [1, 1, 2, 2]),
-        Stored([3], None, [3, 3]),
-        Stored([4], 2, [4, 4]),
+        Stored([1, 2], None, [1, 1, 2, 2], [("salt",), None]),
+        Stored([3], None, [3, 3], [None]),
+        Stored([4], 2, [4, 4], [None]),
         Removed([1, 3]),
         Cleared(),
         Removed([4]),
@@ -115,7 +120,7 @@ def test_the_queue_is_bounded_and_counts_what_it_drops():
     sink.removed(1)
     sink.cleared()
     assert sink.dropped == 1 and len(sink) == 2
-    assert sink.drain() == [("stored", 1, None, [0]), ("removed", 1)]
+    assert sink.drain() == [("stored", 1, None, [0], None), ("removed", 1)]
     sink.cleared()
     assert sink.drain() == [("cleared",)]
 
@@ -146,7 +151,7 @@ def test_settings_are_off_by_default_and_per_role():
         None,
         "kv-events",
         10_000,
-        "array",
+        "map",
     )
     assert kv_events_options("decode", {}, environ) is None
 
@@ -166,11 +171,11 @@ def test_the_pool_tells_keyed_blocks_with_their_parent_evictions_and_clears():
     first.written()
     one = block_hash(root, [1, 2])
     two = block_hash(one, [3, 4])
-    assert sink.drain() == [("stored", one, None, [1, 2]), ("stored", two, one, [3, 4])]
+    assert sink.drain() == [("stored", one, None, [1, 2], None), ("stored", two, one, [3, 4], None)]
     first.release()  # both stay cached, a third block freed
     second = Sequence(kv, root_hash("m", "other tenant"))
-    second.extend([9, 9, 9, 9, 9, 9])  # 3 blocks: the free two and the oldest cached one
-    assert sink.drain() == [("removed", one)]
+    second.extend([9, 9, 9, 9, 9, 9])  # 3 blocks: the free two and a cached one, the chain's tail
+    assert sink.drain() == [("removed", two)]
     second.written()
     assert [item[0] for item in sink.drain()] == ["stored"] * 3
     kv.clear_cache()
@@ -296,3 +301,53 @@ def test_an_endpoint_that_cannot_be_bound_fails_the_constructor():
             KVEventPublisher(BlockEvents(), endpoint=endpoint, block_size=16)  # the port is taken
     finally:
         first.close()
+
+
+def salted_events(layout: str = "map") -> bytes:
+    """The payload of a salted prompt's two blocks, then an unsalted one's block."""
+    kv = pool(blocks=5)
+    kv.events = sink = BlockEvents()
+    for salt, prompt in (("tenant-a", [1, 2, 3, 4]), (None, [5, 6])):
+        sequence = Sequence(kv, root_hash("m", salt), salt)
+        sequence.extend(prompt)
+        sequence.written()
+    return encode(coalesce(sink.drain()), block_size=2, rank=0, layout=layout, ts=1.0)
+
+
+def test_a_sequence_s_first_block_carries_its_cache_salt_as_vllm_s_do():
+    [salted, plain] = DECODER.decode(salted_events()).events
+    assert salted.extra_keys == [("tenant-a",), None] and salted.token_ids == [1, 2, 3, 4]
+    assert plain.extra_keys is None  # omitted where no block has extra keys
+    [again, _] = decode(salted_events(), block_size=2)
+    assert again.extra_keys == [("tenant-a",), None]
+
+
+def vllm_python() -> Path | None:
+    """The Python of a venv with vLLM installed ($PDCHAT_VLLM_VENV, else the checkout's
+    .venv-vllm), or None."""
+    venv = Path(os.environ.get("PDCHAT_VLLM_VENV") or Path(__file__).resolve().parents[2] / ".venv-vllm")
+    python = venv / "bin" / "python"
+    return python if python.exists() else None
+
+
+@pytest.mark.skipif(vllm_python() is None, reason="no venv with vLLM ($PDCHAT_VLLM_VENV or .venv-vllm)")
+def test_vllm_s_own_types_decode_the_default_layout_salt_included():
+    """vLLM 0.32's KVEventBatch refused every message of the array layout ("Expected
+    object, got array"); the default layout is the one it reads."""
+    script = (
+        "import sys, json, msgspec\n"
+        "from vllm.distributed.kv_events import KVEventBatch\n"
+        "batch = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=KVEventBatch)\n"
+        "print(json.dumps([[type(e).__name__, e.block_hashes, e.parent_block_hash, e.token_ids, e.extra_keys]"
+        " for e in batch.events]))\n"
+    )
+    run = subprocess.run(
+        [str(vllm_python()), "-c", script], input=salted_events(), capture_output=True, timeout=120, check=True
+    )
+    [salted, plain] = json.loads(run.stdout.splitlines()[-1])
+    assert salted[0] == "BlockStored" and salted[3] == [1, 2, 3, 4] and salted[4] == [["tenant-a"], None]
+    assert salted[2] is None and plain[2] is None and plain[4] is None  # each starts its sequence; no salt
+    refused = subprocess.run(
+        [str(vllm_python()), "-c", script], input=salted_events("array"), capture_output=True, timeout=120
+    )
+    assert refused.returncode != 0 and b"Expected `object`, got `array`" in refused.stderr

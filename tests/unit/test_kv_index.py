@@ -5,11 +5,13 @@ replays what it missed and starts over when no replay has it or the server resta
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 
 import pytest
 import zmq
+import zmq.auth
 
 from pdchat.clients.affinity import PrefixAffinity, prefix_keys
 from pdchat.clients.kv_index import BlockIndex, KVEventSource, KVEventSubscriber, parse_sources
@@ -25,7 +27,7 @@ def tokens(n: int, start: int = 0) -> list[int]:
 
 
 def stored(keys: list[int], parent: int | None, token_ids: list[int]) -> Stored:
-    return Stored(list(keys), parent, list(token_ids))
+    return Stored(list(keys), parent, list(token_ids), [None] * len(keys))
 
 
 def test_decode_reads_both_layouts_and_refuses_another_block_size():
@@ -135,6 +137,80 @@ def test_a_late_subscriber_replays_what_the_publisher_sent_before_it_joined():
         sink.stored(2, 1, prompt[SIZE:])
         assert wait_for(lambda: index.holds(index.prompt_key(prompt)))
         assert index.stats.replayed == 1 and index.stats.resets == 0
+    finally:
+        subscriber.close()
+        publisher.close()
+
+
+def curve_dirs(tmp_path):
+    """A publisher's CURVE directory authorizing one subscriber, that subscriber's, and an
+    unauthorized one's (zmq.auth certificates)."""
+    made = {}
+    for name in ("publisher", "router", "stranger"):
+        made[name] = tmp_path / name
+        made[name].mkdir()
+    zmq.auth.create_certificates(made["publisher"], "server")
+    for name in ("router", "stranger"):
+        zmq.auth.create_certificates(made[name], "client")
+        shutil.copy(made["publisher"] / "server.key", made[name])
+    (made["publisher"] / "authorized").mkdir()
+    shutil.copy(made["router"] / "client.key", made["publisher"] / "authorized")
+    return made
+
+
+def test_with_curve_only_an_authorized_subscriber_reads_the_events(tmp_path, caplog):
+    """Events carry every prompt's token ids: with kv_events_curve_dir they are encrypted and
+    only subscribers whose keys the publisher authorized read them; bound to all interfaces
+    without it, the publisher says so."""
+    dirs, pub, replay = curve_dirs(tmp_path), free_port(), free_port()
+    sink = BlockEvents()
+    publisher = KVEventPublisher(
+        sink,
+        endpoint=f"tcp://*:{pub}",
+        replay_endpoint=f"tcp://*:{replay}",
+        block_size=SIZE,
+        curve_dir=str(dirs["publisher"]),
+    )
+    assert "in plaintext" not in caplog.text
+    readers = {
+        name: (BlockIndex(SIZE), curve)
+        for name, curve in (("router", str(dirs["router"])), ("stranger", str(dirs["stranger"])), ("plain", None))
+    }
+    subscribers = [
+        KVEventSubscriber(index, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", curve_dir=curve)
+        for index, curve in readers.values()
+    ]
+    prompt = tokens(2 * SIZE)
+    try:
+        time.sleep(0.5)  # subscribed (or refused)
+        sink.stored(1, None, prompt[:SIZE])
+        sink.stored(2, 1, prompt[SIZE:])
+        router = readers["router"][0]
+        assert wait_for(lambda: router.holds(router.prompt_key(prompt)))
+        time.sleep(0.3)
+        for name in ("stranger", "plain"):
+            index = readers[name][0]
+            assert not index.holds(index.prompt_key(prompt)), f"{name} read the events"
+    finally:
+        for subscriber in subscribers:
+            subscriber.close()
+        publisher.close()
+    plain = KVEventPublisher(BlockEvents(), endpoint=f"tcp://*:{free_port()}", block_size=SIZE)
+    plain.close()
+    assert "in plaintext" in caplog.text
+
+
+def test_a_loopback_endpoint_is_bound_for_this_host_alone():
+    port = free_port()
+    sink = BlockEvents()
+    publisher = KVEventPublisher(sink, endpoint=f"tcp://127.0.0.1:{port}", block_size=SIZE)  # bound, not connected
+    index = BlockIndex(SIZE)
+    subscriber = KVEventSubscriber(index, f"tcp://127.0.0.1:{port}")
+    prompt = tokens(SIZE + 1)
+    try:
+        time.sleep(0.3)
+        sink.stored(1, None, prompt[:SIZE])
+        assert wait_for(lambda: index.holds(index.prompt_key(prompt)))
     finally:
         subscriber.close()
         publisher.close()

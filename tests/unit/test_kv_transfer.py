@@ -363,6 +363,32 @@ def test_a_pull_from_a_token_on_is_exactly_that_tail_of_the_kv(tmp_path, connect
         puller.close()
 
 
+@pytest.mark.parametrize("connector", ["shm", "nixl"])
+def test_a_prefetched_handover_pulls_once_and_serves_any_tail_from_memory(tmp_path, connector):
+    """decode prefetches a KV whose pull waits on the network (NIXL) before the request joins
+    its batch; the scheduler's pull of the blocks it lacks is then a slice, no transfer."""
+    if connector == "nixl":
+        pytest.importorskip("nixl_cu12")
+    options = {"ttl_s": 60} if connector == "nixl" else {"directory": str(tmp_path / "kv"), "ttl_s": 60}
+    publisher, puller = Connectors(**options), Connectors(**options)
+    whole = kv(tokens=40, seed=5)
+    try:
+        handle = KVHandle.from_json(publisher.publish(connector, whole, 7).to_json())
+        handover = KVHandover(puller, handle)
+        assert handover.pull_waits is (connector == "nixl")
+        handover.prefetch()
+        puller.close()  # no transfer is left to make
+        assert np.array_equal(handover.pull(32), whole[:, :, :, 32:]) and np.array_equal(handover.pull(), whole)
+        assert not handover.end(), "a prefetched KV was pulled: nothing to discard"
+        expired = KVHandover(puller, dataclasses.replace(handle, expires_at=time.time() - 1))
+        expired.prefetch()  # the failure is kept for the scheduler's pull, which then recomputes
+        with pytest.raises(KVUnavailable, match="expired"):
+            expired.pull(8)
+    finally:
+        publisher.close()
+        puller.close()
+
+
 def test_decode_pulling_only_the_blocks_it_lacks_decodes_what_a_full_pull_does(tiny_model_dir, tmp_path):
     """Decode caches turn 1's prompt; turn 2's KV is pulled from its first uncached token and
     the answer equals a decode server that pulled it all (greedy, fp32)."""

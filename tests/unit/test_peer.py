@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from pdchat.clients.peer import WARM_SEED, paired_ratios, prompt_seed, round_order, schedule, wait_for_quiet_host
+from benchmarks.peer import WARM_SEED, paired_ratios, prompt_seed, round_order, schedule, wait_for_quiet_host
 
 
 def _offsets(seed: int, prompts: int, vocab: int = 49152) -> list[int]:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdchat.clients.perf import input_data, summarize
+from benchmarks.perf import input_data, summarize
 
 
 def test_first_response_latency_and_gaps_come_from_response_timestamps():

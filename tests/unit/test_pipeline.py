@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from pdchat.core.errors import InvalidRequest
 from pdchat.core.generation.sampling import Choice
 from pdchat.core.kv.base import tokens_from
 from pdchat.core.request.protocol import parse_chat_json
@@ -459,3 +460,18 @@ def test_a_failed_pull_keeps_prefills_first_token(pipeline):
     assert delta.token_ids == [given]
     assert delta.logprobs[0].token_id == given  # computed here, from the prompt's logits
     generation.drop()
+
+
+def test_a_first_token_the_grammar_refuses_leaves_no_kv_held(pipeline):
+    """decode imported prefill's KV, then its grammar refused prefill's first token (prefill
+    and decode with different grammar builds): the request fails and its blocks go back."""
+    pool = pipeline.model.engine.pool
+    closing_brace = pipeline.renderer.tokenizer.encode("}", add_special_tokens=False)[0]
+    fields = {
+        "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
+    }
+    held = pool.usage().used_blocks
+    with pytest.raises(InvalidRequest, match="breaks the request's output grammar"):
+        generation_starting_with(pipeline, closing_brace, **fields)
+    assert pool.usage().used_blocks == held

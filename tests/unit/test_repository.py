@@ -66,6 +66,7 @@ def test_chat_is_the_ensemble_contract_plus_completions_forwarded_ids_and_ticket
         tensors.KV_HANDLE,
         tensors.STAGE_SEAL,
         tensors.FIRST_OUTPUT_SENT,
+        tensors.FEED_SEAL,
     ]
     assert list(tensors.CHAT_OUTPUTS) == specs(ensemble.output) + [
         s for s in tensors.CHAT_OUTPUTS if s.name in ticket_only

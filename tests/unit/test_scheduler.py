@@ -179,6 +179,28 @@ def test_cancel_by_key_closes_that_job_at_the_next_turn_and_only_it():
     assert "b:end" in recorder.events
 
 
+def test_a_cancel_that_came_just_before_its_job_still_cancels_it():
+    """decode submits a job whose KV it pulled first, then cancels it if its caller left
+    meanwhile: the scheduler may take the cancel a turn before the job."""
+    recorder = Recorder()
+    scheduler = DecodeScheduler(RecordingBatch())
+    a = recorder.job(CountingGeneration("a", 6))
+    late = recorder.job(CountingGeneration("c", 3))
+    emit = a.emit
+
+    def emit_and_race(delta):
+        emit(delta)
+        if delta.text == "a2":
+            scheduler.cancel("c")  # taken next turn, before c is
+        if delta.text == "a3":
+            scheduler.submit(late)  # taken the turn after
+
+    a.emit = emit_and_race
+    scheduler.submit(a)
+    close_after(scheduler, recorder, "a:end")
+    assert "c:cancelled" in recorder.events and not any(event.startswith("c1") for event in recorder.events)
+
+
 def test_running_requests_share_each_forward_pass_and_leave_when_done():
     recorder, batch = Recorder(), RecordingBatch()
     a, b = CountingGeneration("a", 3), CountingGeneration("b", 2)

@@ -57,6 +57,16 @@ def test_request_prompt_and_cancel_seals_are_not_interchangeable(seal):
     assert issubclass(Unsealed, InvalidRequest)  # INVALID_ARG for the client
 
 
+def test_a_feed_grant_opens_the_feed_it_names_once(seal):
+    grant = seal.seal_feed("feed-a")
+    assert refused(lambda: seal.check_feed("feed-b", grant)).reason is SealRefusal.ALTERED
+    assert refused(lambda: seal.check_feed("feed-a", seal.seal_cancel("feed-a"))).reason is SealRefusal.ALTERED
+    assert "a decode feed refused (unsealed" in str(refused(lambda: seal.check_feed("feed-a", None)))
+    assert refused(lambda: seal.check_feed("feed-a", "")).reason is SealRefusal.MALFORMED  # the red team's empty seal
+    seal.check_feed("feed-a", grant)
+    assert refused(lambda: seal.check_feed("feed-a", grant)).reason is SealRefusal.REPLAYED
+
+
 def test_a_prompt_seal_opens_one_stage_call_in_any_process_of_the_server(seal, tmp_path):
     token = seal.seal_prompt(IDS, PARAMS, "handle")
     seal.check_prompt(IDS, PARAMS, "handle", token)

@@ -104,7 +104,9 @@ class DecodeRequest:
     cache), None when it cannot (the engine then computes the prompt from the ids, keeping
     `first` as the answer's first token); `on_kv_released` runs once the engine no longer
     reads what `kv_source` gave. Without them the engine computes the prompt itself.
-    `cached_tokens`: what prefill's prefix cache gave (reported in the first delta)."""
+    `prefetch_kv`: blocking work that makes `kv_source` answer from memory (a pull that waits
+    on the network), which the engine runs off its stepping thread before the request is
+    queued. `cached_tokens`: what prefill's prefix cache gave (reported in the first delta)."""
 
     key: str  # unique per request (GenerationParams.request_id): what cancel() names
     prompt_token_ids: list[int]
@@ -112,6 +114,7 @@ class DecodeRequest:
     first: Choice | None = None
     kv_source: KVSource | None = None
     on_kv_released: Callable[[], None] | None = None
+    prefetch_kv: Callable[[], object] | None = None
     cached_tokens: int = 0
 
 
@@ -168,7 +171,8 @@ class Engine(Protocol):
         """Queue the answer; its callbacks are called on the engine's thread."""
 
     def cancel(self, key: str) -> None:
-        """Stop the request with this key, from any thread; unknown keys are ignored."""
+        """Stop the request with this key, from any thread, wherever it is (waiting for its
+        grammar or KV, queued, running); unknown keys are ignored."""
 
     def pool_usage(self) -> PoolUsage:
         """The KV pool and prefix cache now."""

@@ -5,16 +5,23 @@ The wire, as vLLM's `vllm/distributed/kv_events.py` and its `ZmqEventPublisher` 
 
 - a message is a msgpack `EventBatch` `[ts, events, data_parallel_rank]`, its events
   `BlockStored`, `BlockRemoved`, `AllBlocksCleared`: msgspec Structs tagged with their
-  class name, fields in vLLM's order and types. `layout="array"` encodes each event as a
-  positional array, tag first (`array_like=True`, vLLM before its PR #42892, what most
-  consumers parse); `layout="map"` as a map with the tag under `"type"` (vLLM since).
+  class name, fields in vLLM's order and types. `layout="map"` (the default) encodes each
+  event as a map with the tag under `"type"`, as current vLLM does (its own `KVEventBatch`
+  decodes nothing else); `layout="array"` as a positional array, tag first
+  (`array_like=True`, vLLM before its PR #42892), for consumers that old. A sequence's
+  first block carries its request's `cache_salt` in `extra_keys`, as vLLM's does, so a
+  consumer that keys blocks from their tokens (llm-d) keeps tenants apart.
 - a PUB socket sends it as multipart `[topic, seq, payload]`, `seq` 8 bytes big-endian,
   from 0 and up by one per message;
 - a ROUTER socket answers a request `[identity, b"", start]` (8 bytes big-endian) with
   every buffered message whose seq is `start` or later, `[identity, b"", seq, payload]`
   each, then `[identity, b"", -1 (8 bytes, signed), b""]`.
 
-An endpoint with `*`, `::`, `ipc://` or `inproc://` is bound, any other connected to (as vLLM does).
+An endpoint with `*`, `::`, `ipc://` or `inproc://` is bound, any other connected to (as vLLM does),
+but a loopback address (127.0.0.1, localhost, [::1]) is bound too: events only this host
+reads. Events carry every prompt's token ids: one bound to all interfaces is logged as a
+warning unless CURVE is on (`curve_dir`: pyzmq certificates; the sockets then encrypt, and a
+ZAP handler takes only subscribers whose public keys are in `authorized/`).
 
 Never in a step's way: the pool's thread only appends to a bounded queue (`BlockEvents`);
 the publisher's own thread drains it, batches and encodes what it found, and sends
@@ -32,10 +39,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Union
 
 import msgspec
 import zmq
+import zmq.auth
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +54,13 @@ LAYOUTS = ("array", "map")
 QUEUE_EVENTS = 100_000  # events waiting for the publisher thread (vLLM's max_queue_size)
 SOCKET_HWM = 100_000  # messages queued per subscriber before a send is refused (vLLM's hwm)
 POLL_S = 0.01  # how long the publisher thread waits for events or a replay request
+# CURVE certificates (zmq.auth.create_certificates names) in a curve_dir.
+SERVER_SECRET, SERVER_PUBLIC, CLIENT_SECRET, AUTHORIZED = (
+    "server.key_secret",
+    "server.key",
+    "client.key_secret",
+    "authorized",
+)
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -95,6 +111,9 @@ class Stored:
     block_hashes: list[int]  # a chain: each block's parent is the one before
     parent: int | None  # the first block's parent; None: it starts a sequence
     token_ids: list[int]  # every block's, in order
+    # One entry per block: what its key covers beside its tokens, as vLLM publishes it (a
+    # sequence's first block: (cache_salt,) when the request had one), else None.
+    extra_keys: list[tuple[Any, ...] | None]
 
 
 @dataclass(frozen=True)
@@ -111,7 +130,7 @@ Event = Stored | Removed | Cleared
 
 
 def coalesce(raw: Iterable[tuple]) -> list[Event]:
-    """Queued `("stored", key, parent, token_ids)`, `("removed", key)`, `("cleared",)` in
+    """Queued `("stored", key, parent, token_ids, extra_keys)`, `("removed", key)`, `("cleared",)` in
     order, as few events: a stored block whose parent is the previous stored block's key
     joins its event, consecutive removals join one event; the order is kept."""
     events: list[Event] = []
@@ -119,12 +138,13 @@ def coalesce(raw: Iterable[tuple]) -> list[Event]:
         kind = item[0]
         last = events[-1] if events else None
         if kind == "stored":
-            _, key, parent, token_ids = item
+            _, key, parent, token_ids, extra = item
             if isinstance(last, Stored) and parent is not None and last.block_hashes[-1] == parent:
                 last.block_hashes.append(key)
                 last.token_ids.extend(token_ids)
+                last.extra_keys.append(extra)
             else:
-                events.append(Stored([key], parent, list(token_ids)))
+                events.append(Stored([key], parent, list(token_ids), [extra]))
         elif kind == "removed":
             if isinstance(last, Removed):
                 last.block_hashes.append(item[1])
@@ -135,7 +155,7 @@ def coalesce(raw: Iterable[tuple]) -> list[Event]:
     return events
 
 
-def encode(events: list[Event], block_size: int, rank: int, layout: str = "array", ts: float | None = None) -> bytes:
+def encode(events: list[Event], block_size: int, rank: int, layout: str = "map", ts: float | None = None) -> bytes:
     """One message's payload: `events` as vLLM's EventBatch, msgpack."""
     stored_type, removed_type, cleared_type = _TYPES[layout]
     wire = []
@@ -150,6 +170,7 @@ def encode(events: list[Event], block_size: int, rank: int, layout: str = "array
                     lora_id=None,
                     medium=MEDIUM_GPU,
                     lora_name=None,
+                    extra_keys=event.extra_keys if any(keys is not None for keys in event.extra_keys) else None,
                     group_idx=0,  # one KV cache group: every layer keeps every block
                 )
             )
@@ -178,7 +199,15 @@ def decode(payload: bytes, block_size: int) -> list[Event]:
         if name == "BlockStored":
             if event.block_size != block_size:
                 raise ValueError(f"blocks of {event.block_size} tokens, expected {block_size}")
-            events.append(Stored(event.block_hashes, event.parent_block_hash, event.token_ids))
+            extra = event.extra_keys or [None] * len(event.block_hashes)
+            events.append(
+                Stored(
+                    event.block_hashes,
+                    event.parent_block_hash,
+                    event.token_ids,
+                    [None if keys is None else tuple(keys) for keys in extra],
+                )
+            )
         elif name == "BlockRemoved":
             events.append(Removed(event.block_hashes))
         else:
@@ -196,10 +225,12 @@ class BlockEvents:
         self.dropped = 0
         self._queue: deque[tuple] = deque()
 
-    def stored(self, key: int, parent: int | None, token_ids: list[int]) -> None:
+    def stored(
+        self, key: int, parent: int | None, token_ids: list[int], extra_keys: tuple[Any, ...] | None = None
+    ) -> None:
         """A full block was keyed: `key`, its parent block's key (None: the first of its
-        sequence) and its token ids."""
-        self._put(("stored", key, parent, token_ids))
+        sequence), its token ids and what else its key covers (`Stored.extra_keys`)."""
+        self._put(("stored", key, parent, token_ids, extra_keys))
 
     def removed(self, key: int) -> None:
         """The keyed block `key` was evicted."""
@@ -253,8 +284,39 @@ def instance_endpoint(endpoint: str | None, index: int) -> str | None:
     return f"{endpoint}_{index}"
 
 
+_LOOPBACK_HOSTS = ("tcp://127.", "tcp://localhost:", "tcp://[::1]:")
+
+
 def _binds(endpoint: str) -> bool:
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://", *_LOOPBACK_HOSTS))
+
+
+def _all_interfaces(endpoint: str) -> bool:
+    return endpoint.startswith("tcp://") and ("*" in endpoint or "[::]" in endpoint)
+
+
+def curve_server(context: zmq.Context, curve_dir: str) -> tuple[Any, bytes, bytes]:
+    """CURVE for a publisher: a started ZAP authenticator that takes the public keys in
+    `<curve_dir>/authorized/`, and the server's key pair from `<curve_dir>/server.key_secret`."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    directory = Path(curve_dir)
+    public, secret = zmq.auth.load_certificate(directory / SERVER_SECRET)
+    if secret is None:
+        raise ValueError(f"{directory / SERVER_SECRET} holds no secret key")
+    authenticator = ThreadAuthenticator(context)
+    authenticator.start()
+    authenticator.configure_curve(domain="*", location=str(directory / AUTHORIZED))
+    return authenticator, public, secret
+
+
+def curve_client(socket: zmq.Socket, curve_dir: str) -> None:
+    """Make `socket` a CURVE client of a publisher: its key pair from `<curve_dir>/client.key_secret`,
+    the publisher's public key from `<curve_dir>/server.key`."""
+    directory = Path(curve_dir)
+    public, secret = zmq.auth.load_certificate(directory / CLIENT_SECRET)
+    server_public, _ = zmq.auth.load_certificate(directory / SERVER_PUBLIC)
+    socket.curve_publickey, socket.curve_secretkey, socket.curve_serverkey = public, secret, server_public
 
 
 @dataclass(frozen=True)
@@ -282,7 +344,8 @@ class KVEventPublisher:
         topic: str = "",
         buffer_steps: int = 10_000,
         rank: int = 0,
-        layout: str = "array",
+        layout: str = "map",
+        curve_dir: str | None = None,
         on_stats: Callable[[PublisherStats], None] | None = None,
     ):
         if layout not in LAYOUTS:
@@ -290,6 +353,13 @@ class KVEventPublisher:
         self.events = events
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self._block_size, self._rank, self._layout = block_size, rank, layout
+        self._curve_dir = curve_dir
+        if curve_dir is None and _all_interfaces(endpoint):
+            log.warning(
+                "KV events on %s reach whoever reaches this host, in plaintext, every prompt's token ids "
+                "among them: bind a loopback address, or set kv_events_curve_dir",
+                endpoint,
+            )
         self._topic = topic.encode()
         self._replay_buffer = ReplayBuffer(buffer_steps)
         self._on_stats = on_stats
@@ -320,18 +390,25 @@ class KVEventPublisher:
 
     def _run(self) -> None:
         context = zmq.Context.instance()
+        authenticator = None
         try:
+            if self._curve_dir is not None:
+                authenticator, public, secret = curve_server(context, self._curve_dir)
             pub = context.socket(zmq.XPUB)  # a PUB that says when a subscriber's queue is full
             pub.setsockopt(zmq.XPUB_NODROP, 1)
             pub.setsockopt(zmq.SNDHWM, SOCKET_HWM)
             pub.setsockopt(zmq.LINGER, 0)
+            replay = context.socket(zmq.ROUTER) if self.replay_endpoint else None
+            for socket in (pub, replay):
+                if socket is not None and authenticator is not None:
+                    socket.curve_server, socket.curve_publickey, socket.curve_secretkey = True, public, secret
             (pub.bind if _binds(self.endpoint) else pub.connect)(self.endpoint)
-            replay = None
-            if self.replay_endpoint:
-                replay = context.socket(zmq.ROUTER)
+            if replay is not None:
                 replay.setsockopt(zmq.LINGER, 0)
                 replay.bind(self.replay_endpoint)
         except BaseException as exc:  # noqa: BLE001 - raised again by the constructor
+            if authenticator is not None:
+                authenticator.stop()
             self._failure = exc
             self._ready.set()
             return
@@ -368,6 +445,8 @@ class KVEventPublisher:
             pub.close(0)
             if replay is not None:
                 replay.close(0)
+            if authenticator is not None:
+                authenticator.stop()
 
     def _send(self, pub: zmq.Socket, payload: bytes) -> None:
         seq = self._seq

@@ -511,7 +511,9 @@ PREFILL_CHUNK = Setting(
 # KV events (pdchat.core.kv_events): vLLM's wire format, for cache-aware routers.
 _EVENTS_ENDPOINT_DOC = (
     "Publish {role}'s KV block events (vLLM's KV events: msgpack EventBatch on a ZMQ PUB socket) here; unset: "
-    "off. Model instance i publishes on the port + i (ipc: the path + _i)."
+    "off. Bound when it names *, ::, a loopback address (tcp://127.0.0.1:PORT: this host alone) or ipc, else "
+    "connected. Events carry every prompt's token ids: bind * only with kv_events_curve_dir. Model instance i "
+    "publishes on the port + i (ipc: the path + _i)."
 )
 _REPLAY_ENDPOINT_DOC = (
     "{role}'s KV events replay socket (ZMQ ROUTER, bound): answers a starting sequence number with the buffered "
@@ -571,15 +573,28 @@ KV_EVENTS_BUFFER_STEPS = Setting(
     ("prefill", "decode"),
     "KV events messages kept for the replay socket (vLLM's buffer_steps); older ones are gone.",
 )
+KV_EVENTS_CURVE_DIR = Setting(
+    "kv_events_curve_dir",
+    "kv_events_curve_dir",
+    "PDCHAT_KV_EVENTS_CURVE_DIR",
+    "",
+    PATH,
+    ("prefill", "decode", "router"),
+    "ZMQ CURVE for KV events (encrypted; subscribers authenticated by key): a directory of pyzmq certificates "
+    "(zmq.auth.create_certificates). A publisher reads its server.key_secret and takes only subscribers whose "
+    "public key is in its authorized/ subdirectory; pdchat's router (--kv-event-source) reads its "
+    "client.key_secret and the publishers' server.key. Unset: plain ZMQ.",
+)
 KV_EVENTS_LAYOUT = Setting(
     "kv_events_layout",
     "kv_events_layout",
     "PDCHAT_KV_EVENTS_LAYOUT",
-    "array",
+    "map",
     choice("array", "map"),
     ("prefill", "decode"),
-    "How KV events are encoded: array (each event a positional msgpack array, tag first: vLLM before its PR "
-    "#42892) or map (a map with the tag under type: vLLM since). The batch is positional in both.",
+    "How KV events are encoded: map (a map with the tag under type: current vLLM, whose own KVEventBatch reads "
+    "nothing else) or array (each event a positional msgpack array, tag first: vLLM before its PR #42892, for "
+    "consumers that old). The batch is positional in both.",
 )
 
 # Output grammars (response_format, forced tool calls).
@@ -805,13 +820,14 @@ class KVEventsOptions:
     topic: str
     buffer_steps: int  # messages kept for replay
     layout: str  # array or map
+    curve_dir: str | None = None  # CURVE certificates (KV_EVENTS_CURVE_DIR); None: plain ZMQ
 
 
 def kv_events_options(
     role: str, parameters: dict[str, str], environ: os._Environ | dict | None = None
 ) -> KVEventsOptions | None:
     """A stage's KV events (`role` prefill or decode), before any per-instance offset; None: off.
-    {ROLE}_KV_EVENTS_ENDPOINT, {ROLE}_KV_EVENTS_REPLAY_ENDPOINT, KV_EVENTS_TOPIC, _BUFFER_STEPS, _LAYOUT."""
+    {ROLE}_KV_EVENTS_ENDPOINT, {ROLE}_KV_EVENTS_REPLAY_ENDPOINT, KV_EVENTS_TOPIC, _BUFFER_STEPS, _LAYOUT, _CURVE_DIR."""
     endpoint, replay = {
         "prefill": (PREFILL_KV_EVENTS_ENDPOINT, PREFILL_KV_EVENTS_REPLAY_ENDPOINT),
         "decode": (DECODE_KV_EVENTS_ENDPOINT, DECODE_KV_EVENTS_REPLAY_ENDPOINT),
@@ -825,6 +841,7 @@ def kv_events_options(
         topic=KV_EVENTS_TOPIC.get(parameters, environ),
         buffer_steps=KV_EVENTS_BUFFER_STEPS.get(parameters, environ),
         layout=KV_EVENTS_LAYOUT.get(parameters, environ),
+        curve_dir=KV_EVENTS_CURVE_DIR.get(parameters, environ) or None,
     )
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
-from pdchat.core.errors import ErrorCode, PdchatError, parse_tag
+from pdchat.core.errors import ErrorCode, InvalidRequest, PdchatError, parse_tag
 from pdchat.core.output.responses import FAILED, ClientOutput
 from pdchat.ensemble.flow import DecodeCall, Prefilled, Rendered
 from pdchat.ensemble.routing import Route
@@ -49,6 +49,9 @@ class BLSStages:
         self.lanes = lanes
         self.heartbeat_s = io.heartbeat_s(request)  # the client's, if it asked for heartbeats
         self.ticketed = io.ticket_requested(request)
+        self.feed_grant = io.feed_grant_requested(request)
+        if self.feed_grant is not None and not self.ticketed:
+            raise InvalidRequest(f"request parameter '{tensors.DECODE_FEED_GRANT}' needs '{tensors.DECODE_TICKET}'")
         self.first_output_early = io.bool_parameter(request, tensors.FIRST_OUTPUT_EARLY)
         self.first_output_sent = io.bool_parameter(request, tensors.FIRST_OUTPUT_SENT)
 
@@ -114,8 +117,12 @@ class BLSStages:
     def has_first_output(self) -> bool:
         return self.first_output_sent
 
-    def ticket(self, call: DecodeCall) -> None:
-        io.send_tensors(self.sender, self._decode_inputs(call), flags=FINAL)
+    def feed_to_grant(self) -> str | None:
+        return self.feed_grant
+
+    def ticket(self, call: DecodeCall, feed_seal: str | None) -> None:
+        grant = [] if feed_seal is None else [io.string_tensor(tensors.FEED_SEAL, feed_seal)]
+        io.send_tensors(self.sender, self._decode_inputs(call) + grant, flags=FINAL)
 
     def close(self) -> None:
         self.sender.send(flags=FINAL)

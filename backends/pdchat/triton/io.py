@@ -91,6 +91,7 @@ def input_token_ids(request, name: str) -> np.ndarray | None:
 
 
 # The client contract's JSON inputs and their parsers.
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 BODY_PARSERS = {tensors.REQUEST: parse_chat_json, tensors.COMPLETION_REQUEST: parse_completion_json}
 
 
@@ -206,6 +207,12 @@ def ticket_requested(request) -> bool:
     return bool_parameter(request, tensors.DECODE_TICKET)
 
 
+def feed_grant_requested(request) -> str | None:
+    """The decode feed `request`'s caller asks chat to grant with its ticket
+    (tensors.DECODE_FEED_GRANT), None where it asks none; InvalidRequest as `feed_opened`."""
+    return _feed_id(_parameters(request), tensors.DECODE_FEED_GRANT)
+
+
 def feed_opened(request) -> str | None:
     """The feed `request` opens (its parameter tensors.DECODE_FEED_OPEN), None for any other
     request; InvalidRequest for an id that is not a string of 1 to 128 characters."""
@@ -295,3 +302,37 @@ def _triton_error(code: ErrorCode, message: str) -> pb_utils.TritonError:
 
 def error_response(exc: Exception) -> pb_utils.InferenceResponse:
     return pb_utils.InferenceResponse(error=triton_error(exc))
+
+
+class StreamTransport:
+    """decode's streams and feeds (core.output.decode_streams, core.output.feeds) over Triton
+    response senders."""
+
+    @staticmethod
+    def send_output(sender, output: ClientOutput, wanted: frozenset[str], fed: int | None) -> None:
+        output_tensors = client_tensors(output, wanted)
+        if fed is not None:
+            output_tensors.append(int32_tensor(tensors.FED_OUTPUTS, [fed]))
+        send_tensors(sender, output_tensors, flags=FINAL if output.final else 0)
+
+    @staticmethod
+    def heartbeat(sender) -> None:
+        sender.send(heartbeat())
+
+    @staticmethod
+    def fail(sender, error: Exception) -> None:
+        send_tensors(sender, failed_tensors(error), flags=FINAL)
+
+    @staticmethod
+    def send(sender, keys: list[str], responses: list[str]) -> None:
+        keys_array = np.array([key.encode() for key in keys], dtype=np.object_)
+        bodies = np.array([body.encode() for body in responses], dtype=np.object_)
+        outputs = [pb_utils.Tensor(tensors.FEED_KEYS, keys_array), pb_utils.Tensor(tensors.FEED_RESPONSES, bodies)]
+        send_tensors(sender, outputs)
+
+    @staticmethod
+    def end(sender, error: Exception | None) -> None:
+        if error is None:
+            sender.send(flags=FINAL)
+        else:
+            sender.send(error_response(error), flags=FINAL)

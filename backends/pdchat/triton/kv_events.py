@@ -52,6 +52,7 @@ class KVEvents:
                 buffer_steps=options.buffer_steps,
                 rank=index,
                 layout=options.layout,
+                curve_dir=options.curve_dir,
                 on_stats=self._metrics.update,
             )
         except Exception as exc:

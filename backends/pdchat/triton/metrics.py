@@ -368,3 +368,22 @@ def _gauge(name: str, description: str):
 
 def _counter(name: str, description: str):
     return pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.COUNTER)
+
+
+class StreamMetrics:
+    """decode's streams' observer (core.output.decode_streams.StreamObserver): pdchat's
+    metrics and vLLM's names."""
+
+    def __init__(self, decode: DecodeMetrics, vllm: VllmMetrics):
+        self.decode = decode
+        self.vllm = vllm
+
+    def started(self) -> None:
+        self.decode.started()
+
+    def emitted(self, key: str, tokens: int) -> None:
+        self.vllm.emitted(key, tokens)
+
+    def ended(self, key: str, outcome: str, started: bool) -> None:
+        self.decode.ended(outcome, started)
+        self.vllm.ended(key, outcome == "finished")

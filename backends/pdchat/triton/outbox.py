@@ -44,8 +44,11 @@ class Outbox:
 
     def watch(self, key: Hashable, is_cancelled: Callable[[], bool], on_cancelled: Callable[[], None]) -> None:
         """Poll `is_cancelled()` every `poll_s` until it says yes (then `on_cancelled()`) or
-        `unwatch(key)`; in order with the calls around it."""
-        self.call(lambda: self._watched.__setitem__(key, (is_cancelled, on_cancelled)))
+        `unwatch(key)`; in order with the calls around it (on the outbox thread: at once)."""
+        if threading.current_thread() is self._thread:
+            self._watched[key] = (is_cancelled, on_cancelled)
+        else:
+            self.call(lambda: self._watched.__setitem__(key, (is_cancelled, on_cancelled)))
 
     def unwatch(self, key: Hashable) -> None:
         """Stop polling `key`. On the outbox thread (inside a call) it takes effect at once."""

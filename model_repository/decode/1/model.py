@@ -17,8 +17,6 @@ import functools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
@@ -28,39 +26,20 @@ from pdchat.core.engines import open_engine
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.generation.sampling import Choice
 from pdchat.core.kv.connector import Connectors, KVHandover, KVUnavailable
+from pdchat.core.output.decode_streams import DecodeStream, DecodeStreams
+from pdchat.core.output.feeds import DecodeFeeds
 from pdchat.core.settings import batching_options, keep_off_decode_cpus, kv_options
 from pdchat.ensemble.decode_load import LoadSlot
 from pdchat.ensemble.seal import StageSeal, server_directory
 from pdchat.models import resolve_model
 from pdchat.triton import io
-from pdchat.triton.feeds import DecodeFeeds
 from pdchat.triton.kv_events import KVEvents
-from pdchat.triton.metrics import DecodeMetrics, EngineInfo, KVPoolMetrics, VllmMetrics
+from pdchat.triton.metrics import DecodeMetrics, EngineInfo, KVPoolMetrics, StreamMetrics, VllmMetrics
 from pdchat.triton.outbox import Outbox
 from pdchat.triton.server_watch import exit_with_server
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("pdchat.decode")
-
-
-@dataclass(eq=False)  # hashed by identity: the outbox watches the stream itself
-class _Stream:
-    """One request's response stream; touched only on the outbox thread."""
-
-    key: str
-    sender: Any
-    assembler: Any
-    wanted: frozenset[str]  # the client outputs its caller requested
-    heartbeat_s: float | None = None  # an empty response after this long without one (None: never)
-    sent_at: float = field(default_factory=time.monotonic)  # its last response
-    started: bool = False  # admitted: counted in pdchat_decode_active until it ends
-    open: bool = True
-    given_first: bool = False  # its first output token was prefill's (vLLM's metrics count it there)
-    outputs: int = 0  # outputs sent
-    feed: str | None = None  # the feed its caller named (tensors.DECODE_FEED); None once not fed
-    kv: KVHandover | None = None  # prefill's KV, when its handle came sealed: ended with the stream
-    feed_key: str = ""
-    fed: int = 0  # outputs sent through the feed
 
 
 class TritonPythonModel:
@@ -86,10 +65,17 @@ class TritonPythonModel:
         self.vllm_metrics = VllmMetrics(settings.served_name, args["model_instance_name"])  # vLLM's names
         # About one step's responses may wait for the outbox before the engine waits too.
         self.outbox = Outbox("pdchat-decode-outbox", max_pending=2 * batching_options(parameters).max_running)
-        self.feeds = DecodeFeeds()  # on the outbox thread
+        self.feeds = DecodeFeeds(io.StreamTransport(), on_closed=self.outbox.unwatch)  # on the outbox thread
         # What chat reads to let an idle decode prefill a prompt itself (setting local_prefill_when_idle).
         capacity = self.engine.kv_capacity_tokens
         self.load = LoadSlot(server_directory(os.getppid()), args["model_instance_name"], capacity)
+        self.streams = DecodeStreams(
+            io.StreamTransport(),
+            StreamMetrics(self.metrics, self.vllm_metrics),
+            self.feeds,
+            cancel=self.engine.cancel,
+            unwatch=self.outbox.unwatch,
+        )
         self.engine.start(
             EngineHooks(
                 on_state=self._on_state,
@@ -104,9 +90,8 @@ class TritonPythonModel:
             try:
                 feed = io.feed_opened(request)
                 if feed is not None:
-                    self.feeds.reserve()
-                    self.outbox.call(functools.partial(self.feeds.open, feed, sender))
-                    self.outbox.watch(feed, sender.is_cancelled, functools.partial(self._close_feed, feed))
+                    self.seal.check_feed(feed, io.input_text(request, tensors.STAGE_SEAL))
+                    self.outbox.call(functools.partial(self._open_feed, feed, sender))
                     continue
                 cancel = io.input_text(request, tensors.CANCEL_REQUEST_ID)
                 if cancel is not None:
@@ -132,7 +117,7 @@ class TritonPythonModel:
         self.vllm_metrics.close()
 
     def _decode(self, request, sender) -> None:
-        """Hand the request to the engine."""
+        """Hand the request to the engine, with its stream's callbacks."""
         engine = self.engine
         stage = io.stage_input(request, self.seal, engine.context_length, engine.vocab_size)
         # Prefill's KV and first token come only inside a sealed handle; without one decode prefills.
@@ -152,7 +137,8 @@ class TritonPythonModel:
             raise InvalidRequest(f"the KV handle's first token {first.token_id} is not in this model's vocabulary")
         # The client has prefill's first output already: decode's first delta is not sent again.
         first_sent = first is not None and bool(io.input_scalar(request, tensors.FIRST_OUTPUT_SENT))
-        stream = _Stream(
+        feed, feed_key = io.feed_named(request)
+        stream = DecodeStream(
             params.request_id,
             sender,
             engine.assembler(ids, params, first_output_sent=first_sent),
@@ -160,11 +146,12 @@ class TritonPythonModel:
             io.heartbeat_s(request),
             given_first=first is not None,
             kv=kv,
+            feed=feed,
+            feed_key=feed_key,
         )
-        stream.feed, stream.feed_key = io.feed_named(request)
         self.outbox.call(functools.partial(self.vllm_metrics.arrived, stream.key, time.monotonic()))
 
-        self.outbox.watch(stream, sender.is_cancelled, functools.partial(engine.cancel, stream.key))
+        self.outbox.watch(stream, sender.is_cancelled, functools.partial(self._client_left, stream))
         engine.decode(
             DecodeRequest(
                 stream.key,
@@ -173,26 +160,21 @@ class TritonPythonModel:
                 first=first,
                 kv_source=None if kv is None else functools.partial(self._pull, kv, params.request_id),
                 on_kv_released=None if kv is None else kv.done,
+                # A pull that waits on the network (NIXL) runs before the request joins, off the engine's thread.
+                prefetch_kv=kv.prefetch if kv is not None and kv.pull_waits else None,
                 cached_tokens=0 if handle is None else handle.cached_tokens,
             ),
             DecodeCallbacks(
-                started=functools.partial(self.outbox.call, functools.partial(self._started, stream)),
-                emit=functools.partial(self._emit, stream),
-                fail=functools.partial(self._fail, stream),
-                cancelled=functools.partial(self._cancelled, stream),
+                started=functools.partial(self._on_outbox, self.streams.started, stream),
+                emit=functools.partial(self._on_outbox, self.streams.send, stream),
+                fail=functools.partial(self._on_outbox, self.streams.close, stream, "failed"),
+                cancelled=functools.partial(self._on_outbox, self.streams.close, stream, "cancelled"),
             ),
         )
 
-    # On the engine's thread: each hands its work to the outbox.
-
-    def _emit(self, stream: _Stream, delta) -> None:
-        self.outbox.call(functools.partial(self._send_delta, stream, delta))
-
-    def _fail(self, stream: _Stream, exc: Exception) -> None:
-        self.outbox.call(functools.partial(self._close_failed, stream, exc))
-
-    def _cancelled(self, stream: _Stream) -> None:
-        self.outbox.call(functools.partial(self._close, stream, "cancelled"))
+    def _on_outbox(self, function, *args) -> None:
+        """From the engine's thread: `function(*args)` on the outbox thread, in order."""
+        self.outbox.call(functools.partial(function, *args))
 
     def _on_state(self, state) -> None:
         self.outbox.call(functools.partial(self.metrics.scheduler, state.waiting, state.kv_bytes))
@@ -203,65 +185,13 @@ class TritonPythonModel:
 
     # On the outbox thread:
 
-    def _started(self, stream: _Stream) -> None:
-        stream.started = True
-        self.metrics.started()
+    def _client_left(self, stream: DecodeStream) -> None:
+        stream.left = True
+        self.engine.cancel(stream.key)
 
-    def _send_delta(self, stream: _Stream, delta) -> None:
-        if not stream.open:
-            return
-        try:
-            if stream.feed is not None and stream.outputs == 0 and not self.feeds.holds(stream.feed):
-                stream.feed = None  # fed from its first output on or not at all: its outputs stay in order
-            for output in stream.assembler.on_delta(delta):
-                if stream.feed is not None and not output.final:
-                    if self.feeds.add(stream.feed, stream.feed_key, output.response):
-                        stream.fed += 1
-                        continue
-                output_tensors = io.client_tensors(output, stream.wanted)
-                if stream.feed is not None and output.final:
-                    self.feeds.flush()  # its fed outputs leave before its last
-                    output_tensors.append(io.int32_tensor(tensors.FED_OUTPUTS, [stream.fed]))
-                io.send_tensors(stream.sender, output_tensors, flags=FINAL if output.final else 0)
-                stream.sent_at = time.monotonic()
-            if stream.heartbeat_s is not None and time.monotonic() - stream.sent_at >= stream.heartbeat_s:
-                stream.sender.send(io.heartbeat())  # a whole answer still being made
-                stream.sent_at = time.monotonic()
-        except Exception as exc:  # noqa: BLE001 - this stream ends; the batch goes on
-            log.exception("request %s: sending a response failed", stream.key)
-            self.engine.cancel(stream.key)
-            self._close(stream, "failed", io.failed_tensors(exc))
-            return
-        given = 1 if stream.given_first and stream.outputs == 0 else 0  # prefill sampled it
-        stream.outputs += 1
-        self.vllm_metrics.emitted(stream.key, max(len(delta.token_ids) - given, 0))
-        if delta.finish_reason:
-            self._close(stream, "finished", send=False)  # its last output was sent FINAL
-
-    def _close_feed(self, feed: str) -> None:
-        self.feeds.close(feed)
-
-    def _close_failed(self, stream: _Stream, exc: Exception) -> None:
-        self._close(stream, "failed", io.failed_tensors(exc))
-
-    def _close(self, stream: _Stream, outcome: str, output_tensors=None, *, send: bool = True) -> None:
-        """End the stream once: a last response of `output_tensors`, or a bare final flag."""
-        if not stream.open:
-            return
-        stream.open = False
-        if stream.kv is not None:
-            stream.kv.end()  # its KV, if never pulled, is freed now
-        self.outbox.unwatch(stream)
-        self.metrics.ended(outcome, stream.started)
-        self.vllm_metrics.ended(stream.key, outcome == "finished")
-        if send:
-            try:
-                if output_tensors is None:
-                    stream.sender.send(flags=FINAL)
-                else:
-                    io.send_tensors(stream.sender, output_tensors, flags=FINAL)
-            except Exception:  # noqa: BLE001 - a client already gone
-                log.exception("request %s: closing its stream failed", stream.key)
+    def _open_feed(self, feed: str, sender) -> None:
+        if self.feeds.open(feed, sender):
+            self.outbox.watch(feed, sender.is_cancelled, functools.partial(self.feeds.close, feed))
 
     def _pull(self, handover: KVHandover, request_id, start_token):
         """The KV a handle names, of its tokens from `start_token` on (those before are in

@@ -178,7 +178,7 @@ class CausalLM:
     def sequence(self, cache_salt: str | None = None) -> Sequence:
         """A new, empty sequence in the pool; it shares cached blocks only with sequences
         of the same `cache_salt`."""
-        return Sequence(self.pool, root_hash(self._model_key, cache_salt))
+        return Sequence(self.pool, root_hash(self._model_key, cache_salt), cache_salt)
 
     def check_fits(self, tokens: int) -> None:
         """A sequence of `tokens` tokens can be held by this pool at all (Unavailable if not)."""

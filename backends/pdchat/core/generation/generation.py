@@ -270,17 +270,18 @@ class Generation:
         self.cached_tokens = cached_tokens  # prompt tokens a prefix cache gave (prefill's, or this server's)
         self._pending: Choice | None = None
         engine.check_prompt(prompt_token_ids)
-        if kv_source is not None and first is not None:
-            try:
-                self._pending = self._continue_from(first, kv_source)
-            finally:
-                self.kv_moved()  # copied into the pool, or refused: hand it back now, not at its TTL
-        if self._pending is None and prefill_chunk is None:  # no KV, or its pull failed
-            try:
+        # NOTE: a constructor that raises holds no KV: the pool's blocks it took are released here.
+        try:
+            if kv_source is not None and first is not None:
+                try:
+                    self._pending = self._continue_from(first, kv_source)
+                finally:
+                    self.kv_moved()  # copied into the pool, or refused: hand it back now, not at its TTL
+            if self._pending is None and prefill_chunk is None:  # no KV, or its pull failed
                 self.prefill_step()  # the whole prompt at once
-            except BaseException:
-                self.drop()
-                raise
+        except BaseException:
+            self.drop()  # e.g. the grammar refused prefill's first token after its KV came in
+            raise
 
     def _continue_from(self, first: Choice, kv_source: KVSource) -> Choice | None:
         """Take over prefill's KV (only the tokens this pool does not cache are pulled) and

@@ -153,8 +153,14 @@ class BlockPool:
         return blocks
 
     def release(self, blocks: list[int]) -> None:
-        """Drop one reference to each; a block left unreferenced is cached if keyed, else freed."""
-        for block in blocks:
+        """Drop one reference to each of a sequence's `blocks` (in its order); a block left
+        unreferenced is cached if keyed, else freed.
+
+        NOTE: released last first, so a chain's tail joins the eviction order before its
+        head and is evicted first: a cached block's parent outlives it, and a partly evicted
+        chain still serves its head (a head evicted first would leave its tail cached but
+        unreachable)."""
+        for block in reversed(blocks):
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 if block in self._hash_of:
@@ -178,15 +184,22 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
-    def key(self, block: int, key: int, parent: int | None = None, token_ids: list[int] | None = None) -> None:
+    def key(
+        self,
+        block: int,
+        key: int,
+        parent: int | None = None,
+        token_ids: list[int] | None = None,
+        extra_keys: tuple[str, ...] | None = None,
+    ) -> None:
         """Key a full block for reuse; a key another block already holds stays with that one.
-        `parent` (the previous block's key, None for a sequence's first) and `token_ids` are
-        for the KV events only."""
+        `parent` (the previous block's key, None for a sequence's first), `token_ids` and
+        `extra_keys` (what else the key covers) are for the KV events only."""
         if self.prefix_caching and key not in self._block_of and block not in self._hash_of:
             self._block_of[key] = block
             self._hash_of[block] = key
             if self.events is not None:
-                self.events.stored(key, parent, token_ids or [])
+                self.events.stored(key, parent, token_ids or [], extra_keys)
 
     def clear_cache(self) -> int:
         """Forget every cached block (referenced ones stay with their sequences); how many were dropped."""
@@ -205,10 +218,12 @@ class Sequence:
     """One sequence's KV in a pool: its block table, the tokens whose KV it holds, the
     keys of its full blocks.
 
-    `cached_tokens`: how many of its leading tokens came from the prefix cache."""
+    `cached_tokens`: how many of its leading tokens came from the prefix cache; `cache_salt`:
+    its tenant's salt, inside `root` (root_hash) and told with its first block's KV event."""
 
-    def __init__(self, pool: BlockPool, root: int):
+    def __init__(self, pool: BlockPool, root: int, cache_salt: str | None = None):
         self.pool = pool
+        self.cache_salt = cache_salt
         self.blocks: list[int] = []
         self.token_ids: list[int] = []
         self.cached_tokens = 0
@@ -265,9 +280,10 @@ class Sequence:
             index = len(self._keys)
             tokens = self.token_ids[index * size : (index + 1) * size]
             previous = parent if index else None  # the root is no block
+            extra = (self.cache_salt,) if index == 0 and self.cache_salt else None
             parent = block_hash(parent, tokens)
             self._keys.append(parent)
-            self.pool.key(self.blocks[index], parent, previous, tokens)
+            self.pool.key(self.blocks[index], parent, previous, tokens, extra)
 
 
 @dataclass

@@ -146,6 +146,7 @@ class DecodeScheduler:
         self._taken_since_report = False  # a job came in since the last report (see _report)
         self._incoming: queue.SimpleQueue[DecodeJob | None] = queue.SimpleQueue()
         self._cancel_requests: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._unmatched: set[str] = set()  # cancel keys of the last turn that matched no job
         self._waiting: list[_Entry] = []
         self._prefilling: list[_Entry] = []
         self._running: list[_Entry] = []  # in the batch's row order
@@ -198,19 +199,24 @@ class DecodeScheduler:
             self._taken_since_report = True
 
     def _drop_cancelled(self) -> None:
-        keys = set()
+        """Cancel the jobs whose keys came. NOTE: a key that matches no job is tried once more,
+        at the next turn: a job submitted just before its cancel may be taken only then."""
+        carried, fresh = self._unmatched, set()
         while True:
             try:
-                keys.add(self._cancel_requests.get_nowait())
+                fresh.add(self._cancel_requests.get_nowait())
             except queue.Empty:
                 break
-
+        keys = carried | fresh
+        self._unmatched = set()
         if not keys:
             return
+        matched: set[str] = set()
 
         def cancelled(entry: _Entry) -> bool:
             if entry.job.key in keys:
                 entry.job.on_cancel()
+                matched.add(entry.job.key)
                 return True
             return False
 
@@ -220,6 +226,7 @@ class DecodeScheduler:
                 entry.decoding.drop()
         self._prefilling = [e for e in self._prefilling if not cancelled(e)]
         self._leave([row for row, entry in enumerate(self._running) if cancelled(entry)])
+        self._unmatched = fresh - matched
 
     def _admit(self) -> None:
         self._admit_while_room()

@@ -4,15 +4,19 @@ A prefill engine runs one PrefillScheduler (prompts take turns by chunk; a pass 
 torch threads while the process's cores sit idle); a decode engine runs one DecodeScheduler
 over a DecodeBatch (continuous batching; with `decode_cpus`, its thread on cores of its own).
 A request waits for its output grammar to compile (the grammar worker) before it is queued,
-so no compile runs on the scheduler's thread; a grammar that does not compile fails it.
+so no compile runs on the scheduler's thread; a grammar that does not compile fails it. A
+decode request's KV prefetch (a pull that waits on the network: NIXL) then runs on a pull
+thread, never the scheduler's, so the batch's rows keep stepping meanwhile. A request
+cancelled before it is queued ends cancelled when it would have been.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from pdchat.core.engine_api import (
     DECODE,
@@ -33,6 +37,7 @@ from pdchat.core.settings import batching_options, prefill_threads_when_idle
 from pdchat.models import ModelSettings
 
 log = logging.getLogger(__name__)
+KV_PULL_THREADS = 2  # KV prefetches that wait on the network (NIXL) at once, off the scheduler thread
 
 
 class PdchatEngine:
@@ -51,6 +56,10 @@ class PdchatEngine:
         self._options = batching_options(parameters)
         self._prefill: PrefillScheduler | None = None
         self._decode: DecodeScheduler | None = None
+        self._pulls: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._not_queued: set[str] = set()  # decode requests waiting for their grammar or KV
+        self._cancelled: set[str] = set()  # of those, the ones cancel() named
 
     @classmethod
     def for_stage(
@@ -76,6 +85,7 @@ class PdchatEngine:
         )
         # chat gives decode a prompt to prefill only while the server is idle (local_prefill_when_idle),
         # so its chunks take every core while no row runs (none when decode_cpus binds the scheduler).
+        self._pulls = ThreadPoolExecutor(KV_PULL_THREADS, thread_name_prefix="pdchat-kv-pull")
         lone_prompt_threads = None
         if self._cpus is None:
             lone_prompt_threads = PassThreads.for_engine(engine, most, watch_cores=False)
@@ -127,12 +137,49 @@ class PdchatEngine:
             on_cancel=callbacks.cancelled,
             tokens=len(request.prompt_token_ids) + params.max_tokens,
         )
-        submit = self._running(self._decode).submit
-        self._when_compiled(params.constraint, job.fail, functools.partial(submit, job))
+        self._running(self._decode)
+        with self._lock:
+            self._not_queued.add(job.key)
+
+        def failed(error: Exception) -> None:
+            self._forget(job.key)
+            job.fail(error)
+
+        def compiled() -> None:
+            if request.prefetch_kv is None:
+                self._queue(job)
+            else:  # NOTE: never on the scheduler's thread: it would hold every row's step
+                self._pulls.submit(request.prefetch_kv).add_done_callback(lambda _: self._queue(job))
+
+        self._when_compiled(params.constraint, failed, compiled)
 
     def cancel(self, key: str) -> None:
+        with self._lock:
+            if key in self._not_queued:
+                self._cancelled.add(key)
+                return
         if self._decode is not None:
             self._decode.cancel(key)
+
+    def _queue(self, job: DecodeJob) -> None:
+        """Queue a decode request whose grammar and KV are ready, or end it cancelled."""
+        with self._lock:  # a cancel() from here on reaches the scheduler after the job
+            cancelled = self._forget_locked(job.key)
+            if not cancelled:
+                self._decode.submit(job)
+        if cancelled:
+            job.on_cancel()
+
+    def _forget(self, key: str) -> bool:
+        """`key` is no longer waiting; whether cancel() named it meanwhile."""
+        with self._lock:
+            return self._forget_locked(key)
+
+    def _forget_locked(self, key: str) -> bool:
+        self._not_queued.discard(key)
+        cancelled = key in self._cancelled
+        self._cancelled.discard(key)
+        return cancelled
 
     def pool_usage(self):
         return self.model.engine.pool.usage()
@@ -144,6 +191,8 @@ class PdchatEngine:
         return self.model.first_output(prompt_token_ids, params, first, cached_tokens)
 
     def close(self) -> None:
+        if self._pulls is not None:
+            self._pulls.shutdown(wait=False, cancel_futures=True)
         for scheduler in (self._prefill, self._decode):
             if scheduler is not None:
                 scheduler.close()

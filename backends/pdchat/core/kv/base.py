@@ -136,6 +136,9 @@ class KVHandle:
 
 class KVConnector(Protocol):
     name: str
+    # True where a pull waits on another process or host (a network transfer): decode then
+    # pulls before the request joins its batch, off the thread that steps it.
+    pull_waits: bool
 
     def publish(self, kv: np.ndarray, first_token_id: int) -> KVHandle:
         """Hold `kv` for a decode server; return its handle."""

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from pdchat.core.errors import InvalidRequest
-from pdchat.core.kv.base import KVConnector, KVHandle, KVUnavailable, OncePerKey
+from pdchat.core.kv.base import KVConnector, KVHandle, KVUnavailable, OncePerKey, tokens_from
 from pdchat.core.kv.nixl import NixlConnector
 from pdchat.core.kv.shm import ShmConnector, kv_directory, sweep_directory
 from pdchat.core.output.logprobs import TokenLogprobs
@@ -155,13 +155,38 @@ class KVHandover:
         self._connectors = connectors
         self._lock = threading.Lock()
         self._pulled = self._ended = False
+        self._prefetched: np.ndarray | KVUnavailable | None = None
+
+    @property
+    def pull_waits(self) -> bool:
+        """Its pull waits on another process or host (KVConnector.pull_waits): `prefetch` it."""
+        connector = CONNECTORS.get(self.handle.connector)
+        return connector is not None and connector.pull_waits
+
+    def prefetch(self) -> None:
+        """Pull the whole KV now, on the caller's thread, for `pull` to serve from memory; a
+        failure is kept for `pull` to raise."""
+        with self._lock:
+            if self._ended or self._pulled:
+                return
+            self._pulled = True
+        try:
+            self._prefetched = self._connectors.pull(self.handle)
+        except KVUnavailable as exc:
+            self._prefetched = exc
 
     def pull(self, start_token: int = 0) -> np.ndarray:
-        """The KV of tokens from `start_token` on (Connectors.pull)."""
+        """The KV of tokens from `start_token` on (Connectors.pull), from memory when it was
+        prefetched."""
         with self._lock:
             if self._ended:
                 raise KVUnavailable("the request ended before its KV was pulled")
             self._pulled = True
+        prefetched = self._prefetched
+        if isinstance(prefetched, KVUnavailable):
+            raise prefetched
+        if prefetched is not None:
+            return tokens_from(prefetched, start_token) if start_token else prefetched
         return self._connectors.pull(self.handle, start_token)
 
     def done(self) -> None:

@@ -34,6 +34,8 @@ from pdchat.registry import NIXL
 
 # A READ from a peer that cannot be reached gives up after this; decode then recomputes.
 PULL_TIMEOUT_S = KV_PULL_TIMEOUT_S.get()
+# A READ's state is asked again after these waits, doubling from the first to the longest.
+FIRST_WAIT_S, LONGEST_WAIT_S = 0.0002, 0.005
 # UCX's own progress thread busy-spins a core; polling notifications drives the
 # worker too, so a light loop serves peers' READs at a fraction of the CPU.
 PROGRESS_INTERVAL_S = 0.002
@@ -45,6 +47,7 @@ UCX_TCP_SYN_CNT = "2"
 
 class NixlConnector:
     name = NIXL
+    pull_waits = True
 
     def __init__(
         self, *, budget_bytes: int = DEFAULT_BUDGET_BYTES, ttl_s: float = DEFAULT_KV_TTL_S, engine_id: str | None = None
@@ -117,7 +120,10 @@ class NixlConnector:
                 try:
                     state = self._agent.transfer(transfer)
                     deadline = time.monotonic() + PULL_TIMEOUT_S
+                    wait_s = FIRST_WAIT_S
                     while state not in ("DONE", "ERR") and time.monotonic() < deadline:
+                        time.sleep(wait_s)  # NOTE: a wait, never a spin: the READ runs in NIXL's own threads
+                        wait_s = min(2 * wait_s, LONGEST_WAIT_S)
                         state = self._agent.check_xfer_state(transfer)
                 finally:
                     self._agent.release_xfer_handle(transfer)

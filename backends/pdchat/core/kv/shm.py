@@ -356,6 +356,7 @@ def _map(dir_fd: int, name: str, handle: KVHandle) -> np.ndarray:
 
 class ShmConnector:
     name = SHM
+    pull_waits = False  # a copy out of this host's shared memory
 
     def __init__(
         self,

@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pdchat.clients.report import plot, table, write_results
+from benchmarks.report import plot, table, write_results
 from pdchat.core.settings import PREFIX_CACHING
 
 SYSTEM_PARAGRAPH = (
@@ -188,9 +188,9 @@ def run_routing(args: argparse.Namespace) -> None:
 
     from transformers import AutoTokenizer
 
+    from benchmarks.load import percentile
+    from benchmarks.scaleout import start_front, stop_all, vllm_router_command
     from pdchat import embedded
-    from pdchat.clients.load import percentile
-    from pdchat.clients.scaleout import start_front, stop_all, vllm_router_command
     from pdchat.core.settings import HANDOFF_KEY, MODEL
     from pdchat.launcher import TritonServer, free_port, start_service
 

@@ -4,7 +4,7 @@ perf_analyzer prints whole-stream latency for decoupled models; the first-respon
 latency (time to first token) and the gaps between responses are only in its profile
 export, so this reads that file and prints them per concurrency.
 
-    python -m pdchat.clients.perf --url 127.0.0.1:8001 --prompt-words 2000 --concurrency 1 2 4
+    python -m benchmarks.perf --url 127.0.0.1:8001 --prompt-words 2000 --concurrency 1 2 4
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pdchat.clients.load import Outcome, summary
-from pdchat.clients.report import table
+from benchmarks.load import Outcome, summary
+from benchmarks.report import table
 
 
 def perf_analyzer_env() -> dict[str, str]:
@@ -46,7 +46,7 @@ def input_data(prompt_words: int, max_tokens: int) -> dict:
 
 
 def summarize(export: dict) -> dict[int, dict[str, float]]:
-    """Per concurrency: the stream statistics of pdchat.clients.load.summary, computed from
+    """Per concurrency: the stream statistics of benchmarks.load.summary, computed from
     each request's send and response timestamps (ns) in perf_analyzer's profile export."""
     results = {}
     for experiment in export["experiments"]:

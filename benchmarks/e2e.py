@@ -14,7 +14,7 @@ Per prompt length, mode and concurrency it reports the end-to-end time to first 
 model spent per request from Triton's statistics; and, beside it, what parsing, rendering
 and tokenizing that conversation costs in-process, which the decode legs should differ by.
 
-    python -m pdchat.clients.bench e2e [--quick]
+    python -m benchmarks e2e [--quick]
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import sys
 import threading
 import time
 
+from benchmarks.report import plot, table, timed, write_results
 from pdchat.clients.chat import GrpcChat, chat_inputs
-from pdchat.clients.report import plot, table, timed, write_results
 from pdchat.launcher import each_in_a_thread
 
 MODES = ("reuse", "baseline")

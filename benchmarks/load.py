@@ -1,6 +1,6 @@
 """Bounded concurrent load: N requests at concurrency C, some abandoned mid-stream.
 
-Used by the soak tests and `python -m pdchat.clients.bench soak`. Each worker thread
+Used by the soak tests and `python -m benchmarks soak`. Each worker thread
 keeps its own connection; a request's outcome is recorded, never raised, so one
 failure does not hide the others.
 """

@@ -1,23 +1,19 @@
-"""Benchmarks that print tables and write plots (never timed assertions in tests).
+"""Benchmarks that print tables and write results under bench-results/ (never timed assertions in tests).
 
-    python -m pdchat.clients.bench reuse    # decode's render cost vs the gate's check
-    python -m pdchat.clients.bench kv       # KV transfer throughput per connector
-    python -m pdchat.clients.bench router   # latency the router adds per request
-    python -m pdchat.clients.bench soak     # N streams at concurrency C through a P/D pair
-    python -m pdchat.clients.bench batching # throughput and latency by concurrency (batched decode)
-    python -m pdchat.clients.bench batching --kv-events  # decode's step alone, KV events off and on
-    python -m pdchat.clients.bench batching --step-only  # decode's step alone, beside the steps before it
-    python -m pdchat.clients.bench e2e      # TTFT with and without forwarded ids, by prompt length (clients/e2e.py)
-    python -m pdchat.clients.bench vllm-router  # 2 prefill x 2 decode behind vllm-router, one decode killed
-                                                # (clients/scaleout.py)
-    python -m pdchat.clients.bench chaos    # mixed load through a supervised P/D stack, kill -9 and SIGSTOP
-                                            # along the way (clients/chaos.py)
-    python -m pdchat.clients.bench prefix   # TTFT per turn of an 8-turn chat, prefix cache on and off
-                                            # (clients/prefix.py)
-    python -m pdchat.clients.bench peer     # beside vLLM's CPU build: tok/s, TTFT, ITL by concurrency
-                                            # (clients/peer.py)
+    python -m benchmarks reuse        # decode's render cost vs the gate's check
+    python -m benchmarks kv           # KV transfer throughput per connector
+    python -m benchmarks router       # latency the router adds per request
+    python -m benchmarks soak         # N streams at concurrency C through a P/D pair
+    python -m benchmarks batching     # throughput and latency by concurrency (batched decode)
+    python -m benchmarks batching --kv-events  # decode's step alone, KV events off and on
+    python -m benchmarks batching --step-only  # decode's step alone, beside the steps before it
+    python -m benchmarks e2e          # TTFT with and without forwarded ids, by prompt length (e2e.py)
+    python -m benchmarks vllm-router  # 2 prefill x 2 decode behind vllm-router, one decode killed (scaleout.py)
+    python -m benchmarks chaos        # mixed load through a supervised P/D stack, kill -9 and SIGSTOP (chaos.py)
+    python -m benchmarks prefix       # TTFT per turn of an 8-turn chat, prefix cache on and off (prefix.py)
+    python -m benchmarks peer         # beside vLLM's CPU build: tok/s, TTFT, ITL by concurrency (peer.py)
 
-Ratios are measured side by side in one run; these machines are noisy.
+Ratios are measured side by side in one run: compare those, not numbers across runs.
 """
 
 from __future__ import annotations
@@ -31,8 +27,8 @@ import time
 
 import numpy as np
 
-from pdchat.clients import chaos, e2e, peer, prefix, scaleout
-from pdchat.clients.report import plot, table, timed, write_results
+from benchmarks import chaos, e2e, peer, prefix, scaleout
+from benchmarks.report import plot, table, timed, write_results
 from pdchat.core.settings import DEVICE, DTYPE, FORWARDED_IDS, MODEL
 
 
@@ -226,8 +222,8 @@ def bench_router(args: argparse.Namespace) -> None:
 def bench_soak(args: argparse.Namespace) -> None:
     """Streamed requests through the router of a P/D pair: rate, TTFT, latency, errors, and
     each server process's memory after warm-up and at the end."""
+    from benchmarks import load
     from pdchat import embedded
-    from pdchat.clients import load
     from pdchat.launcher import PDStack
 
     embedded.ensure_model(args.model)
@@ -280,8 +276,8 @@ def bench_batching(args: argparse.Namespace) -> None:
     inter-token latency while decode prefills a long prompt itself."""
     from transformers import AutoTokenizer
 
+    from benchmarks import load, perf
     from pdchat import embedded
-    from pdchat.clients import load, perf
     from pdchat.launcher import PDStack, TritonServer
 
     model_dir = embedded.ensure_model(args.model)
@@ -396,9 +392,9 @@ def bench_batching(args: argparse.Namespace) -> None:
 # decode's step alone, side by side: what each part of pdchat's step gives.
 STEP_VARIANTS = {
     "ms_per_step": "pdchat's step: its own forward pass, C kernels between the GEMMs, greedy tokens by the GreedyHead",
-    "ms_per_step_full_projection": "the same, the vocabulary projected in full (fp32) and a C argmax: the step before",
+    "ms_per_step_full_projection": "the same, the vocabulary projected in full (fp32) and a C argmax",
     "ms_per_step_torch_ops": "its own forward pass, torch ops between the GEMMs",
-    "ms_per_step_transformers": "transformers' forward, torch attention (the step before both)",
+    "ms_per_step_transformers": "transformers' forward, torch attention",
     "ms_per_step_nn_linear": "transformers' forward and its nn.Linear vocabulary projection",
 }
 
@@ -469,7 +465,7 @@ PREFILL_TOKENS = [64, 256, 1024]
 PREFILL_VARIANTS = {
     "ms_per_prefill_greedy": "pdchat's prefill of a greedy request: its first token by the GreedyHead",
     "ms_per_prefill": "pdchat's prefill: its own pass, GEMMs on oneDNN's blocked weights, norms and SwiGLU in C",
-    "ms_per_prefill_torch_gemms": "its own forward pass on torch's GEMMs (plain weights) and ops: the build before",
+    "ms_per_prefill_torch_gemms": "its own forward pass on torch's GEMMs (plain weights) and torch's ops",
     "ms_per_prefill_transformers": "transformers' forward",
 }
 
@@ -657,7 +653,7 @@ def _during_long_prefill(server, tokenizer, args: argparse.Namespace) -> dict[st
     decode prefills them itself, in chunks between the others' steps."""
     import threading
 
-    from pdchat.clients import load
+    from benchmarks import load
     from pdchat.clients.chat import GrpcChat, chat_inputs
 
     body = {"messages": [{"role": "user", "content": "Go on"}], "max_tokens": 600, "ignore_eos": True, "temperature": 0}
@@ -677,7 +673,9 @@ def _during_long_prefill(server, tokenizer, args: argparse.Namespace) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="bench", required=True)
     reuse = commands.add_parser("reuse")
     reuse.add_argument("--model", default="smollm2")

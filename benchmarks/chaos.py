@@ -1,4 +1,4 @@
-"""A supervised P/D stack under mixed load and faults: `python -m pdchat.clients.bench chaos`.
+"""A supervised P/D stack under mixed load and faults: `python -m benchmarks chaos`.
 
 Streams N requests at concurrency C through the router of a `pdchat pd`-like stack (prefill,
 decode, router, kept running by `pdchat.supervisor`): plain chats, tool calls (auto and
@@ -28,8 +28,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from pdchat.clients import load
-from pdchat.clients.report import OUT_DIR, table, write_results
+from benchmarks import load
+from benchmarks.report import OUT_DIR, table, write_results
 
 SCHEMA = {
     "type": "object",
