@@ -51,4 +51,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$fingerprint" ]; then
 fi
 # Harmony's vocabulary (verified by sha256) and the tiny GPT-OSS model, built offline once.
 "$VENV/bin/pdchat" prepare tiny-gptoss >/dev/null
+# The C decode kernels for this CPU, built here rather than at a server's first load.
+"$VENV/bin/pdchat" prepare kernels >/dev/null || say "warning: no C decode kernels here; servers take the torch path"
 say "ready: $VENV"

@@ -1,4 +1,4 @@
-"""`pdchat`: serve the model repository, chat with it, run the demo, prepare models."""
+"""`pdchat`: serve the model repository, chat with it, run the demo, prepare models and kernels."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pdchat.core import settings
 from pdchat.supervisor import Child, RestartPolicy, Supervisor
 
 DEMO_QUESTION = "In two sentences, why is the sky blue?"
+KERNELS = "kernels"  # `pdchat prepare kernels`: the C decode kernels, built for this host
 
 
 # Commands that start servers or fronts, which read the settings from this environment.
@@ -122,8 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
         "env", help="print the exports and command that run a stock tritonserver on the model repository"
     )
 
-    prepare = commands.add_parser("prepare", help="build an embedded model into the cache")
-    prepare.add_argument("name", choices=sorted(registry.EMBEDDED_MODELS))
+    prepare = commands.add_parser(
+        "prepare", help="build an embedded model, or the C kernels for this host (`kernels`), into the cache"
+    )
+    prepare.add_argument("name", choices=[*sorted(registry.EMBEDDED_MODELS), KERNELS])
 
     return parser
 
@@ -393,9 +396,24 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    if args.name == KERNELS:
+        return _prepare_kernels()
     from pdchat import embedded
 
     print(embedded.ensure_model(args.name))
+    return 0
+
+
+def _prepare_kernels() -> int:
+    """Build the decode kernels for this host into the cache (servers then load them as built);
+    status 1, with the reason, where they cannot be built here."""
+    from pdchat.core.generation import cpu_kernels
+
+    try:
+        print(cpu_kernels.prepare(cpu_kernels.library_dir()))
+    except cpu_kernels.KernelsUnavailable as exc:
+        _say(f"the decode kernels cannot be built here (servers will take the torch path): {exc}")
+        return 1
     return 0
 
 

@@ -169,3 +169,11 @@ def test_a_request_larger_than_the_pool_is_refused_and_the_rest_wait_their_turn(
     assert all(len(r.output_token_ids) == 400 for r in answered)
     assert collect(client.stream(chat_inputs({**body, "max_tokens": 3}))).finish_reason == "length"
     client.close()
+
+
+def test_each_stage_instance_names_its_execution_path_in_a_metric(server):
+    """pdchat_engine_info{path} = 1 per prefill and decode instance: the tiny Llama runs
+    pdchat's own forward (with the C kernels where the stage runs one torch thread)."""
+    for model in ("prefill", "decode"):
+        assert metric(server, "pdchat_engine_info", model=model, device="cpu", dtype="float32") >= 1
+        assert metric(server, "pdchat_engine_info", model=model, path="transformers") == 0

@@ -222,3 +222,26 @@ def test_the_other_kernels_refuse_what_they_do_not_compute(kernels):
     for call in calls:
         with pytest.raises(ValueError, match="decode kernel"):
             call()
+
+
+def test_setup_builds_them_ahead_and_a_server_loads_that_build(tmp_path, caplog):
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on this host")
+    library = cpu_kernels.prepare(tmp_path)
+    assert library.is_file() and library.parent == tmp_path
+    cpu_kernels._loaded.clear()  # as a server's process would start
+    assert cpu_kernels.load(tmp_path) is not None
+    assert "not built ahead" not in caplog.text and list(tmp_path.glob("*.so")) == [library]
+
+
+def test_a_server_without_a_build_ahead_says_so_and_builds_it(tmp_path, caplog):
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on this host")
+    assert cpu_kernels.load(tmp_path) is not None
+    assert "not built ahead" in caplog.text and "pdchat prepare kernels" in caplog.text
+
+
+def test_prepare_without_a_compiler_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(cpu_kernels.KernelsUnavailable):
+        cpu_kernels.prepare(tmp_path / "kernels")

@@ -230,7 +230,8 @@ FORWARD = Setting(
     "Which forward pass runs the model. auto: pdchat's own for Llama-architecture models in float32 (transformers' "
     "numbers to rounding, in fewer ops, its projections of many rows on oneDNN's blocked weights) and, on CPU in "
     "float32 with one torch thread, decode's work between its GEMMs and its greedy argmax in C (the same to "
-    "rounding), built on first use with the host's C compiler into cache_dir (the torch path where none is found); "
+    "rounding), built at setup by `pdchat prepare kernels` into cache_dir (a server that finds no build for its host "
+    "logs so and builds it at load with the host's C compiler; the torch path where none is found); "
     "transformers: transformers' forward with torch attention, for every model "
     "(docs/architecture.md#the-forward-pass).",
 )
@@ -287,7 +288,7 @@ CACHE_DIR = Setting(
     PATH,
     ("chat", "renderer", "prefill", "decode", "pdchat"),
     "Root of generated artefacts: embedded models, the assembled backend directory, each server's stage key, "
-    "launcher logs, the decode attention kernel (kernels/).",
+    "launcher logs, the C decode kernels (kernels/).",
 )
 
 # chat: the gate, the handoff, its calls to the stage models.

@@ -249,6 +249,21 @@ class KVPoolMetrics:
         self._families.clear()
 
 
+class EngineInfo:
+    """pdchat_engine_info{model, instance, path, device, dtype} 1: which execution path an
+    instance's engine runs (core.engine_api.ExecutionPath: `path` is its label, e.g.
+    `llama+c-kernels+greedy-head` or `transformers`), set once at load."""
+
+    def __init__(self, model_name: str, instance_name: str, path):
+        self._family = _gauge("pdchat_engine_info", "The execution path each stage instance's engine runs (always 1)")
+        labels = {"model": model_name, "instance": instance_name, "path": path.label()}
+        self._info = _Metric(self._family, {**labels, "device": path.device, "dtype": path.dtype})
+        self._info.set(1)
+
+    def close(self) -> None:
+        del self._info, self._family
+
+
 class VllmMetrics:
     """vLLM's engine metrics for one prefill or decode instance (an "engine"), labels
     `model_name` (the first served name) and `engine` (the instance): what dashboards,

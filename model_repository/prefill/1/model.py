@@ -7,9 +7,9 @@ and only its handle goes back, carrying the first token and its logprobs. Asked 
 (TextModel.first_output), for chat to send before decode starts.
 
 One instance and one KV pool per server, so the prefix cache serves every request: the
-prompts take turns by chunk on the scheduler's thread (core.generation.prefill_scheduler),
-and execute() only validates and queues. Each answer goes out through the response sender
-(one response per request, as a non-decoupled model may) from the outbox thread.
+engine (core.engine_api; pdchat's takes the prompts in turns by chunk on its scheduler's
+thread) computes, and execute() only validates and queues. Each answer goes out through the
+response sender (one response per request, as a non-decoupled model may) from the outbox thread.
 """
 
 import functools
@@ -19,17 +19,16 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
-from pdchat.core.generation.generation import PrefillJob, TextModel
-from pdchat.core.generation.pass_threads import PassThreads
-from pdchat.core.generation.prefill_scheduler import PrefillScheduler, PrefillTask
+from pdchat.core.engine_api import PREFILL, PrefillRequest
+from pdchat.core.engines import open_engine
 from pdchat.core.kv.connector import Connectors
-from pdchat.core.settings import batching_options, keep_off_decode_cpus, kv_options, prefill_threads_when_idle
+from pdchat.core.settings import keep_off_decode_cpus, kv_options
 from pdchat.ensemble.seal import StageSeal
 from pdchat.models import resolve_model
 from pdchat.registry import SHM
 from pdchat.triton import io
 from pdchat.triton.kv_events import KVEvents
-from pdchat.triton.metrics import KVHeldMetrics, KVPoolMetrics, VllmMetrics
+from pdchat.triton.metrics import EngineInfo, KVHeldMetrics, KVPoolMetrics, VllmMetrics
 from pdchat.triton.outbox import Outbox
 from pdchat.triton.server_watch import exit_with_server
 
@@ -43,66 +42,53 @@ class TritonPythonModel:
         parameters = io.model_parameters(args)
         keep_off_decode_cpus(parameters)  # decode's scheduler thread runs there alone
         settings = resolve_model(parameters).on_instance(*io.instance_placement(args))
-        self.model = TextModel.for_stage("prefill", settings, parameters)
-        self.kv_events = KVEvents("prefill", parameters, args, self.model.engine.pool)  # off unless its endpoint is set
-        self.chunk = batching_options(parameters).prefill_chunk
+        self.engine = open_engine(PREFILL, settings, parameters, args["model_instance_name"])
+        pb_utils.Logger.log_info(f"{args['model_instance_name']}: {self.engine.path.describe()}")
+        self.engine_info = EngineInfo(args["model_name"], args["model_instance_name"], self.engine.path)
+        self.kv_events = KVEvents("prefill", parameters, args, self.engine.kv_pool)  # off unless its endpoint is set
         self.seal = StageSeal.for_this_server()
         self.metrics = KVHeldMetrics(args["model_name"], args["model_instance_name"])
         self.pool_metrics = KVPoolMetrics(args["model_name"], args["model_instance_name"])
         self.vllm_metrics = VllmMetrics(settings.served_name, args["model_instance_name"])  # vLLM's names
         self.connectors = Connectors(on_sweep=self._on_sweep, **kv_options(parameters))
         self.outbox = Outbox("pdchat-prefill-outbox")
-        # A pass takes more torch threads while this process's other cores sit idle.
-        threads = PassThreads.for_engine(self.model.engine, prefill_threads_when_idle(parameters))
-        self.scheduler = PrefillScheduler(before_pass=threads.before_pass)
+        self.engine.start()
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             try:
-                engine = self.model.engine
+                engine = self.engine
                 stage = io.stage_input(request, self.seal, engine.context_length, engine.vocab_size)
                 destination = io.input_text(request, tensors.KV_DESTINATION) or SHM
             except Exception as exc:  # noqa: BLE001
                 self.outbox.call(functools.partial(sender.send, io.error_response(exc), flags=FINAL))
                 continue
             self.outbox.call(functools.partial(self._arrived, stage.params.request_id, time.monotonic()))
-            task = PrefillTask(
-                start=functools.partial(PrefillJob, self.model, stage.prompt_token_ids, stage.params, self.chunk),
+            self.engine.prefill(
+                PrefillRequest(stage.prompt_token_ids, stage.params),
                 done=functools.partial(
                     self._done, sender, stage, destination, tensors.FIRST_OUTPUT in request.requested_output_names()
                 ),
                 fail=functools.partial(self._fail, sender, stage.params.request_id),
             )
-            # NOTE: a prompt is queued once its grammar is compiled: no compile on the scheduler thread.
-            self.model.constraints.prepare(stage.params.constraint).add_done_callback(
-                functools.partial(self._queue, task)
-            )
         return None
 
     def finalize(self):
-        self.scheduler.close()
+        self.engine.close()
         self.kv_events.close()
         self.outbox.close()
-        self.model.close()
+        self.engine_info.close()
         self.connectors.close()
         self.metrics.close()
         self.pool_metrics.close()
         self.vllm_metrics.close()
 
-    def _queue(self, task: PrefillTask, compiled) -> None:
-        """Queue `task` for the scheduler, or fail it with its grammar's error."""
-        error = compiled.exception()
-        if error is None:
-            self.scheduler.submit(task)
-        else:
-            task.fail(error)
-
-    # On the scheduler thread: each hands its work to the outbox.
+    # On the engine's thread: each hands its work to the outbox.
 
     def _done(self, sender, stage, destination: str, first_output: bool, prefilled) -> None:
         self.outbox.call(functools.partial(self._answer, sender, stage, destination, first_output, prefilled))
-        usage = self.model.engine.pool.usage()
+        usage = self.engine.pool_usage()
         self.outbox.call(functools.partial(self.pool_metrics.update, usage))
         self.outbox.call(functools.partial(self._prefilled, stage.params.request_id, usage, time.monotonic()))
 
@@ -129,7 +115,7 @@ class TritonPythonModel:
         ]
         if first_output:
             try:
-                shown = self.model.first_output(
+                shown = self.engine.first_output(
                     stage.prompt_token_ids, stage.params, prefilled.first, prefilled.cached_tokens
                 )
             except Exception:  # noqa: BLE001 - the answer must go out: decode then sends the first output

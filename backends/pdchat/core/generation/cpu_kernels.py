@@ -27,11 +27,13 @@ otherwise. A prompt's pass that takes more threads while the stage's cores sit i
 (pass_threads) gives them to the kernels too (`set_threads`): the row kernels and the head's
 screen then split their rows, or the vocabulary's blocks, through OpenMP.
 
-The library is compiled on first use with the host's C compiler (`cc`, or `$CC`) for this
-CPU (-march=native) into the cache directory, keyed by its source, flags, compiler and the
-CPU's feature flags, so a shared home directory never hands a host another CPU's build.
-Without a compiler, or when the build fails, `load()` says why once in the log and returns
-None; callers then take the torch path. Math flags: the source is compiled with
+The library is built at setup (`pdchat prepare kernels`, which scripts/bootstrap.sh and the
+image run: `prepare()`) with the host's C compiler (`cc`, or `$CC`) for this CPU
+(-march=native) into the cache directory, keyed by its source, flags, compiler and the CPU's
+feature flags, so a shared home directory never hands a host another CPU's build. A server
+that finds no build for its host there (`load()`) says so in its log and builds it then, as
+setup would have; without a compiler, or when the build fails, `load()` says why once in the
+log and returns None, and callers take the torch path. Math flags: the source is compiled with
 -ffast-math (it vectorizes `expf` through glibc's libmvec) and linked without it, which
 keeps gcc's crtfastmath (flush-to-zero for the whole process) out of the library.
 
@@ -127,6 +129,7 @@ class DecodeKernels:
         # The GreedyHead's screens in this build: "int8" (AVX2), "bf16" (AVX-512 BF16, or AVX2 with FMA).
         screens = self._head_screens()
         self.head_screens = tuple(name for name, code in _HEAD_SCREENS.items() if screens & code)
+        self.isa = instruction_set()  # what -march=native compiled them for, by name
 
     def set_threads(self, threads: int) -> None:
         """Let the row kernels and the head's screen split their work over `threads` (the
@@ -489,32 +492,71 @@ def _check(valid: bool) -> None:
         raise ValueError("a decode kernel got tensors of another layout, dtype, shape or device than it computes")
 
 
+class KernelsUnavailable(Exception):
+    """The kernels cannot be built or loaded on this host; the message says why."""
+
+
+def library_dir() -> Path:
+    """Where `pdchat prepare kernels` builds the kernels and servers look for them: the
+    cache directory's kernels/ (setting cache_dir)."""
+    from pdchat.core.settings import cache_dir
+
+    return cache_dir() / "kernels"
+
+
+def prepare(cache_dir: Path) -> Path:
+    """Build the kernels for this host into `cache_dir` unless a build is there already, and
+    check that it loads: setup's step (`pdchat prepare kernels`). The library's path;
+    KernelsUnavailable when it cannot be had here."""
+    with _lock:
+        library, kernels = _open(cache_dir, ahead=True)
+        _loaded[cache_dir] = kernels
+        return library
+
+
 def load(cache_dir: Path) -> DecodeKernels | None:
-    """The kernels, built into `cache_dir` if no build for this host is there yet; None
-    when it cannot be built here (logged once per process and directory)."""
+    """The kernels built for this host in `cache_dir` (by `prepare()`, at setup); where none is
+    there, built now, with a warning that setup did not. None when they cannot be had here
+    (logged once per process and directory)."""
     with _lock:
         if cache_dir not in _loaded:
-            _loaded[cache_dir] = _build_and_load(cache_dir)
+            _loaded[cache_dir] = _load_or_build(cache_dir)
         return _loaded[cache_dir]
 
 
-def _build_and_load(cache_dir: Path) -> DecodeKernels | None:
+def _load_or_build(cache_dir: Path) -> DecodeKernels | None:
+    try:
+        library, kernels = _open(cache_dir, ahead=False)
+    except KernelsUnavailable as exc:
+        log.warning("decode kernels unavailable, taking the torch path: %s", exc)
+        return None
+    log.info("decode kernels: %s (%s)", library, kernels.isa)
+    return kernels
+
+
+def _open(cache_dir: Path, *, ahead: bool) -> tuple[Path, DecodeKernels]:
+    """This host's build in `cache_dir`, built first if it is not there (`ahead`: by setup;
+    otherwise at a server's load, which is logged as setup's step missed)."""
     compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
     if not compiler[0]:
-        log.warning("no C compiler (cc, gcc or $CC): the decode step takes the torch path")
-        return None
+        raise KernelsUnavailable("no C compiler (cc, gcc or $CC)")
     try:
         library = cache_dir / f"decode_kernels-{_build_key(compiler)}.so"
         if library.is_file():
             try:
-                return DecodeKernels(library)
+                return library, DecodeKernels(library)
             except (OSError, AttributeError) as exc:  # a damaged file in the cache: built again below
                 log.warning("rebuilding the cached decode kernels %s: %s", library, exc)
+        elif not ahead:
+            log.warning(
+                "the decode kernels were not built ahead for this host (run `pdchat prepare kernels` at setup): "
+                "building them now into %s",
+                cache_dir,
+            )
         _compile(compiler, library)
-        return DecodeKernels(library)
-    except Exception as exc:  # noqa: BLE001 - the kernel is optional: any failure means the torch path
-        log.warning("decode kernels unavailable, taking the torch path: %s", exc)
-        return None
+        return library, DecodeKernels(library)
+    except Exception as exc:  # noqa: BLE001 - whatever the failure, the kernels are not to be had here
+        raise KernelsUnavailable(str(exc) or type(exc).__name__) from exc
 
 
 def _build_key(compiler: list[str]) -> str:
@@ -522,6 +564,17 @@ def _build_key(compiler: list[str]) -> str:
     flags = " ".join(COMPILE_FLAGS + OPENMP_FLAGS)
     parts = [SOURCE.read_text(), flags, version.stdout, platform.machine(), cpu_flags()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def instruction_set() -> str:
+    """The widest vector instructions this CPU has, by the name the startup log gives them:
+    avx512, avx2, else the machine's name (x86_64, aarch64, ...)."""
+    flags = cpu_flags().split()
+    if "avx512f" in flags:
+        return "avx512"
+    if "avx2" in flags:
+        return "avx2"
+    return platform.machine() or "unknown"
 
 
 def cpu_flags() -> str:

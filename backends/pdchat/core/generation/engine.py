@@ -12,21 +12,18 @@ attention, so every layer has one layout on the wire and in the pool.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from pdchat.core.engine_api import OWN_LLAMA, TRANSFORMERS, ExecutionPath, KVSource
 from pdchat.core.errors import InvalidRequest, Unavailable
-from pdchat.core.generation import cpu_kernels, llama
+from pdchat.core.generation import cpu_kernels, llama, runners
 from pdchat.core.generation.paged import NULL_BLOCK, PAGED_ATTENTION, BlockPool, PagedForward, Sequence, root_hash
 from pdchat.core.generation.projection import RowGemm
 from pdchat.core.kv.base import KV_TOKEN_AXIS, KV_WIRE_TYPES, kv_dtype_name
-from pdchat.core.settings import DEFAULT_KV_POOL, DTYPE, KVPoolOptions, cache_dir
-
-# The prompt's KV from a token on (export_kv's layout), or None when it cannot be had.
-KVSource = Callable[[int], np.ndarray | None]
+from pdchat.core.settings import DEFAULT_KV_POOL, DTYPE, KVPoolOptions
 
 
 def pick_device(preference: str) -> str:
@@ -49,8 +46,11 @@ class CausalLM:
     `forward` (setting FORWARD): `auto` runs pdchat's own forward pass for Llama-architecture
     models in fp32 (core.generation.llama) and, on CPU in fp32 with one torch thread, decode's
     work between its GEMMs and its greedy argmax in C (core.generation.cpu_kernels, when this
-    host can build them);
-    `transformers` runs transformers' forward with torch attention for every model."""
+    host has them built);
+    `transformers` runs transformers' forward with torch attention for every model.
+
+    Which of those computes the passes is decided once, at load: one runner
+    (core.generation.runners) that every pass calls; `path` names it."""
 
     def __init__(
         self,
@@ -74,15 +74,13 @@ class CausalLM:
         if self.device == "cpu":
             _project_vocab_by_rows(self.model)
         own = forward == "auto"
-        self.llama = llama.LlamaForward(self.model) if own and llama.supports(self.model) else None
+        self._own_forward = llama.LlamaForward(self.model) if own and llama.supports(self.model) else None
         # The kernels run on one thread; with more, torch spreads the step over them.
         one_cpu_thread = self.device == "cpu" and self.dtype == torch.float32 and torch.get_num_threads() == 1
-        self.decode_kernels = cpu_kernels.load(cache_dir() / "kernels") if own and one_cpu_thread else None
-        self._greedy: cpu_kernels.GreedyHead | bool | None = None  # (False: none serves)
+        self._kernels = cpu_kernels.load(cpu_kernels.library_dir()) if own and one_cpu_thread else None
         self._greedy_enabled = True
-        if self.decode_kernels is not None:
-            # Made now rather than on a first request's pass: its bf16 copy takes ~0.1 s.
-            self._greedy_head()
+        self._heads: dict[int, cpu_kernels.GreedyHead | None] = {}  # by id(kernels): made once each
+        self._runner = self._choose_runner()
         config = self.model.config
         self.context_length = int(config.max_position_embeddings)
         self.vocab_size = int(config.vocab_size)
@@ -105,8 +103,77 @@ class CausalLM:
         """The torch threads (process-wide) and, when this engine has them, the C kernels' for
         the passes that follow."""
         torch.set_num_threads(threads)
-        if self.decode_kernels is not None:
-            self.decode_kernels.set_threads(threads)
+        if self._kernels is not None:
+            self._kernels.set_threads(threads)
+
+    def _choose_runner(self) -> runners.Runner:
+        """The runner every pass takes (core.generation.runners), from the forward, the kernels
+        and the GreedyHead this engine has; the GreedyHead is made here, not on a first request
+        (its bf16 copy takes ~0.1 s)."""
+        if self._own_forward is None:
+            return runners.TransformersRunner(self.model, self._kernels)
+        head = self._greedy_head() if self._greedy_enabled else None
+        if head is None:
+            return runners.OwnForwardRunner(self.model, self._kernels, self._own_forward)
+        return runners.GreedyHeadRunner(self.model, self._kernels, self._own_forward, head)
+
+    def _greedy_head(self) -> cpu_kernels.GreedyHead | None:
+        """The vocabulary projection's GreedyHead where one serves (the C kernels with AVX-512
+        BF16 or AVX2 and FMA, a projection without bias), made once per set of kernels."""
+        if self._kernels is None:
+            return None
+        key = id(self._kernels)
+        if key not in self._heads:
+            head = self.model.get_output_embeddings()
+            fits = (
+                isinstance(head, _VocabProjection)
+                and head.bias is None
+                and cpu_kernels.GreedyHead.fits(self._kernels, head.weight)
+            )
+            self._heads[key] = cpu_kernels.GreedyHead(self._kernels, head.weight, project=head) if fits else None
+        return self._heads[key]
+
+    @property
+    def path(self) -> ExecutionPath:
+        """What computes this engine's passes, for the startup log and the engine-info metric."""
+        head = getattr(self._runner, "head", None)
+        return ExecutionPath(
+            device=self.device,
+            dtype=self.dtype_name,
+            forward=TRANSFORMERS if self._own_forward is None else OWN_LLAMA,
+            kernels=None if self._kernels is None else self._kernels.isa,
+            kernel_threads=torch.get_num_threads(),
+            greedy_head=() if head is None else tuple(way for way in head.way_names if way != "fp32"),
+        )
+
+    # The parts of the runner, swappable on a loaded engine (benchmarks and tests compare the
+    # paths on one model): each change chooses the runner again, never a pass.
+
+    @property
+    def llama(self) -> llama.LlamaForward | None:
+        """pdchat's own forward pass, None where transformers' runs."""
+        return self._own_forward
+
+    @llama.setter
+    def llama(self, forward: llama.LlamaForward | None) -> None:
+        self._own_forward = forward
+        self._runner = self._choose_runner()
+
+    @property
+    def decode_kernels(self) -> cpu_kernels.DecodeKernels | None:
+        """The C kernels the passes run, None where they take torch ops."""
+        return self._kernels
+
+    @decode_kernels.setter
+    def decode_kernels(self, kernels: cpu_kernels.DecodeKernels | None) -> None:
+        self._kernels = kernels
+        self._runner = self._choose_runner()
+
+    def use_greedy_head(self, enabled: bool) -> None:
+        """Let step_rows and a prompt's last prefill chunk decide greedy rows by the GreedyHead
+        where it serves (the default), or not."""
+        self._greedy_enabled = enabled
+        self._runner = self._choose_runner()
 
     def sequence(self, cache_salt: str | None = None) -> Sequence:
         """A new, empty sequence in the pool; it shares cached blocks only with sequences
@@ -147,7 +214,7 @@ class CausalLM:
         read = self._read_slots([sequence])
         positions = torch.arange(start, len(sequence), device=self.device).view(1, -1)
         paged = self._paged(read[0, start:], read, positions, causal=start == 0)
-        rows, chosen = self._project_last(
+        rows, chosen = self._runner.project_last(
             torch.tensor([token_ids], dtype=torch.long, device=self.device), paged, [greedy]
         )
         sequence.written()
@@ -158,7 +225,7 @@ class CausalLM:
     def step(self, sequences: list[Sequence], token_ids: list[int]) -> torch.Tensor:
         """Feed one token to each sequence, all in one pass; the next token's logits, [rows, vocab]."""
         input_ids, paged = self._step_inputs(sequences, token_ids)
-        logits = self._last_logits(input_ids, paged)
+        logits = self._runner.last_logits(input_ids, paged)
         for sequence in sequences:
             sequence.written()
         return logits
@@ -171,35 +238,9 @@ class CausalLM:
         its logits [vocab] (None for a greedy row whose token the GreedyHead decided without
         them) and its greedy token (None for rows not greedy)."""
         input_ids, paged = self._step_inputs(sequences, token_ids)
-        rows, chosen = self._project_last(input_ids, paged, greedy)
+        rows, chosen = self._runner.project_last(input_ids, paged, greedy)
         for sequence in sequences:
             sequence.written()
-        return rows, chosen
-
-    def _project_last(
-        self, input_ids: torch.Tensor, paged: PagedForward, greedy: list[bool]
-    ) -> tuple[list[torch.Tensor | None], list[int | None]]:
-        """One pass over `input_ids` [rows, queries]; per row, the logits after its last
-        query and its greedy token, as step_rows returns them."""
-        head = self._greedy_head() if any(greedy) else None
-        if head is None:
-            logits = self._last_logits(input_ids, paged)
-            chosen: list[int | None] = self.argmax(logits) if any(greedy) else [None] * len(greedy)
-            return list(logits), chosen
-        hidden = self.llama(input_ids, paged, last_only=True)[:, -1]
-        chosen, rows = [None] * len(greedy), [None] * len(greedy)
-        greedy_rows = [row for row, wanted in enumerate(greedy) if wanted]
-        for row, token in zip(greedy_rows, head.argmax(hidden[greedy_rows]), strict=True):
-            chosen[row] = token if token >= 0 else None
-        full = [row for row in range(len(greedy)) if not greedy[row] or chosen[row] is None]
-        if full:  # rows that sample, and greedy rows the screen left undecided
-            logits = self.model.get_output_embeddings()(hidden[full]).float()
-            undecided = [index for index, row in enumerate(full) if greedy[row]]
-            tokens = self.argmax(logits[undecided].contiguous()) if undecided else []
-            for index, token in zip(undecided, tokens, strict=True):
-                chosen[full[index]] = token
-            for index, row in enumerate(full):
-                rows[row] = logits[index]
         return rows, chosen
 
     def _step_inputs(self, sequences: list[Sequence], token_ids: list[int]) -> tuple[torch.Tensor, PagedForward]:
@@ -214,48 +255,12 @@ class CausalLM:
         paged = self._paged(read[rows, lengths - 1], read, positions, full_rows=full_rows)
         return torch.tensor(token_ids, dtype=torch.long, device=self.device).view(-1, 1), paged
 
-    def use_greedy_head(self, enabled: bool) -> None:
-        """Let step_rows and a prompt's last prefill chunk decide greedy rows by the GreedyHead
-        where it serves (the default), or not."""
-        self._greedy_enabled = enabled
-
-    def _greedy_head(self) -> cpu_kernels.GreedyHead | None:
-        """The vocabulary projection's GreedyHead, made with the engine (or, for kernels
-        given later, on the first pass with a greedy row) where it serves (pdchat's own
-        forward, the C kernels with AVX-512 BF16 or AVX2 and FMA, a projection without bias); None
-        elsewhere."""
-        if not self._greedy_enabled:
-            return None
-        if self._greedy is None:
-            head = self.model.get_output_embeddings()
-            fits = (
-                self.llama is not None
-                and isinstance(head, _VocabProjection)
-                and head.bias is None
-                and cpu_kernels.GreedyHead.fits(self.decode_kernels, head.weight)
-            )
-            self._greedy = cpu_kernels.GreedyHead(self.decode_kernels, head.weight, project=head) if fits else False
-        return self._greedy or None
-
     def _paged(self, write: torch.Tensor, read: torch.Tensor, positions: torch.Tensor, **flags: bool) -> PagedForward:
-        return PagedForward(self.pool, write, read, positions, decode_kernels=self.decode_kernels, **flags)
-
-    def _last_logits(self, input_ids: torch.Tensor, paged: PagedForward) -> torch.Tensor:
-        """One pass over `input_ids` [rows, queries]; the logits after each row's last, [rows, vocab]."""
-        if self.llama is not None:
-            hidden = self.llama(input_ids, paged, last_only=True)
-            return self.model.get_output_embeddings()(hidden)[:, -1].float()
-        # logits_to_keep=1: a prompt's logits at every position would be vocab x tokens floats for nothing.
-        out = self.model(
-            input_ids=input_ids, position_ids=paged.query_positions, use_cache=False, logits_to_keep=1, paged=paged
-        )
-        return out.logits[:, -1].float()
+        return PagedForward(self.pool, write, read, positions, decode_kernels=self._runner.kernels, **flags)
 
     def argmax(self, logits: torch.Tensor) -> list[int]:
         """Each row's greedy token of `logits` [rows, vocab] (the first on a tie)."""
-        if self.decode_kernels is not None and logits.dtype == torch.float32 and logits.is_contiguous():
-            return self.decode_kernels.argmax(logits)
-        return logits.argmax(-1).tolist()
+        return self._runner.argmax(logits)
 
     def _read_slots(self, sequences: list[Sequence]) -> torch.Tensor:
         """[rows, longest] the slots of each sequence's positions, the null slot past its end."""

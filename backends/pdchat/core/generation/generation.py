@@ -8,12 +8,10 @@ implementation of sampling, constraints and stop conditions.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
+from pdchat.core.engine_api import Prefilled
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.generation.constraints import ConstraintCompiler
 from pdchat.core.generation.engine import CausalLM, KVSource, PromptPrefill
@@ -38,13 +36,6 @@ FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 # Prompt tokens decoded to see whether the prompt left a <think> block open.
 PROMPT_TAIL_TOKENS = 16
-
-
-@dataclass(frozen=True)
-class Prefilled:
-    first: Choice  # the first output token
-    kv: np.ndarray  # the prompt's KV (engine.export_kv's layout)
-    cached_tokens: int  # prompt tokens taken from the prefix cache, not computed
 
 
 class PrefillJob:

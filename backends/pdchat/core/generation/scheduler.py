@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pdchat.core.engine_api import EngineState
 from pdchat.core.errors import Unavailable
 from pdchat.core.generation.pass_threads import PassThreads
 from pdchat.core.output.responses import Delta
@@ -99,13 +100,6 @@ class Limits:
         return -(-tokens // self.block_tokens) if self.kv_blocks else 0
 
 
-@dataclass(frozen=True)
-class SchedulerState:
-    running: int
-    waiting: int
-    kv_bytes: int  # KV the batch holds now
-
-
 @dataclass
 class _Entry:
     job: DecodeJob
@@ -120,7 +114,7 @@ class DecodeScheduler:
         limits: Limits = Limits(),
         *,
         name: str = "pdchat-decode",
-        on_state: Callable[[SchedulerState], None] | None = None,
+        on_state: Callable[[EngineState], None] | None = None,
         state_interval_s: float = 0.1,
         on_load: Callable[[int, int], None] | None = None,
         on_emitted: Callable[[], None] | None = None,
@@ -147,7 +141,7 @@ class DecodeScheduler:
         self._on_emitted = on_emitted
         self._state_interval_s = state_interval_s
         self._clock = clock
-        self._state: SchedulerState | None = None
+        self._state: EngineState | None = None
         self._reported_at = float("-inf")
         self._taken_since_report = False  # a job came in since the last report (see _report)
         self._incoming: queue.SimpleQueue[DecodeJob | None] = queue.SimpleQueue()
@@ -385,7 +379,7 @@ class DecodeScheduler:
         now = self._clock()
         if not idle and now - self._reported_at < self._state_interval_s:
             return
-        state = SchedulerState(len(self._running) + len(self._prefilling), len(self._waiting), self._batch.kv_bytes())
+        state = EngineState(len(self._running) + len(self._prefilling), len(self._waiting), self._batch.kv_bytes())
         if state != self._state or (idle and self._taken_since_report):
             self._state, self._reported_at, self._taken_since_report = state, now, False
             self._on_state(state)

@@ -1,0 +1,67 @@
+"""CausalLM chooses the runner of its passes once, from its forward, kernels and GreedyHead,
+and names it (`path`); swapping a part on a loaded engine chooses again, and every runner
+gives the same greedy tokens."""
+
+import pytest
+import torch
+
+from pdchat import embedded, registry
+from pdchat.core.engine_api import TRANSFORMERS
+from pdchat.core.generation import cpu_kernels, runners
+from pdchat.core.generation.engine import CausalLM, DecodeBatch
+from pdchat.core.settings import KVPoolOptions
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    loaded = cpu_kernels.load(tmp_path_factory.mktemp("kernels"))
+    if loaded is None:
+        pytest.skip("no C compiler on this host: the kernels are optional")
+    return loaded
+
+
+def _greedy_tokens(engine: CausalLM, prompts: list[list[int]], steps: int = 5) -> list[list[int]]:
+    batch, tokens = DecodeBatch(engine), []
+    for prompt in prompts:
+        _, token = engine.prefill_chunk_choosing(sequence := engine.sequence(), prompt, greedy=True)
+        batch.join(sequence)
+        tokens.append(token)
+    seen = [tokens]
+    for _ in range(steps):
+        _, chosen = batch.step_rows(seen[-1], [True] * len(prompts))
+        seen.append(chosen)
+    batch.leave(list(range(len(prompts))))
+    return seen
+
+
+def test_each_part_names_its_runner_and_every_runner_picks_the_same_tokens(tiny_model_dir, kernels):
+    pool = KVPoolOptions(8 * MIB, 16, False)
+    theirs = CausalLM(tiny_model_dir, "cpu", pool=pool, forward="transformers")
+    ours = CausalLM(tiny_model_dir, "cpu", pool=pool)
+    assert type(theirs._runner) is runners.TransformersRunner and theirs.path.label() == "transformers"
+    assert theirs.path.describe().startswith("transformers forward")
+
+    ours.decode_kernels = None
+    assert type(ours._runner) is runners.OwnForwardRunner and ours.path.label() == "llama"
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, ours.vocab_size, (n,), generator=generator).tolist() for n in (3, 40, 17)]
+    expected = _greedy_tokens(theirs, prompts)
+    assert _greedy_tokens(ours, prompts) == expected
+
+    ours.decode_kernels = kernels  # chosen again: the GreedyHead made now, not on a first pass
+    assert type(ours._runner) is runners.GreedyHeadRunner and ours.path.label() == "llama+c-kernels+greedy-head"
+    assert f"C kernels ({kernels.isa}" in ours.path.describe()
+    assert _greedy_tokens(ours, prompts) == expected
+
+    ours.use_greedy_head(False)
+    assert type(ours._runner) is runners.OwnForwardRunner and ours.path.label() == "llama+c-kernels"
+    assert _greedy_tokens(ours, prompts) == expected
+
+
+def test_a_model_the_own_forward_does_not_compute_runs_transformers():
+    gpt_oss = CausalLM(embedded.ensure_model(registry.TINY_GPTOSS), "cpu")
+    assert gpt_oss.path.forward == TRANSFORMERS and not gpt_oss.path.greedy_head
+    bf16 = CausalLM(embedded.ensure_model(registry.TINY), "cpu", "bfloat16")
+    assert bf16.path.label() == "transformers" and bf16.path.dtype == "bfloat16"
