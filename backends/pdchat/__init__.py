@@ -8,7 +8,7 @@ Layout of this package:
   registry   roles, KV connectors and embedded models, one list each.
   models     which model a server runs; embedded builds the embedded ones.
   launcher   tritonserver processes (one role, or a P/D pair with the router); cli.
-  clients/   (source in clients/) chat client, P/D router, HTTP front, benchmarks.
+  clients/   (source in clients/) chat client, P/D router, HTTP front.
   ensemble/  (source in ensemble/) the chat model's route decision, gate and handoff.
 """
 

@@ -126,7 +126,7 @@ class DecodeKernels:
                 function = getattr(loaded, f"pdchat_{name}")
                 function.argtypes, function.restype = argtypes, restype
                 setattr(self, f"_{name}", function)
-        # The GreedyHead's screens in this build: "int8" (AVX2), "bf16" (AVX-512 BF16, or AVX2 with FMA).
+        # The GreedyHead's screens the compiled library has: "int8" (AVX2), "bf16" (AVX-512 BF16, or AVX2 with FMA).
         screens = self._head_screens()
         self.head_screens = tuple(name for name, code in _HEAD_SCREENS.items() if screens & code)
         self.isa = instruction_set()  # what -march=native compiled them for, by name

@@ -509,7 +509,7 @@ static int screen_int8(const float *restrict x, int64_t rows, int64_t k, const i
 }
 #endif
 
-/* Which screens this build has: HEAD_BF16 | HEAD_INT8, or 0. */
+/* Which screens this library was compiled with: HEAD_BF16 | HEAD_INT8, or 0. */
 int pdchat_head_screens(void) {
     int screens = 0;
 #ifdef HAS_BF16_SCREEN
