@@ -44,7 +44,6 @@ from benchmarks.scaleout import start_front, stop_all
 from pdchat.core.generation.pass_threads import cpu_times, read_proc_stat
 from pdchat.core.settings import (
     DECODE_CPUS,
-    DECODE_DIRECT,
     FORWARD,
     LOCAL_PREFILL_WHEN_IDLE,
     MODEL,
@@ -69,24 +68,20 @@ SYSTEMS = (
     "pdchat-pd",
     "pdchat-cpus",
     "pdchat-transformers",
-    "pdchat-relay",
-    "pdchat-pd-relay",
     "pdchat-local",
     "pdchat-prefill",
 )
 # pdchat monolithic variants by the settings they run with: decode's scheduler thread on a
 # CPU of its own (decode_cpus), transformers' forward pass in place of pdchat's (forward),
-# decode's stream relayed by chat rather than taken from decode by the front (decode_direct),
 # an idle decode prefilling a lone request's prompt itself or every prompt prefill's (local_prefill_when_idle on, off).
 MONOLITHIC = {
     "pdchat": {},
     "pdchat-cpus": {DECODE_CPUS.env: "auto"},
     "pdchat-transformers": {FORWARD.env: "transformers"},
-    "pdchat-relay": {DECODE_DIRECT.env: "false"},
     "pdchat-local": {LOCAL_PREFILL_WHEN_IDLE.env: "true"},
     "pdchat-prefill": {LOCAL_PREFILL_WHEN_IDLE.env: "false"},
 }
-PD = {"pdchat-pd": {}, "pdchat-pd-relay": {DECODE_DIRECT.env: "false"}}  # P/D variants, as MONOLITHIC's
+PD = {"pdchat-pd": {}}  # P/D variants, as MONOLITHIC's
 # A run starts once the host's CPUs were busy less than this many cores over 0.2 s (wait_for_quiet_host).
 QUIET_CORES = 0.25
 QUIET_WAIT_S = 10.0  # at most this long

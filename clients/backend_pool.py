@@ -92,8 +92,8 @@ class BackendPool:
       ready once it answers; `/health` probes every server.
 
     NOTE: no request waits for a probe: a request that finds no server ready is refused at
-    once (`none_ready`). `decode_direct`: the streams stream from decode itself (setting
-    DECODE_DIRECT; GrpcChat)."""
+    once (`none_ready`). `decode_direct`: the streams stream from decode itself (GrpcChat's
+    tickets: the fronts' decode servers)."""
 
     def __init__(
         self,

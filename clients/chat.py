@@ -25,7 +25,6 @@ from pdchat.clients.decode_feed import DecodeFeed, new_feed_id
 from pdchat.clients.grpc_streams import StreamCall, StreamLoop, infer_request, output_values
 from pdchat.core.errors import ErrorCode, PdchatError, parse_tag
 from pdchat.core.output.responses import FAILED
-from pdchat.core.settings import DECODE_FEED
 
 DEFAULT_MODEL = "chat"
 # Longest wait for a server's next response (a front passes its own stall deadline).
@@ -205,13 +204,12 @@ class GrpcChat:
 
     `decode_direct` (model `chat` only): ask chat for a ticket (tensors.DECODE_TICKET) and
     stream the answer from `decode` itself, on the same gRPC stream; a route that answers
-    without decode (a prefill leg) answers as it always does. `decode_feed` (None: setting
-    DECODE_FEED): such answers take their outputs but the last through the server's
-    decode feed (pdchat.clients.decode_feed), where `outputs` names no output but the
-    response JSON, finish reason and KV transfer params (tensors.FRONT_OUTPUTS): a fed
-    output carries its response JSON only. An answer whose feed could not be opened, or
-    ended before carrying any of its outputs, is streamed unfed; one whose fed outputs the
-    feed's end lost fails Unavailable."""
+    without decode (a prefill leg) answers as it always does. Such answers take their
+    outputs but the last through the server's decode feed (pdchat.clients.decode_feed)
+    where `outputs` names no output but the response JSON, finish reason and KV transfer
+    params (tensors.FRONT_OUTPUTS, the fronts'): a fed output carries its response JSON only.
+    An answer whose feed could not be opened, or ended before carrying any of its outputs, is
+    streamed unfed; one whose fed outputs the feed's end lost fails Unavailable."""
 
     def __init__(
         self,
@@ -220,7 +218,6 @@ class GrpcChat:
         timeout_s: float = TIMEOUT_S,
         outputs: tuple[str, ...] | None = None,
         decode_direct: bool = False,
-        decode_feed: bool | None = None,
     ):
         import tritonclient.grpc as grpcclient
 
@@ -235,7 +232,7 @@ class GrpcChat:
         # What a fed output gives in full: its JSON; the others are empty until an answer's last.
         fed_only = {tensors.RESPONSE, tensors.FINISH_REASON, tensors.KV_TRANSFER_PARAMS}
         fed_ready = outputs is not None and set(outputs) <= fed_only
-        self.decode_feed = decode_direct and fed_ready and (DECODE_FEED.get() if decode_feed is None else decode_feed)
+        self.decode_feed = decode_direct and fed_ready
         wanted = outputs
         if outputs is not None and decode_direct:  # chat's answer may be a ticket, with a feed grant
             grant = (tensors.FEED_SEAL,) if self.decode_feed else ()

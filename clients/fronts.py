@@ -29,7 +29,6 @@ from pdchat.core.request.protocol import (
     utf8_json,
 )
 from pdchat.core.request.tokenize import parse_detokenize, parse_tokenize
-from pdchat.core.settings import DECODE_DIRECT
 
 # The `chat` input a body travels as (chat completions, completions), and how the front
 # validates it first (without the grammar compiler: the router has no torch).
@@ -190,7 +189,7 @@ class ServerFront(ChatFront):
     """One pdchat server's `chat` behind the OpenAI front, as vLLM serves one engine: for a
     router of its own (vllm-router, production-stack) that drives P/D itself. The body goes
     as is, `kv_transfer_params` included; a prefill answer carries them back in its JSON.
-    `decode_direct`: answers stream from the server's decode model itself (None: setting DECODE_DIRECT)."""
+    Answers stream from the server's decode model itself (tickets, through its feed)."""
 
     def __init__(
         self,
@@ -199,10 +198,8 @@ class ServerFront(ChatFront):
         stall_timeout_s: float | None = None,
         served_model_names: Sequence[str] = (),
         outputs: tuple[str, ...] | None = None,
-        decode_direct: bool | None = None,
     ):
-        direct = DECODE_DIRECT.get() if decode_direct is None else decode_direct
-        pool = BackendPool([url], role, stall_timeout_s=stall_timeout_s, outputs=outputs, decode_direct=direct)
+        pool = BackendPool([url], role, stall_timeout_s=stall_timeout_s, outputs=outputs, decode_direct=True)
         super().__init__(pool, served_model_names)
 
     async def chat(self, body: dict[str, Any], request_id: str = "", form: str = tensors.REQUEST) -> ChatStream:

@@ -27,7 +27,7 @@ from pdchat.clients.chat import ChatError, ChatOutput, ChatStream, chat_inputs
 from pdchat.clients.fronts import ChatFront
 from pdchat.clients.kv_index import BlockIndex, KVEventSource, KVEventSubscriber
 from pdchat.core.errors import ErrorCode
-from pdchat.core.settings import DECODE_DIRECT, KV_BLOCK_TOKENS
+from pdchat.core.settings import KV_BLOCK_TOKENS
 
 log = logging.getLogger("pdchat.router")
 
@@ -52,9 +52,9 @@ class PDRouter(ChatFront):
     each on a subscriber thread of its own, so what a server evicted no longer draws a
     conversation there (clients/kv_index.py); blocks of `kv_event_block_size` tokens (None:
     setting KV_BLOCK_TOKENS, as the servers read it). `outputs`: what its streams request of
-    chat (None: every output; the HTTP fronts request tensors.FRONT_OUTPUTS); `decode_direct`:
-    decode servers' answers stream from their decode model itself (None: setting DECODE_DIRECT).
-    Call close() to stop the subscribers."""
+    chat (None: every output; the HTTP fronts request tensors.FRONT_OUTPUTS). Decode servers'
+    answers stream from their decode model itself (tickets, through its feed). Call close() to
+    stop the subscribers."""
 
     POLICIES = ("prefix", "least-loaded")
 
@@ -69,7 +69,6 @@ class PDRouter(ChatFront):
         kv_events: dict[str, KVEventSource] | None = None,
         kv_event_block_size: int | None = None,
         outputs: tuple[str, ...] | None = None,
-        decode_direct: bool | None = None,
     ):
         if policy not in self.POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(self.POLICIES)}, got {policy!r}")
@@ -78,9 +77,8 @@ class PDRouter(ChatFront):
             raise ValueError("KV events feed the prefix policy: they need policy prefix")
         if unknown := sorted(set(kv_events) - set(prefill_urls)):
             raise ValueError(f"KV events of {', '.join(unknown)}, which is no prefill server here")
-        direct = DECODE_DIRECT.get() if decode_direct is None else decode_direct
         decode = BackendPool(
-            decode_urls, "decode", stall_timeout_s=stall_timeout_s, outputs=outputs, decode_direct=direct
+            decode_urls, "decode", stall_timeout_s=stall_timeout_s, outputs=outputs, decode_direct=True
         )
         super().__init__(decode, served_model_names)
         # A prefill leg's answer also gives the prompt ids the decode leg is forwarded.

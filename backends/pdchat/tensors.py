@@ -41,13 +41,13 @@ FINISH_REASON = "finish_reason"
 HEARTBEAT_MS = "heartbeat_ms"
 # Request parameter of chat (a bool): where chat would relay decode's stream, it answers once with
 # decode's sealed inputs instead (DECODE_TICKET_OUTPUTS, a ticket), and the caller streams the answer
-# from `decode` on the same server itself, sending it those outputs as inputs (the OpenAI fronts do,
-# setting decode_direct). A ticket opens decode once, within stage_seal_ttl_s.
+# from `decode` on the same server itself, sending it those outputs as inputs (the OpenAI fronts
+# do). A ticket opens decode once, within stage_seal_ttl_s.
 DECODE_TICKET = "decode_ticket"
-# decode's feed: a caller streaming many answers from decode at once (the OpenAI fronts, setting
-# decode_feed) opens one request whose parameter DECODE_FEED_OPEN names the feed (a random string)
-# and whose STAGE_SEAL is a feed grant: chat answers a ticket request whose parameter
-# DECODE_FEED_GRANT names a feed with FEED_SEAL, a seal that opens decode's feed of that name once.
+# decode's feed: a caller streaming many answers from decode at once (the OpenAI fronts) opens
+# one request whose parameter DECODE_FEED_OPEN names the feed (a random string) and whose
+# STAGE_SEAL is a feed grant: chat answers a ticket request whose parameter DECODE_FEED_GRANT
+# names a feed with FEED_SEAL, a seal that opens decode's feed of that name once.
 # The feed request carries nothing else and ends when its caller cancels it (or decode gives its
 # place to a new feed while no stream names it: pdchat.core.output.feeds.DecodeFeeds).
 # Each ticket request that names the feed (parameters DECODE_FEED, and DECODE_FEED_KEY, its own

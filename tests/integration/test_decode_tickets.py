@@ -20,11 +20,9 @@ from tritonclient.utils import np_to_triton_dtype
 from pdchat import tensors
 from pdchat.clients.chat import ChatError, GrpcChat, chat_inputs, collect
 from pdchat.clients.decode_feed import DecodeFeed
-from pdchat.clients.fronts import ServerFront
 from pdchat.core.errors import ErrorCode
 from pdchat.core.output.feeds import DecodeFeeds
 from tests.conversations import PARITY_CASES, chat_body
-from tests.integration.helpers import blocking
 
 
 def stream_raw(server, model, arrays, parameters=None, outputs=None):
@@ -172,13 +170,6 @@ def test_direct_completions_answer_as_relayed_ones(server):
     assert relayed == direct and relayed[-1][1] == "length"
 
 
-def test_a_front_with_decode_direct_off_relays_through_chat(server):
-    body = chat_body("single_turn", max_tokens=6, temperature=0)
-    direct = [o.response["choices"] for o in blocking(ServerFront(server.grpc_url, decode_direct=True).chat(body))]
-    relayed = [o.response["choices"] for o in blocking(ServerFront(server.grpc_url, decode_direct=False).chat(body))]
-    assert direct == relayed and direct[0][0]["message"]["content"]
-
-
 def test_a_refusal_of_chat_reaches_a_direct_client_as_chat_s_error(server):
     client = GrpcChat(server.grpc_url, decode_direct=True)
     with pytest.raises(ChatError) as info:
@@ -186,28 +177,19 @@ def test_a_refusal_of_chat_reaches_a_direct_client_as_chat_s_error(server):
     assert info.value.code is ErrorCode.INVALID_ARG and "max_tokens" in str(info.value)
 
 
-def front_answer(server, body, decode_feed):
-    client = GrpcChat(server.grpc_url, outputs=tensors.FRONT_OUTPUTS, decode_direct=True, decode_feed=decode_feed)
-    assert client.decode_feed is decode_feed
+def front_answer(server, body, fed):
+    """What a front reads of one answer: streamed from decode through its feed (`fed`), or
+    relayed by chat (the reference)."""
+    client = GrpcChat(server.grpc_url, outputs=tensors.FRONT_OUTPUTS, decode_direct=fed)
+    assert client.decode_feed is fed
     return [(o.response.get("choices"), o.finish_reason) for o in collect(client.stream(chat_inputs(body))).outputs]
-
-
-@pytest.mark.parametrize(
-    ("case", "stream"), [("tool_required", True), ("reasoning_open", False), ("stop_strings", True)]
-)
-def test_answers_through_decode_s_feed_are_those_of_its_own_stream(server, case, stream):
-    """The feed changes how decode's outputs travel (one response per step for every fed
-    stream), not what they say, nor their order."""
-    body = {**PARITY_CASES[case], "max_tokens": 24, "temperature": 0, "stream": stream}
-    fed = front_answer(server, body, decode_feed=True)
-    assert fed == front_answer(server, body, decode_feed=False) and fed[-1][1]
 
 
 def test_concurrent_answers_share_the_feed_each_getting_its_own(server):
     bodies = [chat_body("single_turn", max_tokens=8 + i, temperature=0, stream=True) for i in range(6)]
-    alone = [front_answer(server, body, decode_feed=False) for body in bodies]
+    alone = [front_answer(server, body, fed=False) for body in bodies]
     with ThreadPoolExecutor(len(bodies)) as pool:
-        together = list(pool.map(lambda body: front_answer(server, body, decode_feed=True), bodies))
+        together = list(pool.map(lambda body: front_answer(server, body, fed=True), bodies))
     assert together == alone
 
 
@@ -216,8 +198,8 @@ def test_a_feed_that_ends_mid_answer_loses_no_output_silently_then_a_new_one_ser
     feed (outputs decode sent through it were lost) or, where decode noticed before sending
     any more through it, streams the rest unfed and equals the unfed answer; never a short one."""
     body = chat_body("single_turn", max_tokens=400, temperature=0, stream=True)
-    unfed = front_answer(server, body, decode_feed=False)
-    client = GrpcChat(server.grpc_url, outputs=tensors.FRONT_OUTPUTS, decode_direct=True, decode_feed=True)
+    unfed = front_answer(server, body, fed=False)
+    client = GrpcChat(server.grpc_url, outputs=tensors.FRONT_OUTPUTS, decode_direct=True)
     outputs = client.stream(chat_inputs(body))
     first = next(outputs)
     feed = DecodeFeed.current(server.grpc_url)
@@ -231,7 +213,7 @@ def test_a_feed_that_ends_mid_answer_loses_no_output_silently_then_a_new_one_ser
         assert [(o.response.get("choices"), o.finish_reason) for o in [first, *rest]] == unfed
     time.sleep(DecodeFeed.RETRY_S)
     body = chat_body("single_turn", max_tokens=6, temperature=0, stream=True)
-    assert front_answer(server, body, decode_feed=True) == front_answer(server, body, decode_feed=False)
+    assert front_answer(server, body, fed=True) == front_answer(server, body, fed=False)
     assert DecodeFeed.current(server.grpc_url) not in (None, feed)
 
 
@@ -320,7 +302,7 @@ def test_idle_feeds_held_by_another_caller_keep_no_front_s_feed_out(server):
         assert arrived.empty()  # all 64 held, none refused
         body = chat_body("single_turn", max_tokens=6, temperature=0, stream=True)
         time.sleep(DecodeFeed.RETRY_S)  # past an earlier test's feed end
-        assert front_answer(server, body, decode_feed=True) == front_answer(server, body, decode_feed=False)
+        assert front_answer(server, body, fed=True) == front_answer(server, body, fed=False)
         feed = DecodeFeed.current(server.grpc_url)
         assert feed is not None and not feed.ended  # the front's own feed was opened
         result, error = arrived.get(timeout=30)  # the idle feed whose place it took ended

@@ -291,7 +291,7 @@ def fed_stream(feed_server, grant: bool = True):
     """A front's answer (read on a thread into `taken`) whose chat answered with a ticket
     (and a feed grant, with `grant`); returns its thread, `taken`, and decode's request."""
     url, servicer = feed_server
-    chat = GrpcChat(url, timeout_s=10, outputs=tensors.FRONT_OUTPUTS, decode_direct=True, decode_feed=True)
+    chat = GrpcChat(url, timeout_s=10, outputs=tensors.FRONT_OUTPUTS, decode_direct=True)
     taken: list = []
 
     def read():

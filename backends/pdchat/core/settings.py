@@ -723,28 +723,6 @@ STALL_TIMEOUT_S = Setting(
     "queue_timeout_s) is silence too: keep it above stage_stall_timeout_s, so that a server's own clear error "
     "arrives first.",
 )
-DECODE_DIRECT = Setting(
-    "decode_direct",
-    None,
-    "PDCHAT_DECODE_DIRECT",
-    "true",
-    FLAG,
-    ("router", "openai"),
-    "Stream each answer from a server's `decode` model itself: `chat` routes the request (the gate, the render, "
-    "prefill) and answers with decode's sealed inputs, a ticket that opens decode once, and no token passes "
-    "through `chat`. false: `chat` relays decode's stream.",
-)
-DECODE_FEED = Setting(
-    "decode_feed",
-    None,
-    "PDCHAT_DECODE_FEED",
-    "true",
-    FLAG,
-    ("router", "openai"),
-    "Where answers stream from decode itself (decode_direct): take every answer's outputs but the last from one "
-    "feed per decode server, one response per decode step for all of them, instead of a response per output "
-    "on each answer's own stream. false: each answer's own stream carries all its outputs.",
-)
 DRAIN_TIMEOUT_S = Setting(
     "drain_timeout_s",
     None,
