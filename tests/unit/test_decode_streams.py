@@ -172,3 +172,20 @@ def test_a_whole_answer_gets_a_heartbeat_after_its_quiet_time(parts):
     streams.send(whole, delta("b"))
     streams.send(whole, delta("c"))  # within a second of the beat: none
     assert transport.log == {"sender-r1": [("beat",)]}
+
+
+def test_an_engine_s_callbacks_hand_each_event_over_in_order(parts):
+    """The engine calls a stream's callbacks on its own thread: each hands its work over
+    (decode's model: to its outbox thread), where the stream's sends happen."""
+    streams, transport, observer, _, _, _ = parts
+    posted = []
+    one = stream()
+    callbacks = streams.callbacks(one, lambda function, *args: posted.append((function, args)))
+    callbacks.started()
+    callbacks.emit(delta("a"))
+    callbacks.emit(delta("b", "stop"))
+    assert transport.log == {} and len(posted) == 3  # nothing ran on the engine's thread
+    for function, args in posted:
+        function(*args)
+    assert transport.log == {"sender-r1": [("output", "a", False, None), ("output", "b", True, None)]}
+    assert observer.events[0] == ("started",) and observer.events[-1] == ("ended", "r1", "finished", True)

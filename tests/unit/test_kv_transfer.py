@@ -389,6 +389,23 @@ def test_a_prefetched_handover_pulls_once_and_serves_any_tail_from_memory(tmp_pa
         puller.close()
 
 
+def test_decode_s_source_counts_each_pull_and_gives_none_for_kv_it_cannot_have(directory):
+    """decode recomputes the prompt from the ids where the KV cannot be had: the source says
+    None, counted "recomputed"; a pull that worked is counted "pulled"."""
+    prefill, decode = Connectors(directory=directory), Connectors(directory=directory)
+    counted: list[str] = []
+    try:
+        shm = prefill.get("shm")
+        fields = KVHandover(decode, shm.publish(kv(), 1)).decode_source("r1", counted.append)
+        assert fields["prefetch_kv"] is None  # shm's pull waits on nothing
+        assert np.array_equal(fields["kv_source"](0), kv()) and counted == ["pulled"]
+        gone = KVHandover(decode, dataclasses.replace(shm.publish(kv(), 2), expires_at=time.time() - 1))
+        assert gone.decode_source("r2", counted.append)["kv_source"](0) is None and counted == ["pulled", "recomputed"]
+    finally:
+        decode.close()
+        prefill.close()
+
+
 def test_decode_pulling_only_the_blocks_it_lacks_decodes_what_a_full_pull_does(tiny_model_dir, tmp_path):
     """Decode caches turn 1's prompt; turn 2's KV is pulled from its first uncached token and
     the answer equals a decode server that pulled it all (greedy, fp32)."""

@@ -17,6 +17,7 @@ from pdchat import tensors
 from pdchat.core import settings
 from pdchat.core.errors import ErrorCode, InvalidRequest, error_code, parse_tag, tagged_message
 from pdchat.core.kv.base import KVHandle
+from pdchat.core.output.decode_streams import DecodeStream
 from pdchat.core.output.responses import FAILED, ClientOutput
 from pdchat.core.request.protocol import (
     ChatRequest,
@@ -302,6 +303,22 @@ def _triton_error(code: ErrorCode, message: str) -> pb_utils.TritonError:
 
 def error_response(exc: Exception) -> pb_utils.InferenceResponse:
     return pb_utils.InferenceResponse(error=triton_error(exc))
+
+
+def decode_stream(request, sender, key: str, assembler, *, given_first: bool, kv) -> DecodeStream:
+    """decode's stream of `request` (its requested outputs, heartbeats and feed) under `key`."""
+    feed, feed_key = feed_named(request)
+    return DecodeStream(
+        key,
+        sender,
+        assembler,
+        requested_client_outputs(request),
+        heartbeat_s(request),
+        given_first=given_first,
+        kv=kv,
+        feed=feed,
+        feed_key=feed_key,
+    )
 
 
 class StreamTransport:

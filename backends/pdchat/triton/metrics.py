@@ -370,13 +370,19 @@ def _counter(name: str, description: str):
     return pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.COUNTER)
 
 
-class StreamMetrics:
-    """decode's streams' observer (core.output.decode_streams.StreamObserver): pdchat's
-    metrics and vLLM's names."""
+class DecodeServerMetrics:
+    """Every metric of one decode instance, in pdchat's names and vLLM's: its streams'
+    observer (core.output.decode_streams.StreamObserver), the engine's state and pool, KV
+    pulls and the engine's path (EngineInfo). Call from the outbox thread."""
 
-    def __init__(self, decode: DecodeMetrics, vllm: VllmMetrics):
-        self.decode = decode
-        self.vllm = vllm
+    def __init__(self, model_name: str, instance_name: str, served_name: str, path):
+        self.decode = DecodeMetrics(model_name)
+        self.pool = KVPoolMetrics(model_name, instance_name)
+        self.vllm = VllmMetrics(served_name, instance_name)  # vLLM's names
+        self.info = EngineInfo(model_name, instance_name, path)
+
+    def arrived(self, key: str, now: float) -> None:
+        self.vllm.arrived(key, now)
 
     def started(self) -> None:
         self.decode.started()
@@ -387,3 +393,17 @@ class StreamMetrics:
     def ended(self, key: str, outcome: str, started: bool) -> None:
         self.decode.ended(outcome, started)
         self.vllm.ended(key, outcome == "finished")
+
+    def kv_pull(self, outcome: str) -> None:
+        self.decode.kv_pull(outcome)
+
+    def state(self, state, usage) -> None:
+        """The engine's state (core.engine_api.EngineState) and its pool's usage."""
+        self.decode.scheduler(state.waiting, state.kv_bytes)
+        self.pool.update(usage)
+        self.vllm.pool(usage)
+        self.vllm.requests(state.running, state.waiting)
+
+    def close(self) -> None:
+        for part in (self.decode, self.pool, self.vllm, self.info):
+            part.close()

@@ -1,16 +1,13 @@
 """decode (decoupled): sealed prompt ids + prefill's KV and first token -> streamed answer.
 
-Without KV it prefills locally, in chunks between decode steps; a KV handle it cannot
-pull (expired, prefill gone) is recomputed from the ids, never re-rendered; the KV of a
-request that ends before decode pulled it (cancelled, failed or expired in the queue) is
-discarded at once (KVHandover), not left to its TTL. The engine (core.engine_api; pdchat's
-advances all running requests in one forward pass per step) decodes; execute() only
-validates and queues. Every call into the server (responses, errors, cancel
-acknowledgements, cancellation checks, metrics) runs on the outbox thread
-(pdchat.triton.outbox), in order, while the engine's thread runs the next forward pass.
-A request carrying only `cancel_request_id` (sealed by chat) stops the named request instead.
-With `first_output_sent` (and a KV handle), its client has the stream's first output from
-prefill already (TextModel.first_output): decode makes it too, and does not send it.
+execute() checks each request's seal and hands it to the engine (core.engine_api), with its
+stream (core.output.decode_streams) as the callbacks' target. Without KV the engine prefills
+the prompt itself; KV it cannot pull is recomputed from the ids, never re-rendered; KV of a
+request that ends before its pull is discarded at once (KVHandover). Every call into the
+server (responses, cancellation checks, metrics) runs on the outbox thread
+(pdchat.triton.outbox), in order, while the engine runs its next pass. A request with only
+`cancel_request_id` (sealed by chat) stops the named request; one with `decode_feed_open`
+(and chat's grant) opens a feed (core.output.feeds).
 """
 
 import functools
@@ -21,11 +18,11 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
-from pdchat.core.engine_api import DECODE, DecodeCallbacks, DecodeRequest, EngineHooks
+from pdchat.core.engine_api import DECODE, DecodeRequest, EngineHooks
 from pdchat.core.engines import open_engine
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.generation.sampling import Choice
-from pdchat.core.kv.connector import Connectors, KVHandover, KVUnavailable
+from pdchat.core.kv.connector import Connectors, KVHandover
 from pdchat.core.output.decode_streams import DecodeStream, DecodeStreams
 from pdchat.core.output.feeds import DecodeFeeds
 from pdchat.core.settings import batching_options, keep_off_decode_cpus, kv_options
@@ -34,7 +31,7 @@ from pdchat.ensemble.seal import StageSeal, server_directory
 from pdchat.models import resolve_model
 from pdchat.triton import io
 from pdchat.triton.kv_events import KVEvents
-from pdchat.triton.metrics import DecodeMetrics, EngineInfo, KVPoolMetrics, StreamMetrics, VllmMetrics
+from pdchat.triton.metrics import DecodeServerMetrics
 from pdchat.triton.outbox import Outbox
 from pdchat.triton.server_watch import exit_with_server
 
@@ -49,40 +46,24 @@ class TritonPythonModel:
         cpus = keep_off_decode_cpus(parameters)  # the scheduler thread takes cpus.decode
         kind, device_id = io.instance_placement(args)
         if kind == "GPU" and device_id > 0:
-            log.warning(
-                "decode runs an instance per GPU here; chat's cancellations reach the instance they land on, "
-                "not always the request's: run a server per GPU (CUDA_VISIBLE_DEVICES)"
-            )
+            log.warning("an instance per GPU: chat's cancellations reach one instance; run a server per GPU")
         settings = resolve_model(parameters).on_instance(kind, device_id)
-        self.engine = open_engine(DECODE, settings, parameters, args["model_instance_name"], cpus)
-        pb_utils.Logger.log_info(f"{args['model_instance_name']}: {self.engine.path.describe()}")
-        self.engine_info = EngineInfo(args["model_name"], args["model_instance_name"], self.engine.path)
+        instance = args["model_instance_name"]
+        self.engine = open_engine(DECODE, settings, parameters, instance, cpus)
+        pb_utils.Logger.log_info(f"{instance}: {self.engine.path.describe()}")
+        self.metrics = DecodeServerMetrics(args["model_name"], instance, settings.served_name, self.engine.path)
         self.seal = StageSeal.for_this_server()
         self.connectors = Connectors(**kv_options(parameters))
         self.kv_events = KVEvents("decode", parameters, args, self.engine.kv_pool)  # off unless its endpoint is set
-        self.metrics = DecodeMetrics(args["model_name"])
-        self.pool_metrics = KVPoolMetrics(args["model_name"], args["model_instance_name"])
-        self.vllm_metrics = VllmMetrics(settings.served_name, args["model_instance_name"])  # vLLM's names
         # About one step's responses may wait for the outbox before the engine waits too.
         self.outbox = Outbox("pdchat-decode-outbox", max_pending=2 * batching_options(parameters).max_running)
         self.feeds = DecodeFeeds(io.StreamTransport(), on_closed=self.outbox.unwatch)  # on the outbox thread
         # What chat reads to let an idle decode prefill a prompt itself (setting local_prefill_when_idle).
-        capacity = self.engine.kv_capacity_tokens
-        self.load = LoadSlot(server_directory(os.getppid()), args["model_instance_name"], capacity)
-        self.streams = DecodeStreams(
-            io.StreamTransport(),
-            StreamMetrics(self.metrics, self.vllm_metrics),
-            self.feeds,
-            cancel=self.engine.cancel,
-            unwatch=self.outbox.unwatch,
-        )
-        self.engine.start(
-            EngineHooks(
-                on_state=self._on_state,
-                on_load=self.load.set,
-                on_emitted=functools.partial(self.outbox.call, self.feeds.flush),
-            )
-        )
+        self.load = LoadSlot(server_directory(os.getppid()), instance, self.engine.kv_capacity_tokens)
+        transport = io.StreamTransport()
+        self.streams = DecodeStreams(transport, self.metrics, self.feeds, self.engine.cancel, self.outbox.unwatch)
+        flush = functools.partial(self.outbox.call, self.feeds.flush)
+        self.engine.start(EngineHooks(on_state=self._on_state, on_load=self.load.set, on_emitted=flush))
 
     def execute(self, requests):
         for request in requests:
@@ -108,13 +89,10 @@ class TritonPythonModel:
         self.engine.close()
         self.load.close()
         self.kv_events.close()
-        self.engine_info.close()
         self.outbox.call(self.feeds.close_all)
         self.outbox.close()
         self.connectors.close()
         self.metrics.close()
-        self.pool_metrics.close()
-        self.vllm_metrics.close()
 
     def _decode(self, request, sender) -> None:
         """Hand the request to the engine, with its stream's callbacks."""
@@ -137,51 +115,21 @@ class TritonPythonModel:
             raise InvalidRequest(f"the KV handle's first token {first.token_id} is not in this model's vocabulary")
         # The client has prefill's first output already: decode's first delta is not sent again.
         first_sent = first is not None and bool(io.input_scalar(request, tensors.FIRST_OUTPUT_SENT))
-        feed, feed_key = io.feed_named(request)
-        stream = DecodeStream(
-            params.request_id,
-            sender,
-            engine.assembler(ids, params, first_output_sent=first_sent),
-            io.requested_client_outputs(request),
-            io.heartbeat_s(request),
-            given_first=first is not None,
-            kv=kv,
-            feed=feed,
-            feed_key=feed_key,
-        )
-        self.outbox.call(functools.partial(self.vllm_metrics.arrived, stream.key, time.monotonic()))
-
+        assembler = engine.assembler(ids, params, first_output_sent=first_sent)
+        stream = io.decode_stream(request, sender, params.request_id, assembler, given_first=first is not None, kv=kv)
+        self.outbox.call(functools.partial(self.metrics.arrived, stream.key, time.monotonic()))
         self.outbox.watch(stream, sender.is_cancelled, functools.partial(self._client_left, stream))
-        engine.decode(
-            DecodeRequest(
-                stream.key,
-                ids,
-                params,
-                first=first,
-                kv_source=None if kv is None else functools.partial(self._pull, kv, params.request_id),
-                on_kv_released=None if kv is None else kv.done,
-                # A pull that waits on the network (NIXL) runs before the request joins, off the engine's thread.
-                prefetch_kv=kv.prefetch if kv is not None and kv.pull_waits else None,
-                cached_tokens=0 if handle is None else handle.cached_tokens,
-            ),
-            DecodeCallbacks(
-                started=functools.partial(self._on_outbox, self.streams.started, stream),
-                emit=functools.partial(self._on_outbox, self.streams.send, stream),
-                fail=functools.partial(self._on_outbox, self.streams.close, stream, "failed"),
-                cancelled=functools.partial(self._on_outbox, self.streams.close, stream, "cancelled"),
-            ),
-        )
+        source = {} if kv is None else kv.decode_source(stream.key, functools.partial(self._post, self.metrics.kv_pull))
+        cached = 0 if handle is None else handle.cached_tokens
+        request = DecodeRequest(stream.key, ids, params, first=first, cached_tokens=cached, **source)
+        engine.decode(request, self.streams.callbacks(stream, self._post))
 
-    def _on_outbox(self, function, *args) -> None:
+    def _post(self, function, *args) -> None:
         """From the engine's thread: `function(*args)` on the outbox thread, in order."""
         self.outbox.call(functools.partial(function, *args))
 
     def _on_state(self, state) -> None:
-        self.outbox.call(functools.partial(self.metrics.scheduler, state.waiting, state.kv_bytes))
-        usage = self.engine.pool_usage()
-        self.outbox.call(functools.partial(self.pool_metrics.update, usage))
-        self.outbox.call(functools.partial(self.vllm_metrics.pool, usage))
-        self.outbox.call(functools.partial(self.vllm_metrics.requests, state.running, state.waiting))
+        self.outbox.call(functools.partial(self.metrics.state, state, self.engine.pool_usage()))
 
     # On the outbox thread:
 
@@ -192,15 +140,3 @@ class TritonPythonModel:
     def _open_feed(self, feed: str, sender) -> None:
         if self.feeds.open(feed, sender):
             self.outbox.watch(feed, sender.is_cancelled, functools.partial(self.feeds.close, feed))
-
-    def _pull(self, handover: KVHandover, request_id, start_token):
-        """The KV a handle names, of its tokens from `start_token` on (those before are in
-        decode's prefix cache), or None (decode then recomputes it from the ids)."""
-        try:
-            kv = handover.pull(start_token)
-        except KVUnavailable as exc:
-            log.warning("request %s: KV pull failed, recomputing prefill from the forwarded ids: %s", request_id, exc)
-            self.outbox.call(functools.partial(self.metrics.kv_pull, "recomputed"))
-            return None
-        self.outbox.call(functools.partial(self.metrics.kv_pull, "pulled"))
-        return kv

@@ -7,6 +7,7 @@ decode's hold on one request's handle (`KVHandover`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -188,6 +189,29 @@ class KVHandover:
         if prefetched is not None:
             return tokens_from(prefetched, start_token) if start_token else prefetched
         return self._connectors.pull(self.handle, start_token)
+
+    def decode_source(self, request_id: str, counted: Callable[[str], None]) -> dict[str, Any]:
+        """The KV fields of decode's DecodeRequest (core.engine_api): its source (pull_or_none),
+        its release (done) and, where the pull waits on the network (NIXL), its prefetch, which
+        the engine runs before the request joins, off its stepping thread."""
+        return {
+            "kv_source": functools.partial(self.pull_or_none, request_id=request_id, counted=counted),
+            "on_kv_released": self.done,
+            "prefetch_kv": self.prefetch if self.pull_waits else None,
+        }
+
+    def pull_or_none(self, start_token: int, *, request_id: str, counted: Callable[[str], None]) -> np.ndarray | None:
+        """The KV of tokens from `start_token` on, or None where it cannot be had (expired,
+        prefill gone: decode then computes the prompt from the ids, never rendering it again);
+        `counted("pulled")` or `counted("recomputed")`, the failure logged."""
+        try:
+            kv = self.pull(start_token)
+        except KVUnavailable as exc:
+            log.warning("request %s: KV pull failed, recomputing prefill from the forwarded ids: %s", request_id, exc)
+            counted("recomputed")
+            return None
+        counted("pulled")
+        return kv
 
     def done(self) -> None:
         """The pulled KV is no longer read (Connectors.done)."""

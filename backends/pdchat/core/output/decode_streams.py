@@ -12,12 +12,14 @@ server process for its streams; the scheduler thread hands deltas over to it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pdchat.core.engine_api import DecodeCallbacks
 from pdchat.core.output.feeds import DecodeFeeds, FeedTransport
 from pdchat.core.output.responses import ClientOutput, Delta
 
@@ -99,6 +101,16 @@ class DecodeStreams:
         self._cancel = cancel
         self._unwatch = unwatch
         self._clock = clock
+
+    def callbacks(self, stream: DecodeStream, post: Callable[..., None]) -> DecodeCallbacks:
+        """An engine's callbacks for `stream`: each hands its work to `post(function, *args)`,
+        which runs it on the outbox thread (the engine calls them on a thread of its own)."""
+        return DecodeCallbacks(
+            started=functools.partial(post, self.started, stream),
+            emit=functools.partial(post, self.send, stream),
+            fail=functools.partial(post, self.close, stream, "failed"),
+            cancelled=functools.partial(post, self.close, stream, "cancelled"),
+        )
 
     def started(self, stream: DecodeStream) -> None:
         stream.started = True
