@@ -399,8 +399,10 @@ def test_decode_s_source_counts_each_pull_and_gives_none_for_kv_it_cannot_have(d
         fields = KVHandover(decode, shm.publish(kv(), 1)).decode_source("r1", counted.append)
         assert fields["prefetch_kv"] is None  # shm's pull waits on nothing
         assert np.array_equal(fields["kv_source"](0), kv()) and counted == ["pulled"]
-        gone = KVHandover(decode, dataclasses.replace(shm.publish(kv(), 2), expires_at=time.time() - 1))
-        assert gone.decode_source("r2", counted.append)["kv_source"](0) is None and counted == ["pulled", "recomputed"]
+        gone = KVHandover(decode, shm.publish(kv(), 2))
+        source = gone.decode_source("r2", counted.append)["kv_source"]
+        gone.end()  # its request ended before the pull: the KV is discarded, a pull gets none
+        assert source(0) is None and counted == ["pulled", "recomputed"]
     finally:
         decode.close()
         prefill.close()
