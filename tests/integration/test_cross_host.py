@@ -14,7 +14,10 @@ from tests.integration import netns
 from tests.integration.conftest import TEST_POOLS, at_once
 from tests.integration.helpers import blocking, metric
 
-pytestmark = pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 for network namespaces")
+pytestmark = [
+    pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 for network namespaces"),
+    pytest.mark.faults,
+]
 BODY = {"max_tokens": 10, "temperature": 0, **PARITY_CASES["multi_turn"]}
 
 

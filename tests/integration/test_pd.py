@@ -464,6 +464,7 @@ def serves(stack) -> bool:
         return False
 
 
+@pytest.mark.faults
 def test_a_stopped_decode_server_ends_streams_at_the_stall_deadline_and_gets_no_requests_until_it_continues(
     stack, restart_router
 ):
@@ -494,6 +495,7 @@ def test_a_stopped_decode_server_ends_streams_at_the_stall_deadline_and_gets_no_
     assert wait_for(lambda: metric(decode, "pdchat_decode_active") == 0)
 
 
+@pytest.mark.faults
 def test_a_stopped_prefill_server_costs_one_stall_then_decode_serves_whole(stack, restart_router):
     prefill = stack.prefill
     stats = router_health(stack)["stats"]
@@ -515,6 +517,7 @@ def test_a_stopped_prefill_server_costs_one_stall_then_decode_serves_whole(stack
     assert after["disaggregated"] == stats["disaggregated"] + 1, "prefill did not come back"
 
 
+@pytest.mark.faults
 def test_a_whole_answer_longer_than_the_stall_deadline_still_arrives(stack, restart_router):
     """Nothing of a whole answer comes before its end: decode's heartbeats, relayed by chat,
     keep the router's wait for the next response under STALL_S."""
@@ -526,6 +529,7 @@ def test_a_whole_answer_longer_than_the_stall_deadline_still_arrives(stack, rest
     assert took > 2 * STALL_S, f"the answer took {took:.1f} s: too short to show the deadline was kept"
 
 
+@pytest.mark.faults
 def test_sigterm_drains_the_router_then_it_exits(stack, restart_router):
     short = StreamReader(stack.router_url, {**SHORT, "max_tokens": 16})
     endless = StreamReader(stack.router_url, ENDLESS)
@@ -547,6 +551,7 @@ def test_sigterm_drains_the_router_then_it_exits(stack, restart_router):
     restart_router()
 
 
+@pytest.mark.faults
 def test_post_drain_from_this_host_drains_then_stops_the_router(stack, restart_router):
     """The red team's unauthenticated POST /drain left the router up answering 503 for good;
     now it needs the API key or a client on this host, and a drained router exits (0), for
@@ -558,6 +563,7 @@ def test_post_drain_from_this_host_drains_then_stops_the_router(stack, restart_r
     restart_router(short=False)
 
 
+@pytest.mark.faults
 def test_prefill_dying_then_dead_falls_back_to_decode_alone_and_decode_dead_is_a_503(stack, monolithic_answers):
     """Last: it kills both servers. Requests run whole on decode, with the same answers."""
     import threading

@@ -13,10 +13,14 @@ import signal
 import threading
 import time
 
+import pytest
+
 from benchmarks import load
 from pdchat.launcher import process_group
 from tests.integration.conftest import running_server
 from tests.integration.helpers import metric, wait_for
+
+pytestmark = pytest.mark.faults
 
 EXIT_TIMEOUT_S = 3
 

@@ -24,6 +24,8 @@ from pdchat.launcher import SHM_DIR, free_port, process_group, python_stubs
 from tests.integration.conftest import TEST_POOLS
 from tests.integration.helpers import executions, wait_for
 
+pytestmark = pytest.mark.faults
+
 READY = re.compile(r"prefill gRPC (\S+) pid (\d+), decode gRPC \S+ pid (\d+), router pid (\d+)")
 BODY = {"messages": [{"role": "user", "content": "Go on"}], "max_tokens": 32, "ignore_eos": True}
 KV_SWEPT_WITHIN_S = 5.0  # what survivors sweep every second must be gone by then
