@@ -171,6 +171,36 @@ def test_a_request_larger_than_the_pool_is_refused_and_the_rest_wait_their_turn(
     client.close()
 
 
+def test_a_burst_of_long_prompts_waits_for_prefill_s_blocks_and_none_fails(small_pool_server):
+    """Prefill's pool (32 blocks) had no admission: six prompts of ~14 blocks each at once
+    could exhaust it midway and fail. Now each waits for room and every one is answered (or,
+    past queue_timeout_s, refused UNAVAILABLE naming prefill_kv_mb: never another failure)."""
+    results: list = []
+
+    def run(index: int) -> None:
+        own = GrpcChat(small_pool_server.grpc_url)
+        words = " ".join(f"river{index}-{n}" for n in range(70))  # its own blocks: no prefix is shared
+        body = {"messages": [{"role": "user", "content": words}], "max_tokens": 2, "temperature": 0}
+        try:
+            results.append(collect(own.stream(chat_inputs(body))))
+        except Exception as exc:  # noqa: BLE001 - a refusal is an answer too, checked below
+            results.append(exc)
+        finally:
+            own.close()
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    refused = [r for r in results if isinstance(r, Exception)]
+    assert len(results) == 6
+    assert all(getattr(r, "code", None) is ErrorCode.UNAVAILABLE and "prefill_kv_mb" in str(r) for r in refused), (
+        refused
+    )
+    assert len(refused) < 6 and all(len(r.prompt_token_ids) > 12 * BLOCK_TOKENS for r in results if r not in refused)
+
+
 def test_each_stage_instance_names_its_execution_path_in_a_metric(server):
     """pdchat_engine_info{path} = 1 per prefill and decode instance: the tiny Llama runs
     pdchat's own forward (with the C kernels where the stage runs one torch thread)."""

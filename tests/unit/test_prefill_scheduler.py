@@ -3,7 +3,7 @@ one sent first; a failing prompt fails alone and gives its blocks back."""
 
 import threading
 
-from pdchat.core.generation.prefill_scheduler import PrefillScheduler, PrefillTask
+from pdchat.core.generation.prefill_scheduler import PrefillLimits, PrefillScheduler, PrefillTask
 
 
 class Chunks:
@@ -66,3 +66,66 @@ def test_a_prompt_refused_at_start_does_not_stop_the_others():
     assert done.wait(10)
     scheduler.close()
     assert ended == ["prompt too long", "ok:done"]
+
+
+def admitted(limits, jobs):
+    """Run `jobs` ((name, tokens, chunks)) through a scheduler with `limits`; each outcome as
+    it ends, and each prompt's first chunk in `log`."""
+    log, ended, all_done = [], [], threading.Event()
+
+    def record(outcome):
+        ended.append(outcome)
+        if len(ended) == len(jobs):
+            all_done.set()
+
+    scheduler = PrefillScheduler(limits=limits)
+    for name, tokens, chunks in jobs:
+        task = PrefillTask(
+            start=lambda name=name, chunks=chunks: Chunks(name, chunks, log),
+            done=record,
+            fail=lambda exc: record(f"{type(exc).__name__}: {exc}"),
+            tokens=tokens,
+        )
+        scheduler.submit(task)
+    assert all_done.wait(10)
+    scheduler.close()
+    return ended, log
+
+
+def test_a_prompt_starts_once_its_blocks_fit_beside_those_in_progress():
+    """Prefill's pool had no admission: concurrent long prompts could exhaust it and fail
+    midway. Now the second of two prompts that do not fit together waits for the first, and
+    the prompts after it wait their turn (oldest first)."""
+    limits = PrefillLimits(kv_blocks=10, block_tokens=16, max_wait_s=30)
+    ended, log = admitted(limits, [("a", 100, 3), ("b", 100, 1), ("c", 10, 1)])  # 7 + 7 > 10
+    assert ended == ["a:done", "b:done", "c:done"]
+    assert log == ["a", "a", "a", "b", "c"], "b started only once a had ended"
+
+
+def test_a_prompt_larger_than_the_pool_fails_at_once_and_one_that_waits_too_long_fails_naming_the_limit():
+    limits = PrefillLimits(kv_blocks=10, block_tokens=16, max_wait_s=0.05)
+    ended, _ = admitted(limits, [("huge", 200, 1)])
+    assert ended == [
+        "Unavailable: a prompt of 200 tokens needs 13 KV blocks, more than prefill's whole KV pool of 10 blocks (prefill_kv_mb)"
+    ]
+
+    class Slow(Chunks):
+        def step(self):
+            threading.Event().wait(0.05)
+            return super().step()
+
+    log, ended, both = [], [], threading.Event()
+    scheduler = PrefillScheduler(limits=limits)
+    for name, tokens, chunks in (("long", 150, 6), ("late", 100, 1)):
+        scheduler.submit(
+            PrefillTask(
+                start=lambda name=name, chunks=chunks: Slow(name, chunks, log),
+                done=lambda r: (ended.append(r), len(ended) == 2 and both.set()),
+                fail=lambda exc: (ended.append(str(exc)), len(ended) == 2 and both.set()),
+                tokens=tokens,
+            )
+        )
+    assert both.wait(10)
+    scheduler.close()
+    assert ended[0].startswith("prefill's KV pool stayed full for 0.05 s") and "(prefill_kv_mb)" in ended[0]
+    assert ended[1] == "long:done" and "late" not in log

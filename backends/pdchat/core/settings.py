@@ -443,8 +443,9 @@ PREFILL_KV_MB = Setting(
     "512",
     NUMBER,
     ("prefill",),
-    "prefill's KV pool, in MiB, allocated at load: the prompt being computed and its prefix cache. A prompt "
-    "larger than the pool is refused as UNAVAILABLE.",
+    "prefill's KV pool, in MiB, allocated at load: the prompts being computed and its prefix cache. A prompt "
+    "starts once its blocks fit beside those in progress (else it waits, queue_timeout_s); one larger than the "
+    "pool is refused as UNAVAILABLE.",
 )
 KV_BLOCK_TOKENS = Setting(
     "kv_block_tokens",
@@ -494,8 +495,9 @@ QUEUE_TIMEOUT_S = Setting(
     "PDCHAT_QUEUE_TIMEOUT_S",
     "30",
     NUMBER,
-    ("decode",),
-    "Longest a request waits for room in the batch, in seconds; then UNAVAILABLE, naming the limit.",
+    ("prefill", "decode"),
+    "Longest a request waits for room, in seconds: in decode's batch, or for prefill's KV blocks (a prompt "
+    "starts once its blocks fit beside those of the prompts in progress); then UNAVAILABLE, naming the limit.",
 )
 PREFILL_CHUNK = Setting(
     "prefill_chunk",

@@ -5,6 +5,11 @@ request the server gets (two instances would each cache half the conversations).
 prompts in progress take turns by chunk (`chunk` tokens each), so a short prompt that
 arrives while a long one prefills waits for at most one chunk of it, not its whole.
 
+Admission, as decode's: a prompt starts once its blocks fit beside those the prompts in
+progress reserve (`PrefillLimits`); until then it waits, in order, up to `max_wait_s`, then
+fails Unavailable naming the limit. A prompt larger than the whole pool fails at once. So a
+burst of long prompts waits its turn instead of failing halfway through for want of blocks.
+
 `submit()` from any thread; `done` and `fail` are called on the scheduler thread, once per
 job, and should hand server calls to another thread (prefill's outbox).
 """
@@ -14,10 +19,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from pdchat.core.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +43,37 @@ class PrefillTask:
     start: Callable[[], Prefilling]  # builds the job (checks the prompt, takes its cached blocks)
     done: Callable[[Any], None]  # its result
     fail: Callable[[Exception], None]
+    tokens: int = 0  # the prompt's: what its KV takes of the pool
+    queued_at: float = field(default=0.0, init=False)
+
+
+@dataclass(frozen=True)
+class PrefillLimits:
+    kv_blocks: int = 0  # the pool's blocks the prompts in progress may reserve; 0: no KV check
+    block_tokens: int = 16
+    max_wait_s: float = 30.0  # waiting for room, before UNAVAILABLE
+
+    def blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens) if self.kv_blocks else 0
 
 
 class PrefillScheduler:
     """`before_pass`: called on the scheduler thread before each chunk's pass (prefill's
     PassThreads.before_pass: the torch threads it takes)."""
 
-    def __init__(self, name: str = "pdchat-prefill", before_pass: Callable[[], object] | None = None):
+    def __init__(
+        self,
+        name: str = "pdchat-prefill",
+        before_pass: Callable[[], object] | None = None,
+        limits: PrefillLimits = PrefillLimits(),
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._before_pass = before_pass
+        self._limits, self._clock = limits, clock
         self._incoming: queue.SimpleQueue[PrefillTask | None] = queue.SimpleQueue()
+        self._waiting: deque[PrefillTask] = deque()  # submitted, not started: no room yet
         self._turns: deque[tuple[PrefillTask, Prefilling]] = deque()
+        self._reserved = 0  # blocks the prompts in progress reserve
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -57,7 +86,10 @@ class PrefillScheduler:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        while self._take_incoming(block=not self._turns):
+        while self._take_incoming():
+            self._admit()
+            if not self._turns:
+                continue
             task, job = self._turns.popleft()
             try:
                 if self._before_pass is not None:
@@ -65,18 +97,22 @@ class PrefillScheduler:
                 result = job.step()
             except Exception as exc:  # noqa: BLE001 - every failure must reach its client
                 job.abandon()
-                task.fail(exc)
+                self._end(task, task.fail, exc)
                 continue
             if result is None:
                 self._turns.append((task, job))  # its next chunk after the others' turns
             else:
-                task.done(result)
+                self._end(task, task.done, result)
         for task, job in self._turns:
             job.abandon()
             task.fail(RuntimeError("prefill is shutting down"))
+        for task in self._waiting:
+            task.fail(RuntimeError("prefill is shutting down"))
 
-    def _take_incoming(self, *, block: bool) -> bool:
-        """Start the new tasks; False once close() was called."""
+    def _take_incoming(self) -> bool:
+        """Queue the new tasks, waiting for one while none runs or waits; False once close()
+        was called. NOTE: a task waits only while others run (one alone always fits)."""
+        block = not self._turns and not self._waiting
         while True:
             try:
                 task = self._incoming.get(block=block)
@@ -85,9 +121,46 @@ class PrefillScheduler:
             if task is None:
                 return False
             block = False
+            task.queued_at = self._clock()
+            self._waiting.append(task)
+
+    def _admit(self) -> None:
+        """Start waiting tasks, oldest first, while their blocks fit; fail those past their wait."""
+        limits = self._limits
+        while self._waiting:
+            task = self._waiting[0]
+            wanted = limits.blocks(task.tokens)
+            if wanted > limits.kv_blocks:
+                self._waiting.popleft()
+                task.fail(
+                    Unavailable(
+                        f"a prompt of {task.tokens} tokens needs {wanted} KV blocks, more than prefill's whole "
+                        f"KV pool of {limits.kv_blocks} blocks (prefill_kv_mb)"
+                    )
+                )
+                continue
+            if self._reserved + wanted > limits.kv_blocks:
+                self._expire()
+                return
+            self._waiting.popleft()
             try:
-                self._turns.append((task, task.start()))
+                job = task.start()
             except Exception as exc:  # noqa: BLE001
                 task.fail(exc)
-                if not self._turns:
-                    block = True
+                continue
+            self._reserved += wanted
+            self._turns.append((task, job))
+
+    def _expire(self) -> None:
+        limits, now = self._limits, self._clock()
+        while self._waiting and now - self._waiting[0].queued_at >= limits.max_wait_s:
+            self._waiting.popleft().fail(
+                Unavailable(
+                    f"prefill's KV pool stayed full for {limits.max_wait_s:g} s: {self._reserved} of "
+                    f"{limits.kv_blocks} blocks reserved by the prompts in progress (prefill_kv_mb); retry later"
+                )
+            )
+
+    def _end(self, task: PrefillTask, report: Callable[[Any], None], outcome: Any) -> None:
+        self._reserved -= self._limits.blocks(task.tokens)
+        report(outcome)

@@ -30,7 +30,7 @@ from pdchat.core.engine_api import (
 from pdchat.core.generation.engine import DecodeBatch
 from pdchat.core.generation.generation import PrefillJob, TextModel
 from pdchat.core.generation.pass_threads import PassThreads
-from pdchat.core.generation.prefill_scheduler import PrefillScheduler, PrefillTask
+from pdchat.core.generation.prefill_scheduler import PrefillLimits, PrefillScheduler, PrefillTask
 from pdchat.core.generation.scheduler import DecodeJob, DecodeScheduler, Limits
 from pdchat.core.placement import CpuPlacement
 from pdchat.core.settings import batching_options, prefill_threads_when_idle
@@ -75,7 +75,10 @@ class PdchatEngine:
         most = prefill_threads_when_idle(self._parameters)
         if self.role == PREFILL:
             # A pass takes more torch threads while this process's other cores sit idle.
-            self._prefill = PrefillScheduler(before_pass=PassThreads.for_engine(engine, most).before_pass)
+            limits = PrefillLimits(engine.pool.total_blocks, engine.pool.block_tokens, self._options.queue_timeout_s)
+            self._prefill = PrefillScheduler(
+                before_pass=PassThreads.for_engine(engine, most).before_pass, limits=limits
+            )
             return
         limits = Limits(
             max_running=self._options.max_running,
@@ -110,6 +113,7 @@ class PdchatEngine:
             ),
             done=done,
             fail=fail,
+            tokens=len(request.prompt_token_ids),
         )
         submit = self._running(self._prefill).submit
         self._when_compiled(request.params.constraint, fail, functools.partial(submit, task))
