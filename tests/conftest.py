@@ -1,4 +1,4 @@
-"""Shared fixtures: the embedded tiny model (built once into the user cache)."""
+"""Shared fixtures: the embedded tiny model (built once into the user cache), the C kernels."""
 
 from __future__ import annotations
 
@@ -17,6 +17,17 @@ def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    """The C decode kernels, built for this host into a fresh directory (skips without a compiler)."""
+    from pdchat.core.generation import cpu_kernels
+
+    loaded = cpu_kernels.load(tmp_path_factory.mktemp("kernels"))
+    if loaded is None:
+        pytest.skip("no C compiler on this host: the kernels are optional")
+    return loaded
 
 
 def pytest_collection_modifyitems(items):

@@ -17,14 +17,6 @@ from pdchat.core.generation.engine import CausalLM
 KV_HEADS, Q_HEADS, DIM, SLOTS = 2, 6, 64, 4096
 
 
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
-    loaded = cpu_kernels.load(tmp_path_factory.mktemp("kernels"))
-    if loaded is None:
-        pytest.skip("no C compiler on this host: the kernels are optional")
-    return loaded
-
-
 def _case(lengths, seed=0):
     generator = torch.Generator().manual_seed(seed)
     keys = torch.randn(SLOTS, KV_HEADS, DIM, generator=generator)

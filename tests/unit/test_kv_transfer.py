@@ -346,47 +346,43 @@ def test_shm_kv_from_another_host_is_refused_not_mapped(tmp_path):
     prefill.close()
 
 
-@pytest.mark.parametrize("connector", ["shm", "nixl"])
-def test_a_pull_from_a_token_on_is_exactly_that_tail_of_the_kv(tmp_path, connector):
-    if connector == "nixl":
+@pytest.fixture(params=["shm", "nixl"])
+def connector_pair(request, tmp_path):
+    """(connector name, publisher's Connectors, puller's Connectors), closed after the test."""
+    if request.param == "nixl":
         pytest.importorskip("nixl_cu12")
-    options = {"ttl_s": 60} if connector == "nixl" else {"directory": str(tmp_path / "kv"), "ttl_s": 60}
+    options = {"ttl_s": 60} if request.param == "nixl" else {"directory": str(tmp_path / "kv"), "ttl_s": 60}
     publisher, puller = Connectors(**options), Connectors(**options)
+    yield request.param, publisher, puller
+    publisher.close()
+    puller.close()
+
+
+def test_a_pull_from_a_token_on_is_exactly_that_tail_of_the_kv(connector_pair):
+    connector, publisher, puller = connector_pair
     whole = kv(tokens=40, seed=3)
-    try:
-        handle = KVHandle.from_json(publisher.publish(connector, whole, 7).to_json())
-        tail = puller.pull(handle, 32)
-        assert tail.shape == (4, 2, 2, 8, 64) and np.array_equal(tail, whole[:, :, :, 32:])
-        puller.done(handle)
-    finally:
-        publisher.close()
-        puller.close()
+    handle = KVHandle.from_json(publisher.publish(connector, whole, 7).to_json())
+    tail = puller.pull(handle, 32)
+    assert tail.shape == (4, 2, 2, 8, 64) and np.array_equal(tail, whole[:, :, :, 32:])
+    puller.done(handle)
 
 
-@pytest.mark.parametrize("connector", ["shm", "nixl"])
-def test_a_prefetched_handover_pulls_once_and_serves_any_tail_from_memory(tmp_path, connector):
+def test_a_prefetched_handover_pulls_once_and_serves_any_tail_from_memory(connector_pair):
     """decode prefetches a KV whose pull waits on the network (NIXL) before the request joins
     its batch; the scheduler's pull of the blocks it lacks is then a slice, no transfer."""
-    if connector == "nixl":
-        pytest.importorskip("nixl_cu12")
-    options = {"ttl_s": 60} if connector == "nixl" else {"directory": str(tmp_path / "kv"), "ttl_s": 60}
-    publisher, puller = Connectors(**options), Connectors(**options)
+    connector, publisher, puller = connector_pair
     whole = kv(tokens=40, seed=5)
-    try:
-        handle = KVHandle.from_json(publisher.publish(connector, whole, 7).to_json())
-        handover = KVHandover(puller, handle)
-        assert handover.pull_waits is (connector == "nixl")
-        handover.prefetch()
-        puller.close()  # no transfer is left to make
-        assert np.array_equal(handover.pull(32), whole[:, :, :, 32:]) and np.array_equal(handover.pull(), whole)
-        assert not handover.end(), "a prefetched KV was pulled: nothing to discard"
-        expired = KVHandover(puller, dataclasses.replace(handle, expires_at=time.time() - 1))
-        expired.prefetch()  # the failure is kept for the scheduler's pull, which then recomputes
-        with pytest.raises(KVUnavailable, match="expired"):
-            expired.pull(8)
-    finally:
-        publisher.close()
-        puller.close()
+    handle = KVHandle.from_json(publisher.publish(connector, whole, 7).to_json())
+    handover = KVHandover(puller, handle)
+    assert handover.pull_waits is (connector == "nixl")
+    handover.prefetch()
+    puller.close()  # no transfer is left to make
+    assert np.array_equal(handover.pull(32), whole[:, :, :, 32:]) and np.array_equal(handover.pull(), whole)
+    assert not handover.end(), "a prefetched KV was pulled: nothing to discard"
+    expired = KVHandover(puller, dataclasses.replace(handle, expires_at=time.time() - 1))
+    expired.prefetch()  # the failure is kept for the scheduler's pull, which then recomputes
+    with pytest.raises(KVUnavailable, match="expired"):
+        expired.pull(8)
 
 
 def test_decode_s_source_counts_each_pull_and_gives_none_for_kv_it_cannot_have(directory):

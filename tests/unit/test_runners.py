@@ -2,24 +2,15 @@
 and names it (`path`); swapping a part on a loaded engine chooses again, and every runner
 gives the same greedy tokens."""
 
-import pytest
 import torch
 
 from pdchat import embedded, registry
 from pdchat.core.engine_api import TRANSFORMERS
-from pdchat.core.generation import cpu_kernels, runners
+from pdchat.core.generation import runners
 from pdchat.core.generation.engine import CausalLM, DecodeBatch
 from pdchat.core.settings import KVPoolOptions
 
 MIB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
-    loaded = cpu_kernels.load(tmp_path_factory.mktemp("kernels"))
-    if loaded is None:
-        pytest.skip("no C compiler on this host: the kernels are optional")
-    return loaded
 
 
 def _greedy_tokens(engine: CausalLM, prompts: list[list[int]], steps: int = 5) -> list[list[int]]:
