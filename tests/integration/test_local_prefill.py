@@ -23,14 +23,18 @@ def test_an_idle_decode_prefills_itself_and_a_busy_one_leaves_it_to_prefill(serv
     prompt = len(idle.prompt_token_ids)
     assert computed_since(server, before, prompt) == {"prefill": 0, "decode": prompt}
 
-    started = threading.Event()
+    started, stop = threading.Event(), threading.Event()
 
     def keep_decode_busy() -> None:
+        """One long answer, left (its request cancelled) once the test is done: however fast
+        the host decodes, decode stays busy for as long as the test looks."""
         own = GrpcChat(server.grpc_url)
-        long = {"messages": [{"role": "user", "content": "Go on"}], "max_tokens": 400, "ignore_eos": True}
+        long = {"messages": [{"role": "user", "content": "Go on"}], "max_tokens": 8000, "ignore_eos": True}
         try:
             for _ in own.stream(chat_inputs({**long, "stream": True})):
                 started.set()
+                if stop.is_set():
+                    break
         finally:
             own.close()
 
@@ -43,7 +47,9 @@ def test_an_idle_decode_prefills_itself_and_a_busy_one_leaves_it_to_prefill(serv
         busy = ask(client, {**body, "cache_salt": "busy"})  # no block shared with the idle one's prompt
         assert computed_since(server, before, prompt) == {"prefill": prompt, "decode": 0}
     finally:
+        stop.set()
         busy_thread.join(120)
         client.close()
+    assert wait_for(lambda: decoding(server) == 0, 10), "the long answer left behind was not cancelled"
     assert busy.output_token_ids == idle.output_token_ids
     assert collect(GrpcChat(server.grpc_url).stream(chat_inputs(body))).output_token_ids == idle.output_token_ids
