@@ -190,7 +190,8 @@ def test_slow_and_silent_clients_are_closed_at_their_deadlines(fronts):
     }
     for name, (since, timeout) in deadlines.items():
         assert name in closed, f"{name}: still open after 10 s"
-        assert timeout - 0.5 <= closed[name] - since <= timeout + 2, (
+        # late by up to 3 s: the close is timed on a loaded 2-core host, seen by a 0.2 s poll
+        assert timeout - 0.5 <= closed[name] - since <= timeout + 3, (
             f"{name}: closed after {closed[name] - since:.1f} s"
         )
     assert_serves(port)
