@@ -180,18 +180,24 @@ class _Arrival:
     @classmethod
     def fed(cls, body: bytes) -> _Arrival:
         """An output of the stream that decode's feed brought (its RESPONSE JSON only)."""
-        arrival = cls.__new__(cls)
-        arrival.response = arrival.error = None
-        arrival.final = arrival.is_ticket = False
-        arrival.values = {tensors.RESPONSE: [body]}
-        arrival.through_feed, arrival.fed_outputs, arrival.feed_ended = True, 0, None
-        return arrival
+        return cls._from_feed({tensors.RESPONSE: [body]}, through_feed=True, feed_ended=None)
 
     @classmethod
     def feed_end(cls, cause: Any) -> _Arrival:
         """The stream's feed ended (`cause`): outputs it still owed the stream are lost."""
-        arrival = cls.fed(b"")
-        arrival.values, arrival.through_feed, arrival.feed_ended = {}, False, cause
+        return cls._from_feed({}, through_feed=False, feed_ended=cause)
+
+    @classmethod
+    def _from_feed(cls, values: dict[str, Any], *, through_feed: bool, feed_ended: Any) -> _Arrival:
+        arrival = cls.__new__(cls)
+        arrival.response = arrival.error = None
+        arrival.final = arrival.is_ticket = False
+        arrival.values, arrival.through_feed, arrival.feed_ended, arrival.fed_outputs = (
+            values,
+            through_feed,
+            feed_ended,
+            0,
+        )
         return arrival
 
 

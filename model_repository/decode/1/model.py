@@ -23,7 +23,7 @@ from pdchat.core.engines import open_engine
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.generation.sampling import Choice
 from pdchat.core.kv.connector import Connectors, KVHandover
-from pdchat.core.output.decode_streams import DecodeStream, DecodeStreams
+from pdchat.core.output.decode_streams import DecodeStreams
 from pdchat.core.output.feeds import DecodeFeeds
 from pdchat.core.settings import batching_options, keep_off_decode_cpus, kv_options
 from pdchat.ensemble.decode_load import LoadSlot
@@ -57,10 +57,10 @@ class TritonPythonModel:
         self.kv_events = KVEvents("decode", parameters, args, self.engine.kv_pool)  # off unless its endpoint is set
         # About one step's responses may wait for the outbox before the engine waits too.
         self.outbox = Outbox("pdchat-decode-outbox", max_pending=2 * batching_options(parameters).max_running)
-        self.feeds = DecodeFeeds(io.StreamTransport(), on_closed=self.outbox.unwatch)  # on the outbox thread
+        transport = io.StreamTransport()
+        self.feeds = DecodeFeeds(transport, on_closed=self.outbox.unwatch)  # on the outbox thread
         # What chat reads to let an idle decode prefill a prompt itself (setting local_prefill_when_idle).
         self.load = LoadSlot(server_directory(os.getppid()), instance, self.engine.kv_capacity_tokens)
-        transport = io.StreamTransport()
         self.streams = DecodeStreams(transport, self.metrics, self.feeds, self.engine.cancel, self.outbox.unwatch)
         flush = functools.partial(self.outbox.call, self.feeds.flush)
         self.engine.start(EngineHooks(on_state=self._on_state, on_load=self.load.set, on_emitted=flush))
@@ -118,7 +118,7 @@ class TritonPythonModel:
         assembler = engine.assembler(ids, params, first_output_sent=first_sent)
         stream = io.decode_stream(request, sender, params.request_id, assembler, given_first=first is not None, kv=kv)
         self.outbox.call(functools.partial(self.metrics.arrived, stream.key, time.monotonic()))
-        self.outbox.watch(stream, sender.is_cancelled, functools.partial(self._client_left, stream))
+        self.outbox.watch(stream, sender.is_cancelled, functools.partial(self.engine.cancel, stream.key))
         source = {} if kv is None else kv.decode_source(stream.key, functools.partial(self._post, self.metrics.kv_pull))
         cached = 0 if handle is None else handle.cached_tokens
         request = DecodeRequest(stream.key, ids, params, first=first, cached_tokens=cached, **source)
@@ -132,10 +132,6 @@ class TritonPythonModel:
         self.outbox.call(functools.partial(self.metrics.state, state, self.engine.pool_usage()))
 
     # On the outbox thread:
-
-    def _client_left(self, stream: DecodeStream) -> None:
-        stream.left = True
-        self.engine.cancel(stream.key)
 
     def _open_feed(self, feed: str, sender) -> None:
         if self.feeds.open(feed, sender):

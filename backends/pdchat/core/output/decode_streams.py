@@ -74,7 +74,6 @@ class DecodeStream:
     feed_key: str = ""
     sent_at: float = field(default_factory=time.monotonic)  # its last response
     started: bool = False  # admitted: counted until it ends
-    left: bool = False  # its caller cancelled (set on the outbox thread, read by decode's KV pulls)
     open: bool = True
     outputs: int = 0  # outputs sent
     fed: int = 0  # outputs sent through the feed
