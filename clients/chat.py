@@ -304,14 +304,14 @@ class GrpcChat:
                     ticket = InferResult(arrival.response)
                     arrays = {name: ticket.as_numpy(name) for name in tensors.DECODE_TICKET_OUTPUTS}
                     decode_inputs = {name: array for name, array in arrays.items() if array is not None}
-                    decode_parameters: dict[str, Any] = heartbeats
+                    decode_parameters: dict[str, Any] = {**heartbeats, **_for_decode(parameters)}
                     feed = self._feed(ticket, grant_id)
                     if feed is not None:
                         feed_key = feed.register(
                             functools.partial(self._fed, responses), functools.partial(self._feed_ended, responses)
                         )
                         feed_parameters = {tensors.DECODE_FEED: feed.id, tensors.DECODE_FEED_KEY: feed_key}
-                        decode_parameters = {**heartbeats, **feed_parameters}
+                        decode_parameters = {**decode_parameters, **feed_parameters}
                     decode = infer_request(
                         tensors.DECODE, decode_inputs, self._decode_outputs, request_id, decode_parameters
                     )
@@ -512,3 +512,8 @@ def connect(url: str, protocol: str = "grpc", model: str = DEFAULT_MODEL) -> Grp
     if protocol == "http":
         return HttpChat(url, model)
     raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
+
+
+def _for_decode(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """Of chat's request parameters, those a ticket's decode request carries as well."""
+    return {name: value for name, value in (parameters or {}).items() if name == tensors.KV_OWNER}

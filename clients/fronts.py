@@ -38,6 +38,11 @@ BODY_VALIDATORS = {
 }
 
 
+def owner_parameters(owner: str) -> dict[str, Any] | None:
+    """chat's request parameters that name `owner` (tensors.KV_OWNER), None for no owner."""
+    return {tensors.KV_OWNER: owner} if owner else None
+
+
 @dataclass
 class RouterStats:
     requests: int = 0
@@ -67,10 +72,13 @@ class ChatFront:
         """Every pool this front streams from."""
         return (self.serving,)
 
-    def chat(self, body: dict[str, Any], request_id: str = "", form: str = tensors.REQUEST) -> ChatStream:
+    def chat(
+        self, body: dict[str, Any], request_id: str = "", form: str = tensors.REQUEST, owner: str = ""
+    ) -> ChatStream:
         """The responses to one body of the API `form` names (a BODY_VALIDATORS key: chat
         completions, or completions), streamed if it asks, on the running event loop.
-        Closing or cancelling it cancels its requests on the servers."""
+        Closing or cancelling it cancels its requests on the servers. `owner`: the caller whose
+        share of decode's KV it counts against (tensors.KV_OWNER; "": the request is its own)."""
         raise NotImplementedError
 
     def abort(self, reason: str) -> None:
@@ -202,9 +210,12 @@ class ServerFront(ChatFront):
         pool = BackendPool([url], role, stall_timeout_s=stall_timeout_s, outputs=outputs, decode_direct=True)
         super().__init__(pool, served_model_names)
 
-    async def chat(self, body: dict[str, Any], request_id: str = "", form: str = tensors.REQUEST) -> ChatStream:
+    async def chat(
+        self, body: dict[str, Any], request_id: str = "", form: str = tensors.REQUEST, owner: str = ""
+    ) -> ChatStream:
         self.stats.requests += 1
         text, _ = self._validated(body, form)
-        async with aclosing(self._stream(text, request_id or f"pdchat-{uuid.uuid4().hex}", form)) as outputs:
+        request_id = request_id or f"pdchat-{uuid.uuid4().hex}"
+        async with aclosing(self._stream(text, request_id, form, owner_parameters(owner))) as outputs:
             async for output in outputs:
                 yield output

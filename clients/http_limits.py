@@ -52,6 +52,7 @@ class HttpSettings:
     otherwise hold memory, a thread or a connection slot for as long as it likes."""
 
     api_key: str | None = None  # like vLLM's --api-key: 'Authorization: Bearer KEY' on all but OPEN_PATHS
+    tenant_header: str | None = None  # the header naming each request's tenant (clients/tenancy.py)
     max_body_bytes: int = 4 * 1024 * 1024  # 413 above; checked against Content-Length, then while reading
     max_json_depth: int = 64  # 400 above; json.loads recurses per level, so it is checked before parsing
     max_header_bytes: int = 16 * 1024  # the request head (h11's buffer), and the headers once parsed; 400 above

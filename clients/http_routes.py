@@ -14,6 +14,7 @@ connection at most.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -35,6 +36,7 @@ from pdchat.clients.http_drain import Drain, may_drain
 from pdchat.clients.http_errors import ApiError, chat_api_error, error_response, json_response
 from pdchat.clients.http_metrics import FrontMetrics
 from pdchat.clients.http_sse import EventStream, answer_events
+from pdchat.clients.tenancy import MissingTenant, kv_owner, salted, tenant_of
 from pdchat.core.errors import ErrorCode
 
 if TYPE_CHECKING:
@@ -80,8 +82,13 @@ class Routes:
         its `n` choices each a request of one (pdchat.clients.choices)."""
         started = time.perf_counter()
         self._admitting()
-        body = await self._json_body(request)
-        outputs = fan_out(self.router.chat, body, request.state.request_id, GENERATION_FORMS[request.url.path])
+        try:
+            tenant = tenant_of(request.headers, self.settings.tenant_header)
+        except MissingTenant as exc:
+            raise ApiError(400, str(exc), "missing_tenant") from exc
+        body = salted(await self._json_body(request), tenant)
+        serve = functools.partial(self.router.chat, owner=kv_owner(tenant))
+        outputs = fan_out(serve, body, request.state.request_id, GENERATION_FORMS[request.url.path])
         try:
             if body.get("stream"):
                 return await self._streamed(outputs, request, started)

@@ -24,7 +24,7 @@ from pdchat import tensors
 from pdchat.clients.affinity import PrefixAffinity, prefix_keys
 from pdchat.clients.backend_pool import BackendPool, Draining
 from pdchat.clients.chat import ChatError, ChatOutput, ChatStream, chat_inputs
-from pdchat.clients.fronts import ChatFront
+from pdchat.clients.fronts import ChatFront, owner_parameters
 from pdchat.clients.kv_index import BlockIndex, KVEventSource, KVEventSubscriber
 from pdchat.core.errors import ErrorCode
 from pdchat.core.settings import KV_BLOCK_TOKENS
@@ -110,7 +110,9 @@ class PDRouter(ChatFront):
         """Prefill's renderers (they render the chat requests), decode's while none is ready."""
         return (self.prefill, self.decode)
 
-    async def chat(self, body: dict[str, Any], request_id: str = "", form: str = tensors.REQUEST) -> ChatStream:
+    async def chat(
+        self, body: dict[str, Any], request_id: str = "", form: str = tensors.REQUEST, owner: str = ""
+    ) -> ChatStream:
         """The decode server's responses for one chat or completions request (streamed if body asks)."""
         request_id = request_id or f"pdchat-{uuid.uuid4().hex}"
         self.stats.requests += 1
@@ -131,7 +133,7 @@ class PDRouter(ChatFront):
                 yield output
         answer = prefilled.answer
         forwarded: dict[str, Any] = {}
-        parameters: dict[str, Any] = {}
+        parameters: dict[str, Any] = owner_parameters(owner) or {}
         if answer is not None:
             # The signed handoff goes on as the prefill server serialized it.
             forwarded = {"kv_transfer_params": answer.kv_transfer_params_json}

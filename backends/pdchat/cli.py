@@ -139,6 +139,12 @@ def _http_options(parser: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' on all but /health and /metrics "
         f"(default: ${settings.API_KEY.env}; unset: no key)",
     )
+    parser.add_argument(
+        "--tenant-header",
+        help="the header that names each request's tenant (set by an authenticating proxy): each tenant gets "
+        f"its own prefix cache and its own share of decode's KV; requests without it get 400 "
+        f"(default: ${settings.TENANT_HEADER.env}; unset: one shared cache)",
+    )
     parser.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
     parser.add_argument("--max-connections", type=int, help="requests over this many connections get 503 (default 256)")
     parser.add_argument(
@@ -339,6 +345,7 @@ def _serve_http(args: argparse.Namespace, front, what: str) -> int:
     }
     http = HttpSettings(
         api_key=args.api_key or settings.API_KEY.get() or None,
+        tenant_header=args.tenant_header or settings.TENANT_HEADER.get() or None,
         **{name: value for name, value in limits.items() if value is not None},
     )
     settings.keep_off_decode_cpus({})  # a decode server on this host steps on those alone

@@ -63,6 +63,10 @@ DECODE_FEED_KEY = "decode_feed_key"
 FEED_KEYS = "feed_keys"
 FEED_RESPONSES = "feed_responses"
 FED_OUTPUTS = "fed_outputs"
+# Request parameter of chat and decode (a string of 1 to 128 characters): the caller a request's
+# reservation of decode's KV counts against (setting decode_kv_share); chat passes it on to
+# decode. pdchat's fronts send one per client request (its n choices share it), or per tenant.
+KV_OWNER = "kv_owner"
 # A streamed answer's first output goes to the client once prefill chose its token, not once
 # decode sent it (core.generation.generation.TextModel.first_output); decode then skips it.
 # Request parameters of chat (bools): FIRST_OUTPUT_EARLY on a prefill leg (do_remote_decode)

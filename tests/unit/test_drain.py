@@ -37,7 +37,9 @@ class StandIn:
         self.stats = RouterStats()
         self.reason = ""  # why it was aborted
 
-    async def chat(self, body: dict[str, Any], request_id: str = "", form: str = "request") -> ChatStream:
+    async def chat(
+        self, body: dict[str, Any], request_id: str = "", form: str = "request", owner: str = ""
+    ) -> ChatStream:
         count = body["max_tokens"]
         for index in range(count):
             await asyncio.sleep(GAP_S)

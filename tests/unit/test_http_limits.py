@@ -120,7 +120,7 @@ class _Router:
 
     stats = SimpleNamespace(prefill_fallbacks=0)
 
-    async def chat(self, body: dict, request_id: str = "", form: str = "request") -> ChatStream:
+    async def chat(self, body: dict, request_id: str = "", form: str = "request", owner: str = "") -> ChatStream:
         yield ChatOutput("hi", json.dumps({"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}]}))
 
     def health(self) -> dict:

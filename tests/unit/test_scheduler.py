@@ -274,6 +274,61 @@ def test_requests_wait_for_blocks_and_a_cancelled_local_prefill_gives_its_kv_bac
     assert b.dropped, "a request cancelled while prefilling gave its blocks back"
 
 
+def owned_job(recorder, name, length, owner, blocks):
+    job = recorder.job(CountingGeneration(name, length))
+    job.owner, job.tokens = owner, 16 * blocks
+    return job
+
+
+def test_a_caller_past_its_share_of_the_kv_waits_for_its_own_requests_while_others_pass_it():
+    """The red team's n=16: one caller's requests could reserve the whole pool. With half
+    the pool per caller, its third request waits for its own first to end, and another
+    caller's request, queued behind it, runs at once."""
+    recorder = Recorder()
+    limits = Limits(kv_blocks=12, block_tokens=16, owner_share=0.5)
+    jobs = [
+        owned_job(recorder, "a", 40, "greedy", 3),
+        owned_job(recorder, "b", 40, "greedy", 3),
+        owned_job(recorder, "c", 2, "greedy", 3),  # 9 > 6 blocks: waits for a or b
+        owned_job(recorder, "d", 2, "other", 3),
+    ]
+    events = run_jobs(recorder, jobs, 2 * 40 + 2 * 3, limits=limits)
+    assert events.index("d:end") < events.index("a:end"), "the other caller passed the waiting request"
+    assert events.index("c1") > events.index("a:end"), "the caller's third request waited for its own"
+    assert not [e for e in events if e.startswith("error:")]
+
+
+def test_a_caller_with_nothing_reserved_is_admitted_past_its_share_while_the_pool_has_room():
+    recorder = Recorder()
+    limits = Limits(kv_blocks=12, block_tokens=16, owner_share=0.25)
+    events = run_jobs(recorder, [owned_job(recorder, "a", 2, "big", 10)], 3, limits=limits)
+    assert events == ["a1", "a2", "a:end"]
+
+
+def test_a_request_waiting_on_its_callers_share_expires_naming_the_share():
+    recorder = Recorder()
+    clock = [0.0]
+    limits = Limits(kv_blocks=12, block_tokens=16, owner_share=0.5, max_wait_s=5.0)
+    a, b = owned_job(recorder, "a", 400, "one", 6), owned_job(recorder, "b", 1, "one", 1)
+    original_emit = a.emit
+
+    def emit(delta):
+        original_emit(delta)
+        clock[0] += 1.0
+
+    a.emit = emit
+    scheduler = DecodeScheduler(RecordingBatch(), limits, clock=lambda: clock[0])
+    scheduler.submit(a)
+    scheduler.submit(b)
+    for _ in range(300):
+        if any(e.startswith("error:") for e in recorder.events):
+            break
+        threading.Event().wait(0.01)
+    scheduler.close()
+    [error] = [e for e in recorder.events if e.startswith("error:")]
+    assert "decode_kv_share=0.5" in error and "reserve 6 of the 6 KV blocks" in error, error
+
+
 def test_state_reports_are_spaced_while_running_and_the_idle_state_is_reported_at_once():
     """A state that changes every step is reported at most once per interval; the state the
     scheduler goes idle in is reported at once, so gauges never stay at a running count."""

@@ -106,7 +106,9 @@ class DecodeRequest:
     reads what `kv_source` gave. Without them the engine computes the prompt itself.
     `prefetch_kv`: blocking work that makes `kv_source` answer from memory (a pull that waits
     on the network), which the engine runs off its stepping thread before the request is
-    queued. `cached_tokens`: what prefill's prefix cache gave (reported in the first delta)."""
+    queued. `cached_tokens`: what prefill's prefix cache gave (reported in the first delta).
+    `owner`: the caller whose share of decode's KV the request counts against (setting
+    decode_kv_share); "": the request is its own."""
 
     key: str  # unique per request (GenerationParams.request_id): what cancel() names
     prompt_token_ids: list[int]
@@ -116,6 +118,7 @@ class DecodeRequest:
     on_kv_released: Callable[[], None] | None = None
     prefetch_kv: Callable[[], object] | None = None
     cached_tokens: int = 0
+    owner: str = ""
 
 
 @dataclass(frozen=True)

@@ -489,6 +489,19 @@ DECODE_KV_MB = Setting(
     "decode's KV pool, in MiB, allocated at load: the running sequences' blocks and its prefix cache. Each admitted "
     "request reserves blocks for its prompt plus max_tokens; past the pool, requests wait.",
 )
+DECODE_KV_SHARE = Setting(
+    "decode_kv_share",
+    "decode_kv_share",
+    "PDCHAT_DECODE_KV_SHARE",
+    "0.5",
+    NUMBER,
+    ("decode",),
+    "The part of decode's KV pool (0 to 1] one caller's requests may reserve together; a caller is the request "
+    "parameter kv_owner (pdchat's fronts send one per client request, grouping its n choices, or per tenant with "
+    "--tenant-header), else each request is its own. A caller's request past its share waits for the caller's "
+    "own requests to finish, while other callers' requests pass it; a caller with nothing reserved is always "
+    "admitted when the pool has room.",
+)
 QUEUE_TIMEOUT_S = Setting(
     "queue_timeout_s",
     "queue_timeout_s",
@@ -710,6 +723,18 @@ API_KEY = Setting(
     ("router", "openai"),
     "Bearer token the HTTP front requires on all but /health and /metrics (`--api-key` overrides it); unset: no key.",
 )
+TENANT_HEADER = Setting(
+    "tenant_header",
+    None,
+    "PDCHAT_TENANT_HEADER",
+    "",
+    TEXT,
+    ("router", "openai"),
+    "The request header that names each request's tenant, set by an authenticating proxy before the front "
+    "(`--tenant-header` overrides it): each tenant's requests get a cache_salt of their own (no cached block, "
+    "so no cached_tokens hit, is ever another tenant's) and count against one share of decode's KV "
+    "(decode_kv_share); a request without the header gets 400. Unset: every client shares the prefix cache.",
+)
 
 # The router's and the per-server fronts' HTTP service.
 STALL_TIMEOUT_S = Setting(
@@ -828,14 +853,20 @@ def kv_events_options(
 @dataclass(frozen=True)
 class BatchingOptions:
     max_running: int  # sequences in one decode batch
+    kv_share: float  # the part of decode's KV pool one caller's requests may reserve together
     queue_timeout_s: float  # longest wait for room, then UNAVAILABLE
     prefill_chunk: int  # prompt tokens per local prefill chunk, between decode steps
 
 
 def batching_options(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> BatchingOptions:
-    """Decode's limits: MAX_RUNNING, QUEUE_TIMEOUT_S and PREFILL_CHUNK (its KV pool: kv_pool_options)."""
+    """Decode's limits: MAX_RUNNING, DECODE_KV_SHARE, QUEUE_TIMEOUT_S and PREFILL_CHUNK (its KV
+    pool: kv_pool_options); ValueError for a share outside (0, 1]."""
+    share = DECODE_KV_SHARE.get(parameters, environ)
+    if not 0 < share <= 1:
+        raise ValueError(f"setting {DECODE_KV_SHARE.name} must be in (0, 1], got {share}")
     return BatchingOptions(
         max_running=MAX_RUNNING.get(parameters, environ),
+        kv_share=share,
         queue_timeout_s=QUEUE_TIMEOUT_S.get(parameters, environ),
         prefill_chunk=PREFILL_CHUNK.get(parameters, environ),
     )

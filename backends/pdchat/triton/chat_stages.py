@@ -54,6 +54,7 @@ class BLSStages:
             raise InvalidRequest(f"request parameter '{tensors.DECODE_FEED_GRANT}' needs '{tensors.DECODE_TICKET}'")
         self.first_output_early = io.bool_parameter(request, tensors.FIRST_OUTPUT_EARLY)
         self.first_output_sent = io.bool_parameter(request, tensors.FIRST_OUTPUT_SENT)
+        self.kv_owner = io.kv_owner(request)  # passed on to decode
 
     def routed(self, route: Route) -> None:
         pb_utils.Logger.log_info(f"chat request {self.request.request_id() or '-'}: route {route.value}")
@@ -70,10 +71,13 @@ class BLSStages:
     async def decode(self, call: DecodeCall) -> AsyncIterator[Any]:
         inputs = self._decode_inputs(call)
         beats = [beat for beat in (call.heartbeat_s, self.heartbeat_s) if beat is not None]
+        parameters: dict[str, Any] = {tensors.HEARTBEAT_MS: max(1, round(1000 * min(beats)))} if beats else {}
+        if self.kv_owner:
+            parameters[tensors.KV_OWNER] = self.kv_owner
         request = pb_utils.InferenceRequest(
             model_name=DECODE,
             inputs=inputs,
-            parameters={tensors.HEARTBEAT_MS: max(1, round(1000 * min(beats)))} if beats else {},
+            parameters=parameters,
             request_id=self.request.request_id(),
             # What our client asked for, and what the relay reads.
             requested_output_names=sorted(

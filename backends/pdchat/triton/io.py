@@ -240,6 +240,17 @@ def _feed_id(parameters: dict[str, Any], name: str) -> str | None:
     return value
 
 
+def kv_owner(request) -> str:
+    """The caller `request`'s KV reservation counts against (tensors.KV_OWNER), "" where it
+    names none; InvalidRequest for a value that is not a string of 1 to 128 characters."""
+    value = _parameters(request).get(tensors.KV_OWNER, "")
+    if value == "":
+        return ""
+    if type(value) is not str or len(value) > 128:
+        raise InvalidRequest(f"request parameter '{tensors.KV_OWNER}' must be a string of 1 to 128 characters")
+    return value
+
+
 def bool_parameter(request, name: str) -> bool:
     """Request parameter `name` (False when absent); InvalidRequest for a value that is not a bool."""
     value = _parameters(request).get(name, False)

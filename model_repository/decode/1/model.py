@@ -121,7 +121,8 @@ class TritonPythonModel:
         self.outbox.watch(stream, sender.is_cancelled, functools.partial(self.engine.cancel, stream.key))
         source = {} if kv is None else kv.decode_source(stream.key, functools.partial(self._post, self.metrics.kv_pull))
         cached = 0 if handle is None else handle.cached_tokens
-        request = DecodeRequest(stream.key, ids, params, first=first, cached_tokens=cached, **source)
+        owner = io.kv_owner(request)
+        request = DecodeRequest(stream.key, ids, params, first=first, cached_tokens=cached, owner=owner, **source)
         engine.decode(request, self.streams.callbacks(stream, self._post))
 
     def _post(self, function, *args) -> None:

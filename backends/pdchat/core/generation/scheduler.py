@@ -2,8 +2,10 @@
 
 One thread owns the model. Each turn of its loop it
 1. takes new requests into a queue, and drops cancelled ones wherever they are;
-2. admits queued requests while the limits allow (running sequences, reserved KV);
-   a request that waits longer than `max_wait_s` gets UNAVAILABLE naming the limit;
+2. admits queued requests in order while the limits allow (running sequences, reserved KV,
+   and each caller's share of the KV: a request past its owner's share waits for that owner's
+   own requests to end while the others pass it); a request that waits longer than
+   `max_wait_s` gets UNAVAILABLE naming the limit;
 3. computes one chunk of one local prefill (a request decode prefills itself), so a long
    prompt shares the thread with the others' steps instead of freezing them (with
    `pass_threads`, a chunk while no row runs takes the cores that sit idle too);
@@ -86,6 +88,7 @@ class DecodeJob:
     fail: Callable[[Exception], None]  # the request ends with this error
     on_cancel: Callable[[], None]  # cancel(key) was called: close the stream; its state is dropped
     tokens: int = 0  # prompt + max_tokens: the KV it may come to hold, reserved on admission
+    owner: str = ""  # the caller its reservation counts against (Limits.owner_share); "": its key
 
 
 @dataclass(frozen=True)
@@ -94,10 +97,16 @@ class Limits:
     kv_blocks: int = 0  # KV blocks admitted requests may reserve (the pool's); 0: no KV check
     block_tokens: int = 16  # tokens a block holds
     max_wait_s: float = 30.0  # in the queue, before UNAVAILABLE
+    owner_share: float = 1.0  # the part of kv_blocks one owner's requests may reserve together
 
     def blocks(self, tokens: int) -> int:
         """Blocks a request of `tokens` (prompt + max_tokens) reserves."""
         return -(-tokens // self.block_tokens) if self.kv_blocks else 0
+
+    @property
+    def owner_blocks(self) -> int:
+        """The most blocks one owner's requests reserve together, but for its first request."""
+        return int(self.owner_share * self.kv_blocks)
 
 
 @dataclass
@@ -233,13 +242,18 @@ class DecodeScheduler:
         self._queued_for_room = len(self._waiting)
 
     def _admit_while_room(self) -> None:
+        """Start waiting requests in order while there is room. A request whose owner's share
+        is full waits for the owner's own requests to end and is passed; one that does not fit
+        the pool or the batch is passed by none (FIFO), so a large request is not starved."""
         limits = self._limits
-        while self._waiting:
-            entry = self._waiting[0]
-            reserved = sum(limits.blocks(e.job.tokens) for e in self._prefilling + self._running)
-            wanted = limits.blocks(entry.job.tokens)
+        held = self._held_by_owner()
+        reserved, busy = sum(held.values()), len(self._prefilling) + len(self._running)
+        index = 0
+        while index < len(self._waiting):
+            entry = self._waiting[index]
+            wanted, owner = limits.blocks(entry.job.tokens), _owner(entry.job)
             if wanted > limits.kv_blocks:
-                self._waiting.pop(0)
+                self._waiting.pop(index)
                 entry.job.fail(
                     Unavailable(
                         f"this request may need {wanted} KV blocks (prompt + max_tokens = {entry.job.tokens} "
@@ -247,31 +261,52 @@ class DecodeScheduler:
                     )
                 )
                 continue
-            busy = len(self._prefilling) + len(self._running)
+            if held.get(owner, 0) and held[owner] + wanted > limits.owner_blocks:
+                index += 1  # waits for its owner's own requests
+                continue
             if busy >= limits.max_running or reserved + wanted > limits.kv_blocks:
-                self._expire_waiting(busy, reserved)
-                return
-            self._waiting.pop(0)
+                break
+            self._waiting.pop(index)
             try:
                 entry.decoding = entry.job.start()
             except Exception as exc:  # noqa: BLE001 - every failure must reach its client
                 entry.job.fail(exc)
                 continue
+            held[owner] = held.get(owner, 0) + wanted
+            reserved, busy = reserved + wanted, busy + 1
             if entry.decoding.prefilling:
                 self._prefilling.append(entry)
             else:
                 self._join(entry)
+        if self._waiting:
+            self._expire_waiting(busy, reserved, held)
 
-    def _expire_waiting(self, busy: int, reserved: int) -> None:
+    def _held_by_owner(self) -> dict[str, int]:
+        """The KV blocks each owner's admitted requests reserve."""
+        held: dict[str, int] = {}
+        for entry in self._prefilling + self._running:
+            owner = _owner(entry.job)
+            held[owner] = held.get(owner, 0) + self._limits.blocks(entry.job.tokens)
+        return held
+
+    def _expire_waiting(self, busy: int, reserved: int, held: dict[str, int]) -> None:
         limits, now = self._limits, self._clock()
         expired = [e for e in self._waiting if now - e.queued_at > limits.max_wait_s]
         for entry in expired:
-            entry.job.fail(
-                Unavailable(
-                    f"decode stayed at its limits for {limits.max_wait_s:g} s: "
-                    f"{busy} of max_running={limits.max_running} sequences, "
-                    f"{reserved} of {limits.kv_blocks} KV blocks reserved (decode_kv_mb); retry later"
+            owner_held = held.get(_owner(entry.job), 0)
+            if owner_held and owner_held + limits.blocks(entry.job.tokens) > limits.owner_blocks:
+                reason = (
+                    f"its caller's other requests reserve {owner_held} of the {limits.owner_blocks} KV blocks "
+                    f"one caller may reserve (decode_kv_share={limits.owner_share:g} of {limits.kv_blocks} "
+                    "blocks, decode_kv_mb)"
                 )
+            else:
+                reason = (
+                    f"{busy} of max_running={limits.max_running} sequences, "
+                    f"{reserved} of {limits.kv_blocks} KV blocks reserved (decode_kv_mb)"
+                )
+            entry.job.fail(
+                Unavailable(f"decode stayed at its limits for {limits.max_wait_s:g} s: {reason}; retry later")
             )
         self._waiting = [e for e in self._waiting if e not in expired]
 
@@ -383,3 +418,7 @@ class DecodeScheduler:
         if state != self._state or (idle and self._taken_since_report):
             self._state, self._reported_at, self._taken_since_report = state, now, False
             self._on_state(state)
+
+
+def _owner(job: DecodeJob) -> str:
+    return job.owner or job.key

@@ -85,6 +85,7 @@ class PdchatEngine:
             kv_blocks=engine.pool.total_blocks,
             block_tokens=engine.pool.block_tokens,
             max_wait_s=self._options.queue_timeout_s,
+            owner_share=self._options.kv_share,
         )
         # chat gives decode a prompt to prefill only while the server is idle (local_prefill_when_idle),
         # so its chunks take every core while no row runs (none when decode_cpus binds the scheduler).
@@ -140,6 +141,7 @@ class PdchatEngine:
             fail=callbacks.fail,
             on_cancel=callbacks.cancelled,
             tokens=len(request.prompt_token_ids) + params.max_tokens,
+            owner=request.owner,
         )
         self._running(self._decode)
         with self._lock:
