@@ -3,11 +3,13 @@
 Streams N requests at concurrency C through the router of a `pdchat pd`-like stack (prefill,
 decode, router, kept running by `pdchat.supervisor`): plain chats, tool calls (auto and
 forced), JSON-schema output, logprobs, clients that leave mid-stream and bad requests. Along
-the way it `kill -9`s the prefill tritonserver (at 30% of the requests) and SIGSTOPs the
-decode tritonserver for `--stop-s` seconds (at 60%). It reports:
+the way it `kill -9`s the prefill tritonserver (at 20% of the requests), SIGSTOPs the
+decode tritonserver for `--stop-s` seconds (at 50%) and `kill -9`s decode's python stub (at
+75%; the supervisor restarts that server), each once the fault before it is over. It reports:
 
 - errors by kind, split into those of requests in flight at a fault (or refused while a
-  server was down: 503 at once) and the rest, which should be none;
+  server was down: 503 at once) and the rest, which should be none; the former by error
+  (status and code) with their longest time to fail;
 - every process's RSS after warm-up and at the end;
 - KV files left in the shm KV directory once idle: those of dead engines (a sweep frees them
   within a second: there should be none), those of live ones (published KV waiting for a
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import threading
@@ -85,7 +88,8 @@ def body(index: int, max_tokens: int) -> tuple[str, dict]:
 
 
 class Faults(threading.Thread):
-    """kill -9 of prefill at 30% of the requests, SIGSTOP of decode for `stop_s` at 60%."""
+    """kill -9 of prefill at 20% of the requests, SIGSTOP of decode for `stop_s` at 50%, kill -9
+    of decode's stub at 75%; each waits for the server to be back from the one before."""
 
     def __init__(self, stack, requests: int, stop_s: float, done: list):
         super().__init__(daemon=True)
@@ -93,13 +97,15 @@ class Faults(threading.Thread):
         self.windows: list[tuple[str, float, float]] = []  # (fault, from, until)
 
     def run(self) -> None:
-        self._wait_for(0.3)
+        from pdchat.launcher import python_stubs
+
+        self._wait_for(0.2)
         killed_at = time.monotonic()
         os.kill(self.stack.prefill.process.pid, signal.SIGKILL)
         say("fault: kill -9 of the prefill tritonserver")
         self._wait_ready(self.stack.prefill)
         self.windows.append(("prefill kill -9", killed_at, time.monotonic()))
-        self._wait_for(0.6)
+        self._wait_for(0.5)
         decode = self.stack.decode.process.pid
         stopped_at = time.monotonic()
         os.kill(decode, signal.SIGSTOP)
@@ -108,17 +114,26 @@ class Faults(threading.Thread):
         os.kill(decode, signal.SIGCONT)
         self._wait_ready(self.stack.decode)
         self.windows.append(("decode SIGSTOP", stopped_at, time.monotonic()))
+        self._wait_for(0.75)
+        server = self.stack.decode.process.pid
+        [stub] = [pid for pid, (model, _) in python_stubs(server).items() if model == "decode"]
+        killed_at = time.monotonic()
+        os.kill(stub, signal.SIGKILL)
+        say("fault: kill -9 of decode's python stub")
+        self._wait_ready(self.stack.decode, replacing=server)
+        self.windows.append(("decode stub kill -9", killed_at, time.monotonic()))
 
     def _wait_for(self, share: float) -> None:
         while len(self.done) < share * self.requests:
             time.sleep(0.2)
 
     @staticmethod
-    def _wait_ready(server) -> None:
+    def _wait_ready(server, replacing: int | None = None) -> None:
+        """Until `server` is ready (and, with `replacing`, runs another process than that pid)."""
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             try:
-                if server.is_ready():
+                if server.process.pid != replacing and server.is_ready():
                     return
             except Exception:  # noqa: BLE001 - not up yet
                 pass
@@ -228,6 +243,8 @@ def report(args, sent, faults, wall, before, after, kv, shm_left, restarts) -> N
         if sent
         else [],
         "failed_at_faults": len(at_fault),
+        "failed_at_faults_by_error": dict(Counter(_error_class(s.outcome.error) for s in at_fault).most_common()),
+        "failed_at_faults_longest_s": max((s.ended - s.started for s in at_fault), default=0.0),
         "failed_elsewhere": len(unexpected),
         "failed_elsewhere_first": sorted({f"{s.kind}: {s.outcome.error[:160]}" for s in unexpected})[:10],
         "by_kind": dict(by_kind),
@@ -247,6 +264,17 @@ def report(args, sent, faults, wall, before, after, kv, shm_left, restarts) -> N
         print("  unexpected:", line)
     write_results("chaos", result)
     plot_timeline(sent, faults)
+
+
+def _error_class(error: str) -> str:
+    """An error's status (`HTTP 503`, or `in stream` for an error event) and its OpenAI code,
+    e.g. `HTTP 503 unavailable`; other failures by their first words."""
+    code = re.search(r"""['"]code['"]: ['"]([^'"]+)['"]""", error)
+    if error.startswith("HTTP "):
+        return f"{error[:8]} {code[1] if code else ''}".strip()
+    if code:
+        return f"in stream {code[1]}"
+    return " ".join(error.split()[:4])[:60]
 
 
 def plot_timeline(sent: list[Sent], faults: Faults) -> None:
