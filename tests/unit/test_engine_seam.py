@@ -138,3 +138,33 @@ def test_a_kv_prefetch_runs_before_the_request_is_queued_and_a_cancel_meanwhile_
     decode.cancel("waits")
     release.set()
     assert answer.ended.result(timeout=60) == "cancelled" and not answer.started and not answer.tokens
+
+
+def test_running_rows_keep_stepping_while_a_kv_pull_waits(engines):
+    """Issue 57's item 3: a NIXL pull once waited on decode's scheduler thread, so no running
+    row stepped until it came. A pull that waits 1.5 s now holds none of the running rows:
+    a long answer gets tokens all through it, with no gap near the wait."""
+    import threading
+    import time
+
+    _, decode = engines
+    running = _Answer()
+    decode.decode(DecodeRequest("runs", PROMPT, _params("runs", max_tokens=8000)), running.callbacks())
+    running.deltas.get(timeout=60)
+    pulling, in_pull = _Answer(), threading.Event()
+
+    def slow_pull():
+        in_pull.set()
+        time.sleep(1.5)
+
+    decode.decode(DecodeRequest("pulls", PROMPT, _params("pulls"), prefetch_kv=slow_pull), pulling.callbacks())
+    assert in_pull.wait(30)
+    arrivals, until = [], time.monotonic() + 1.4
+    while time.monotonic() < until:
+        running.deltas.get(timeout=5)
+        arrivals.append(time.monotonic())
+    decode.cancel("runs")
+    assert pulling.ended.result(timeout=60) == "length" and len(pulling.tokens) == 8
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    assert len(arrivals) > 20 and max(gaps) < 0.5, f"{len(arrivals)} tokens, longest gap {max(gaps):.2f} s"
+    assert running.ended.result(timeout=60) == "cancelled"
