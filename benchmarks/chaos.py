@@ -3,9 +3,12 @@
 Streams N requests at concurrency C through the router of a `pdchat pd`-like stack (prefill,
 decode, router, kept running by `pdchat.supervisor`): plain chats, tool calls (auto and
 forced), JSON-schema output, logprobs, clients that leave mid-stream and bad requests. Along
-the way it `kill -9`s the prefill tritonserver (at 20% of the requests), SIGSTOPs the
-decode tritonserver for `--stop-s` seconds (at 50%) and `kill -9`s decode's python stub (at
-75%; the supervisor restarts that server), each once the fault before it is over. It reports:
+the way it `kill -9`s decode's python stub (at 15% of the requests; the supervisor restarts
+that server), SIGSTOPs the decode tritonserver for `--stop-s` seconds (at 35%) and `kill -9`s
+the prefill tritonserver (at 55%; decode serves alone meanwhile), each once the server the
+fault before it hit is back. A client whose request failed waits `RETRY_AFTER_S` before its
+next, as a client that honours 503s does (else an outage burns the run's requests in
+seconds). It reports:
 
 - errors by kind, split into those of requests in flight at a fault (or refused while a
   server was down: 503 at once) and the rest, which should be none; the former by error
@@ -49,6 +52,7 @@ WEATHER = {
 # One kind per request, in turn: what each asks, and what its client does.
 KINDS = ("plain", "plain", "plain", "tools", "forced_tool", "json_schema", "logprobs", "leaves", "bad", "plain")
 LEAVE_AFTER = 3  # chunks a leaving client reads
+RETRY_AFTER_S = 1.0  # a client's wait after a failed request
 
 
 @dataclass(frozen=True)
@@ -88,8 +92,8 @@ def body(index: int, max_tokens: int) -> tuple[str, dict]:
 
 
 class Faults(threading.Thread):
-    """kill -9 of prefill at 20% of the requests, SIGSTOP of decode for `stop_s` at 50%, kill -9
-    of decode's stub at 75%; each waits for the server to be back from the one before."""
+    """kill -9 of decode's stub at 15% of the requests, SIGSTOP of decode for `stop_s` at 35%,
+    kill -9 of prefill at 55%; each waits for the server to be back from the one before."""
 
     def __init__(self, stack, requests: int, stop_s: float, done: list):
         super().__init__(daemon=True)
@@ -99,13 +103,15 @@ class Faults(threading.Thread):
     def run(self) -> None:
         from pdchat.launcher import python_stubs
 
-        self._wait_for(0.2)
+        self._wait_for(0.15)
+        server = self.stack.decode.process.pid
+        [stub] = [pid for pid, (model, _) in python_stubs(server).items() if model == "decode"]
         killed_at = time.monotonic()
-        os.kill(self.stack.prefill.process.pid, signal.SIGKILL)
-        say("fault: kill -9 of the prefill tritonserver")
-        self._wait_ready(self.stack.prefill)
-        self.windows.append(("prefill kill -9", killed_at, time.monotonic()))
-        self._wait_for(0.5)
+        os.kill(stub, signal.SIGKILL)
+        say("fault: kill -9 of decode's python stub")
+        self._wait_ready(self.stack.decode, replacing=server)
+        self.windows.append(("decode stub kill -9", killed_at, time.monotonic()))
+        self._wait_for(0.35)
         decode = self.stack.decode.process.pid
         stopped_at = time.monotonic()
         os.kill(decode, signal.SIGSTOP)
@@ -114,14 +120,12 @@ class Faults(threading.Thread):
         os.kill(decode, signal.SIGCONT)
         self._wait_ready(self.stack.decode)
         self.windows.append(("decode SIGSTOP", stopped_at, time.monotonic()))
-        self._wait_for(0.75)
-        server = self.stack.decode.process.pid
-        [stub] = [pid for pid, (model, _) in python_stubs(server).items() if model == "decode"]
+        self._wait_for(0.55)
         killed_at = time.monotonic()
-        os.kill(stub, signal.SIGKILL)
-        say("fault: kill -9 of decode's python stub")
-        self._wait_ready(self.stack.decode, replacing=server)
-        self.windows.append(("decode stub kill -9", killed_at, time.monotonic()))
+        os.kill(self.stack.prefill.process.pid, signal.SIGKILL)
+        say("fault: kill -9 of the prefill tritonserver")
+        self._wait_ready(self.stack.prefill)
+        self.windows.append(("prefill kill -9", killed_at, time.monotonic()))
 
     def _wait_for(self, share: float) -> None:
         while len(self.done) < share * self.requests:
@@ -170,8 +174,11 @@ def run(args: argparse.Namespace) -> None:
             kind, request = body(index, args.max_tokens)
             started = time.monotonic()
             outcome = streams(request, LEAVE_AFTER if kind == "leaves" else None)
+            record = Sent(kind, started, time.monotonic(), outcome)
             with lock:
-                sent.append(Sent(kind, started, time.monotonic(), outcome))
+                sent.append(record)
+            if record.failed:
+                time.sleep(RETRY_AFTER_S)
             return outcome
 
         say(f"warm-up: {args.concurrency * 4} requests")
@@ -214,7 +221,9 @@ def kv_check(directory, live_engines, left_by_dead_engines) -> dict[str, list[st
     live = live_engines(directory) if directory.exists() else set()
     files = [n for n in names if "_kvowner_" not in n]
     dead_files = left_by_dead_engines(files, live)
-    dead_locks = [n for n in names if "_kvowner_" in n and n.rsplit("_", 1)[1] not in live]
+    # A dead engine's lock stays while KV it published waits for a pull (until its expiry).
+    published_by = {n.split("_")[2] for n in files if n.startswith("pdchat_kv_")}
+    dead_locks = [n for n in names if "_kvowner_" in n and n.rsplit("_", 1)[1] not in live | published_by]
     expiries = [int(n.split("_")[3]) / 1000 for n in files if n.split("_")[3].isdigit()]
     if expiries:  # each goes at the sweep after its expiry
         time.sleep(max(0.0, min(max(expiries) - time.time(), 120.0)) + 2 * 1.0 + 1)

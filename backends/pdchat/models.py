@@ -9,6 +9,7 @@ from pathlib import Path
 from pdchat import embedded, registry
 from pdchat.core import settings
 from pdchat.core.errors import ModelUnavailable
+from pdchat.core.generation.model_support import check_supported
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ def resolve_model(parameters: dict[str, str], environ: os._Environ | dict | None
     """Resolve the model spec (embedded name or directory) into a usable directory.
 
     Settings MODEL, DEVICE, DTYPE, TORCH_THREADS, SERVED_MODEL_NAME and FORWARD; embedded names are built into
-    the cache on first use.
+    the cache on first use. ModelUnavailable for a model pdchat's engine does not support
+    (core.generation.model_support), unless setting ALLOW_UNSUPPORTED_MODEL says to serve it.
     """
     spec = settings.MODEL.get(parameters, environ)
     device = settings.DEVICE.get(parameters, environ)
@@ -65,12 +67,14 @@ def resolve_model(parameters: dict[str, str], environ: os._Environ | dict | None
     names = settings.SERVED_MODEL_NAME.get(parameters, environ)
     forward = settings.FORWARD.get(parameters, environ)
     if spec in registry.EMBEDDED_MODELS:
-        return ModelSettings(embedded.ensure_model(spec), device, dtype, threads, names, forward)
-    path = Path(spec).expanduser()
-    if not (path / "config.json").is_file():
-        known = ", ".join(sorted(registry.EMBEDDED_MODELS))
-        raise ModelUnavailable(
-            f"model path '{spec}' is not a Hugging Face model directory (no config.json there); "
-            f"give a directory or one of the embedded models: {known}"
-        )
+        path = embedded.ensure_model(spec)
+    else:
+        path = Path(spec).expanduser()
+        if not (path / "config.json").is_file():
+            known = ", ".join(sorted(registry.EMBEDDED_MODELS))
+            raise ModelUnavailable(
+                f"model path '{spec}' is not a Hugging Face model directory (no config.json there); "
+                f"give a directory or one of the embedded models: {known}"
+            )
+    check_supported(path, settings.ALLOW_UNSUPPORTED_MODEL.get(parameters, environ))
     return ModelSettings(path, device, dtype, threads, names, forward)

@@ -56,3 +56,20 @@ def test_a_model_the_own_forward_does_not_compute_runs_transformers():
     assert gpt_oss.path.forward == TRANSFORMERS and not gpt_oss.path.greedy_head
     bf16 = CausalLM(embedded.ensure_model(registry.TINY), "cpu", "bfloat16")
     assert bf16.path.label() == "transformers" and bf16.path.dtype == "bfloat16"
+
+
+def test_gpt_oss_batched_on_paged_attention_equals_transformers_generate():
+    """docs/models.md's check for the gpt_oss family: three prompts stepped together, one past
+    the 128-token sliding window, give transformers' own greedy tokens (eager attention)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = embedded.ensure_model(registry.TINY_GPTOSS)
+    ours = CausalLM(model_dir, "cpu", pool=KVPoolOptions(32 * MIB, 16, False))
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, ours.vocab_size, (n,), generator=generator).tolist() for n in (5, 150, 33)]
+    steps = 8
+    seen = _greedy_tokens(ours, prompts, steps=steps)
+    for row, prompt in enumerate(prompts):
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=steps + 1, do_sample=False)
+        assert [tokens[row] for tokens in seen] == expected[0, len(prompt) :].tolist()

@@ -376,6 +376,17 @@ MAX_REQUEST_BYTES = Setting(
 )
 
 # The renderer: chat templates and Harmony.
+ALLOW_UNSUPPORTED_MODEL = Setting(
+    "allow_unsupported_model",
+    "allow_unsupported_model",
+    "PDCHAT_ALLOW_UNSUPPORTED_MODEL",
+    "false",
+    FLAG,
+    ("prefill", "decode", "renderer", "chat"),
+    "Serve a model whose family pdchat's engine does not support, or whose config asks for what its attention does "
+    "not compute (a logit softcap, latent attention, recurrent layers): by default such a model is refused at load "
+    "(docs/models.md). Its outputs may be wrong.",
+)
 ALLOW_REQUEST_TEMPLATES = Setting(
     "allow_request_templates",
     "allow_request_templates",
