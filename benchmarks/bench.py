@@ -298,6 +298,14 @@ def bench_batching(args: argparse.Namespace) -> None:
     engine_alone = _forward_alone(model_dir, prompt_tokens, args.concurrency, args.device, args.dtype)
     if args.step_only:
         _print_forward_alone(engine_alone)
+        by_threads = {}
+        for threads in args.threads:
+            print(f"decode's forward pass alone on {threads} torch threads", file=sys.stderr, flush=True)
+            by_threads[threads] = _forward_alone(
+                model_dir, prompt_tokens, args.concurrency, args.device, args.dtype, threads=threads
+            )
+            print(f"\non {threads} torch threads:", end="")
+            _print_forward_alone(by_threads[threads])
         print(f"prefill's forward pass alone, in this process: {PREFILL_TOKENS} tokens", file=sys.stderr, flush=True)
         prefill_alone = _prefill_alone(model_dir, PREFILL_TOKENS, args.device, args.dtype)
         _print_prefill_alone(prefill_alone)
@@ -307,6 +315,7 @@ def bench_batching(args: argparse.Namespace) -> None:
                 "model": args.model,
                 "prompt_tokens": prompt_tokens,
                 "forward_pass_alone": engine_alone,
+                "forward_pass_alone_by_threads": by_threads,
                 "prefill_alone": prefill_alone,
             },
         )
@@ -400,16 +409,23 @@ STEP_VARIANTS = {
 
 
 def _forward_alone(
-    model_dir, prompt_tokens: int, row_counts: list[int], device: str, dtype: str, steps: int = 20, rounds: int = 3
+    model_dir,
+    prompt_tokens: int,
+    row_counts: list[int],
+    device: str,
+    dtype: str,
+    steps: int = 20,
+    rounds: int = 3,
+    threads: int | None = None,
 ) -> dict[int, dict[str, float]]:
-    """decode's batched forward pass timed in this process, on the torch threads a stage
-    model gets: what a server's steps would cost with nothing else on the CPU (the best
-    of `rounds` rounds of `steps` steps, against a noisy neighbour's share). Each round
-    times the STEP_VARIANTS one after the other, so they are compared side by side."""
+    """decode's batched forward pass timed in this process, on `threads` torch threads (else
+    those a stage model gets): what a server's steps would cost with nothing else on the CPU
+    (the best of `rounds` rounds of `steps` steps, against a noisy neighbour's share). Each
+    round times the STEP_VARIANTS one after the other, so they are compared side by side."""
     import torch
 
-    ours = _stage_engine(model_dir, device, dtype)
-    theirs = _stage_engine(model_dir, device, dtype, forward="transformers")
+    ours = _stage_engine(model_dir, device, dtype, threads=threads)
+    theirs = _stage_engine(model_dir, device, dtype, forward="transformers", threads=threads)
     kernels, head = ours.decode_kernels, theirs.model.get_output_embeddings()
     stock = torch.nn.Linear(head.weight.shape[1], head.weight.shape[0], bias=head.bias is not None)
     stock.weight, stock.bias = head.weight, head.bias
@@ -529,13 +545,15 @@ def _print_prefill_alone(prefill_alone: dict[int, dict[str, float]]) -> None:
     )
 
 
-def _stage_engine(model_dir, device: str, dtype: str, forward: str = "auto"):
-    """The engine a decode stage model runs, on the torch threads and KV pool it gets."""
+def _stage_engine(model_dir, device: str, dtype: str, forward: str = "auto", threads: int | None = None):
+    """The engine a decode stage model runs, on the torch threads (`threads`, else those a
+    stage gets by default) and KV pool it gets."""
     from pdchat.core.generation.engine import CausalLM
     from pdchat.core.settings import DECODE_KV_MB, MIB, KVPoolOptions, torch_threads
 
     pool = KVPoolOptions(bytes=int(DECODE_KV_MB.default) * MIB)
-    return CausalLM(model_dir, device, dtype, threads=torch_threads({}, {}), pool=pool, forward=forward)
+    threads = threads or torch_threads({}, {})
+    return CausalLM(model_dir, device, dtype, threads=threads, pool=pool, forward=forward)
 
 
 def _decoding(engine, prompt_tokens: int, rows: int):
@@ -713,6 +731,13 @@ def main(argv: list[str] | None = None) -> None:
         "--results",
         default=None,
         help="results file name in bench-results/ (default: batching, or batching-DEVICE-DTYPE off the CPU)",
+    )
+    batching.add_argument(
+        "--threads",
+        type=int,
+        nargs="*",
+        default=[],
+        help="with --step-only: also time the step on each of these torch thread counts (a stage's default first)",
     )
     batching.add_argument(
         "--step-only",

@@ -73,3 +73,22 @@ def test_gpt_oss_batched_on_paged_attention_equals_transformers_generate():
     for row, prompt in enumerate(prompts):
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=steps + 1, do_sample=False)
         assert [tokens[row] for tokens in seen] == expected[0, len(prompt) :].tolist()
+
+
+def test_the_fast_path_runs_on_more_than_one_torch_thread_and_picks_the_same_tokens(tiny_model_dir, kernels):
+    """Issue 56: the kernels and the greedy head ran only with exactly one torch thread, so on
+    hosts of more than 3 cores (a stage takes half) they never ran. On two threads they run,
+    split over both, and give the tokens transformers' forward gives."""
+    pool = KVPoolOptions(8 * MIB, 16, False)
+    before = torch.get_num_threads()
+    try:
+        ours = CausalLM(tiny_model_dir, "cpu", threads=2, pool=pool)
+        if ours.decode_kernels is None:
+            ours.decode_kernels = kernels  # a host whose setup built none: the test's own build
+        assert ours.path.kernels is not None and ours.path.kernel_threads == 2
+        theirs = CausalLM(tiny_model_dir, "cpu", threads=2, pool=pool, forward="transformers")
+        generator = torch.Generator().manual_seed(11)
+        prompts = [torch.randint(0, ours.vocab_size, (n,), generator=generator).tolist() for n in (4, 37, 90)]
+        assert _greedy_tokens(ours, prompts) == _greedy_tokens(theirs, prompts)
+    finally:
+        torch.set_num_threads(before)

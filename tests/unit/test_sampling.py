@@ -183,3 +183,23 @@ def test_only_a_plain_greedy_chooser_takes_the_batchs_argmax():
         busy = chooser(**{"temperature": 0.0, **options})
         assert not busy.greedy
         assert busy.choose(LOGITS, batch_argmax) == chooser(**{"temperature": 0.0, **options}).choose(LOGITS)
+
+
+def test_top_k_one_and_a_satisfied_min_tokens_take_the_greedy_path():
+    """Issue 56: top_k=1 never reached the greedy head, and a request with min_tokens stayed
+    off it for its whole answer. top_k=1 is greedy whatever the temperature; min_tokens keeps
+    a row off the greedy path only until that many tokens are out."""
+
+    def chooser(**options):
+        params = GenerationParams(max_tokens=8, **options)
+        return TokenChooser(params, LogitsShaper(params, [0], VOCAB, frozenset({EOS})), None)
+
+    assert chooser(temperature=1.3, top_k=1, seed=4).greedy
+    assert not chooser(temperature=1.3, top_k=2, seed=4).greedy
+    waiting = chooser(temperature=0.0, min_tokens=2)
+    assert not waiting.greedy
+    waiting.choose(LOGITS)
+    assert not waiting.greedy
+    waiting.choose(LOGITS)
+    assert waiting.greedy, "two tokens are out: nothing shapes the logits any more"
+    assert not chooser(temperature=0.0, min_tokens=2, logit_bias={"3": 1.0}).greedy

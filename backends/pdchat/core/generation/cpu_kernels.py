@@ -21,11 +21,10 @@ lasts microseconds to a fraction of a millisecond, and a thread that lets the GI
 mid-step waits, to take it back, for whatever Python the stage's outbox thread runs
 meanwhile (docs/architecture.md#the-forward-pass).
 
-The engine uses them when torch runs one thread per stage model (torch_threads; half the
-cores, so hosts of up to 3), and leaves the step to torch, which spreads over its threads,
-otherwise. A prompt's pass that takes more threads while the stage's cores sit idle
-(pass_threads) gives them to the kernels too (`set_threads`): the row kernels and the head's
-screen then split their rows, or the vocabulary's blocks, through OpenMP.
+The engine uses them on whatever torch threads a pass has (torch_threads; more for a
+prompt's pass while the stage's cores sit idle, pass_threads): `set_threads` gives the pass's
+count to the row kernels and the head's screen, which split their rows, or the vocabulary's
+blocks, over them through OpenMP.
 
 The library is built at setup (`pdchat prepare kernels`, which scripts/bootstrap.sh and the
 image run: `prepare()`) with the host's C compiler (`cc`, or `$CC`) for this CPU

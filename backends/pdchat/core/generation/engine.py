@@ -44,8 +44,8 @@ class CausalLM:
     """One causal LM over one block pool: prefill a prompt, step rows, move KV in and out.
 
     `forward` (setting FORWARD): `auto` runs pdchat's own forward pass for Llama-architecture
-    models in fp32 (core.generation.llama) and, on CPU in fp32 with one torch thread, decode's
-    work between its GEMMs and its greedy argmax in C (core.generation.cpu_kernels, when this
+    models in fp32 (core.generation.llama) and, on CPU in fp32, decode's work between its GEMMs
+    and its greedy argmax in C on the pass's threads (core.generation.cpu_kernels, when this
     host has them built);
     `transformers` runs transformers' forward with torch attention for every model.
 
@@ -75,9 +75,11 @@ class CausalLM:
             _project_vocab_by_rows(self.model)
         own = forward == "auto"
         self._own_forward = llama.LlamaForward(self.model) if own and llama.supports(self.model) else None
-        # The kernels run on one thread; with more, torch spreads the step over them.
-        one_cpu_thread = self.device == "cpu" and self.dtype == torch.float32 and torch.get_num_threads() == 1
-        self._kernels = cpu_kernels.load(cpu_kernels.library_dir()) if own and one_cpu_thread else None
+        # The kernels split their rows over the pass's threads (set_threads), as torch's GEMMs do.
+        cpu_fp32 = self.device == "cpu" and self.dtype == torch.float32
+        self._kernels = cpu_kernels.load(cpu_kernels.library_dir()) if own and cpu_fp32 else None
+        if self._kernels is not None:
+            self._kernels.set_threads(torch.get_num_threads())
         self._greedy_enabled = True
         self._heads: dict[int, cpu_kernels.GreedyHead | None] = {}  # by id(kernels): made once each
         self._runner = self._choose_runner()

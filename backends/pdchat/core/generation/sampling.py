@@ -44,7 +44,7 @@ def choose_token(
 ) -> int:
     """Pick the token at output `position` from 1-D `logits` over the vocabulary."""
     logits = logits.float().cpu()
-    if temperature == 0.0:
+    if temperature == 0.0 or top_k == 1:  # NOTE: as TokenChooser.greedy, so the greedy head agrees
         return int(torch.argmax(logits))
     probs = _keep_likely(torch.softmax(logits / temperature, dim=-1), top_k=top_k, min_p=min_p)
     if top_p < 1.0:
@@ -128,7 +128,10 @@ class LogitsShaper:
 
     @property
     def active(self) -> bool:
-        return any(state is not None for state in (self._suppressed, self._bias, self._seen, self._counts))
+        """Whether the next position's logits are shaped at all: min_tokens counts only until
+        that many tokens are out, so a request asking for nothing else goes greedy then."""
+        suppressing = self._suppressed is not None and self.produced < self._options.min_tokens
+        return suppressing or any(state is not None for state in (self._bias, self._seen, self._counts))
 
     def shape(self, logits: torch.Tensor) -> torch.Tensor:
         """The shaped logits for the next position: a new tensor, `logits` is left alone."""
@@ -173,10 +176,11 @@ class TokenChooser:
 
     @property
     def greedy(self) -> bool:
-        """Whether the choice is the logits' argmax and nothing more: temperature 0, no
-        grammar, no shaping, no logprobs."""
+        """Whether the choice is the logits' argmax and nothing more: temperature 0 or top_k 1
+        (the draw's only candidate is the argmax), no grammar, no shaping (now), no logprobs."""
         params = self._params
-        return params.temperature == 0.0 and self._grammar is None and not params.logprobs and not self._shaper.active
+        argmax_only = params.temperature == 0.0 or params.top_k == 1
+        return argmax_only and self._grammar is None and not params.logprobs and not self._shaper.active
 
     def choose(self, logits: torch.Tensor | None, argmax: int | None = None) -> Choice:
         """The next token from `logits`; `argmax`, when given, is theirs (a batched step
