@@ -2,6 +2,7 @@
 and names it (`path`); swapping a part on a loaded engine chooses again, and every runner
 gives the same greedy tokens."""
 
+import pytest
 import torch
 
 from pdchat import embedded, registry
@@ -92,3 +93,54 @@ def test_the_fast_path_runs_on_more_than_one_torch_thread_and_picks_the_same_tok
         assert _greedy_tokens(ours, prompts) == _greedy_tokens(theirs, prompts)
     finally:
         torch.set_num_threads(before)
+
+
+# Seeded tiny models of the families docs/models.md lists on transformers' forward with paged
+# attention: a sliding window of 32 (where the family has one), prompts past it.
+SMALL = {
+    "vocab_size": 4096,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+}
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 32}),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"head_dim": 16, "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_supported_family_batched_on_paged_attention_equals_transformers_generate(tmp_path, family):
+    """docs/models.md's check for each family on transformers' forward: three prompts stepped
+    together, two past the sliding window, give transformers' own greedy tokens (eager)."""
+    import transformers
+
+    from pdchat.core.generation.model_support import SUPPORTED
+
+    assert family in SUPPORTED
+
+    config_name, model_name, extra = FAMILIES[family]
+    config = getattr(transformers, config_name)(**SMALL, **extra)
+    torch.manual_seed(0)
+    getattr(transformers, model_name)(config).save_pretrained(tmp_path)
+    ours = CausalLM(tmp_path, "cpu", pool=KVPoolOptions(32 * MIB, 16, False))
+    assert ours.path.forward == TRANSFORMERS
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 4096, (n,), generator=generator).tolist() for n in (5, 70, 41)]
+    steps = 8
+    seen = _greedy_tokens(ours, prompts, steps=steps)
+    for row, prompt in enumerate(prompts):
+        expected = reference.generate(
+            torch.tensor([prompt]), max_new_tokens=steps + 1, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        assert [tokens[row] for tokens in seen] == expected[0, len(prompt) :].tolist()

@@ -24,6 +24,10 @@ from pdchat.core.errors import ModelUnavailable
 SUPPORTED = {
     "llama": "own Llama forward (transformers' for what it does not cover)",
     "gpt_oss": "transformers' forward with paged attention (sliding window, attention sinks)",
+    "qwen2": "transformers' forward with paged attention",
+    "qwen3": "transformers' forward with paged attention",
+    "mistral": "transformers' forward with paged attention (sliding window)",
+    "gemma3_text": "transformers' forward with paged attention (sliding window)",
 }
 # Config fields whose presence (a value other than None, False or 0) asks for what the paged
 # attention or the engine does not do.
