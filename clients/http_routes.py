@@ -83,7 +83,8 @@ class Routes:
         started = time.perf_counter()
         self._admitting()
         try:
-            tenant = tenant_of(request.headers, self.settings.tenant_header)
+            header = self.settings.tenant_header
+            tenant = tenant_of(request.headers.getlist(header) if header else [], header)
         except MissingTenant as exc:
             raise ApiError(400, str(exc), "missing_tenant") from exc
         body = salted(await self._json_body(request), tenant)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 MAX_TENANT_BYTES = 256  # a longer header value is refused
@@ -28,28 +28,29 @@ class MissingTenant(ValueError):
     """The front names a tenant header the request does not carry."""
 
 
-def tenant_of(headers: Mapping[str, str], header: str | None) -> str | None:
-    """The request's tenant: the value of `header` in `headers` (lower-case names, as
-    Starlette's), None where the front names no header. MissingTenant where it is absent,
-    empty or longer than MAX_TENANT_BYTES."""
+def tenant_of(values: Sequence[str], header: str | None) -> str | None:
+    """The request's tenant: the one value of `header` it carries (`values`: every value of
+    that header in the request), None where the front names no header. MissingTenant where
+    there is none, more than one (a proxy that appends its header rather than replacing it
+    would let a client name its own tenant), or an empty one or one over MAX_TENANT_BYTES."""
     if not header:
         return None
-    value = headers.get(header.lower(), "").strip()
-    if not value or len(value.encode()) > MAX_TENANT_BYTES:
+    if len(values) != 1 or not values[0].strip() or len(values[0].strip().encode()) > MAX_TENANT_BYTES:
         raise MissingTenant(
-            f"this front serves each tenant apart: send header '{header}' "
+            f"this front serves each tenant apart: send header '{header}' once "
             f"(1 to {MAX_TENANT_BYTES} bytes; --tenant-header)"
         )
-    return value
+    return values[0].strip()
 
 
 def salted(body: dict[str, Any], tenant: str | None) -> dict[str, Any]:
     """`body` with its `cache_salt` made the tenant's own (the body as it is without a tenant;
-    a client salt that is no string stays for the parser to refuse by name)."""
-    if tenant is None or not isinstance(body.get("cache_salt", ""), str):
+    an absent or null client salt is the tenant's plain one; a client salt that is neither
+    nor a string stays for the parser to refuse by name)."""
+    client_salt = body.get("cache_salt")
+    if tenant is None or not isinstance(client_salt, str | None):
         return body
-    client_salt = body.get("cache_salt") or ""
-    return {**body, "cache_salt": f"tenant-{_digest(tenant, client_salt)}"}
+    return {**body, "cache_salt": f"tenant-{_digest(tenant, client_salt or '')}"}
 
 
 def kv_owner(tenant: str | None) -> str:

@@ -3,6 +3,7 @@ front (in this process) before a real server whose decode pool four long choices
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -107,13 +108,31 @@ def test_a_tenant_hits_its_own_cached_prompt_and_never_another_tenant_s(fronts):
     assert cached(stranger) == 0
     # A client's own salt cannot reach into another tenant's cache either.
     assert cached(post(url, {**body, "cache_salt": "acme"}, {TENANT: "globex"})[1]) == 0
+    # Nor a null salt (the red team's: it passed as no salt, the cache shared by all, so two
+    # tenants whose SDKs send `null` shared their prompts).
+    nulled = {**conversation(), "cache_salt": None}
+    assert cached(post(url, nulled, {TENANT: "acme"})[1]) == 0
+    assert cached(post(url, nulled, {TENANT: "initech"})[1]) == 0
+    assert cached(post(url, nulled, {TENANT: "acme"})[1]) > 0
 
 
-def test_a_front_with_tenants_refuses_a_request_that_names_none(fronts):
+def test_a_front_with_tenants_refuses_a_request_that_names_none_or_two(fronts):
     status, answer = post(fronts["tenants"], SHORT)
     assert status == 400 and answer["error"]["code"] == "missing_tenant"
     assert TENANT in answer["error"]["message"]
     assert post(fronts["tenants"], SHORT, {TENANT: "acme"})[0] == 200
+    # Two of the header (a proxy that appends its own): the client must not pick the first.
+    host, port = fronts["tenants"].removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.putrequest("POST", "/v1/chat/completions")
+    for name, value in (("Content-Type", "application/json"), (TENANT, "alice"), (TENANT, "mallory")):
+        connection.putheader(name, value)
+    payload = json.dumps(SHORT).encode()
+    connection.putheader("Content-Length", str(len(payload)))
+    connection.endheaders(payload)
+    reply = connection.getresponse()
+    assert reply.status == 400 and json.loads(reply.read())["error"]["code"] == "missing_tenant"
+    connection.close()
 
 
 def test_a_kv_owner_that_is_no_string_is_refused_naming_it(shared_server):

@@ -507,11 +507,12 @@ DECODE_KV_SHARE = Setting(
     "0.5",
     NUMBER,
     ("decode",),
-    "The part of decode's KV pool (0 to 1] one caller's requests may reserve together; a caller is the request "
+    "The part of decode's KV pool, and of max_running's sequences, (0 to 1] one caller's requests may hold "
+    "together; a caller is the request "
     "parameter kv_owner (pdchat's fronts send one per client request, grouping its n choices, or per tenant with "
     "--tenant-header), else each request is its own. A caller's request past its share waits for the caller's "
-    "own requests to finish, while other callers' requests pass it; a caller with nothing reserved is always "
-    "admitted when the pool has room.",
+    "own requests to finish (queue_timeout_s does not end that wait), while other callers' requests pass it; a "
+    "caller holding nothing is always admitted when the pool has room.",
 )
 QUEUE_TIMEOUT_S = Setting(
     "queue_timeout_s",

@@ -3,9 +3,9 @@
 One thread owns the model. Each turn of its loop it
 1. takes new requests into a queue, and drops cancelled ones wherever they are;
 2. admits queued requests in order while the limits allow (running sequences, reserved KV,
-   and each caller's share of the KV: a request past its owner's share waits for that owner's
+   and each caller's share of both: a request past its owner's share waits for that owner's
    own requests to end while the others pass it); a request that waits longer than
-   `max_wait_s` gets UNAVAILABLE naming the limit;
+   `max_wait_s` for room gets UNAVAILABLE naming the limit;
 3. computes one chunk of one local prefill (a request decode prefills itself), so a long
    prompt shares the thread with the others' steps instead of freezing them (with
    `pass_threads`, a chunk while no row runs takes the cores that sit idle too);
@@ -22,6 +22,7 @@ does not wait on it.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -97,7 +98,7 @@ class Limits:
     kv_blocks: int = 0  # KV blocks admitted requests may reserve (the pool's); 0: no KV check
     block_tokens: int = 16  # tokens a block holds
     max_wait_s: float = 30.0  # in the queue, before UNAVAILABLE
-    owner_share: float = 1.0  # the part of kv_blocks one owner's requests may reserve together
+    owner_share: float = 1.0  # the part of kv_blocks, and of max_running, one owner's requests may hold together
 
     def blocks(self, tokens: int) -> int:
         """Blocks a request of `tokens` (prompt + max_tokens) reserves."""
@@ -107,6 +108,11 @@ class Limits:
     def owner_blocks(self) -> int:
         """The most blocks one owner's requests reserve together, but for its first request."""
         return int(self.owner_share * self.kv_blocks)
+
+    @property
+    def owner_running(self) -> int:
+        """The most sequences one owner's requests hold in the batch together (at least one)."""
+        return max(1, math.ceil(self.owner_share * self.max_running))
 
 
 @dataclass
@@ -247,7 +253,8 @@ class DecodeScheduler:
         the pool or the batch is passed by none (FIFO), so a large request is not starved."""
         limits = self._limits
         held = self._held_by_owner()
-        reserved, busy = sum(held.values()), len(self._prefilling) + len(self._running)
+        reserved = sum(blocks for blocks, _ in held.values())
+        busy = len(self._prefilling) + len(self._running)
         index = 0
         while index < len(self._waiting):
             entry = self._waiting[index]
@@ -261,7 +268,7 @@ class DecodeScheduler:
                     )
                 )
                 continue
-            if held.get(owner, 0) and held[owner] + wanted > limits.owner_blocks:
+            if self._past_share(held.get(owner), wanted):
                 index += 1  # waits for its owner's own requests
                 continue
             if busy >= limits.max_running or reserved + wanted > limits.kv_blocks:
@@ -272,7 +279,8 @@ class DecodeScheduler:
             except Exception as exc:  # noqa: BLE001 - every failure must reach its client
                 entry.job.fail(exc)
                 continue
-            held[owner] = held.get(owner, 0) + wanted
+            blocks, sequences = held.get(owner, (0, 0))
+            held[owner] = (blocks + wanted, sequences + 1)
             reserved, busy = reserved + wanted, busy + 1
             if entry.decoding.prefilling:
                 self._prefilling.append(entry)
@@ -281,32 +289,41 @@ class DecodeScheduler:
         if self._waiting:
             self._expire_waiting(busy, reserved, held)
 
-    def _held_by_owner(self) -> dict[str, int]:
-        """The KV blocks each owner's admitted requests reserve."""
-        held: dict[str, int] = {}
+    def _past_share(self, holds: tuple[int, int] | None, wanted: int) -> bool:
+        """Whether an owner holding `holds` (blocks, sequences) would pass its share of the KV
+        or of the batch's sequences with a request of `wanted` blocks. NOTE: an owner holding
+        nothing never is: a lone request larger than the share runs when the pool has room."""
+        if not holds or not holds[1]:
+            return False
+        limits = self._limits
+        return holds[0] + wanted > limits.owner_blocks or holds[1] + 1 > limits.owner_running
+
+    def _held_by_owner(self) -> dict[str, tuple[int, int]]:
+        """The KV blocks and sequences each owner's admitted requests hold."""
+        held: dict[str, tuple[int, int]] = {}
         for entry in self._prefilling + self._running:
             owner = _owner(entry.job)
-            held[owner] = held.get(owner, 0) + self._limits.blocks(entry.job.tokens)
+            blocks, sequences = held.get(owner, (0, 0))
+            held[owner] = (blocks + self._limits.blocks(entry.job.tokens), sequences + 1)
         return held
 
-    def _expire_waiting(self, busy: int, reserved: int, held: dict[str, int]) -> None:
+    def _expire_waiting(self, busy: int, reserved: int, held: dict[str, tuple[int, int]]) -> None:
+        """Fail the requests that waited past max_wait_s for room. NOTE: not one waiting for its
+        owner's own requests (past its share): those end, or their client cancels them."""
         limits, now = self._limits, self._clock()
-        expired = [e for e in self._waiting if now - e.queued_at > limits.max_wait_s]
+        expired = [
+            e
+            for e in self._waiting
+            if now - e.queued_at > limits.max_wait_s
+            and not self._past_share(held.get(_owner(e.job)), limits.blocks(e.job.tokens))
+        ]
         for entry in expired:
-            owner_held = held.get(_owner(entry.job), 0)
-            if owner_held and owner_held + limits.blocks(entry.job.tokens) > limits.owner_blocks:
-                reason = (
-                    f"its caller's other requests reserve {owner_held} of the {limits.owner_blocks} KV blocks "
-                    f"one caller may reserve (decode_kv_share={limits.owner_share:g} of {limits.kv_blocks} "
-                    "blocks, decode_kv_mb)"
-                )
-            else:
-                reason = (
-                    f"{busy} of max_running={limits.max_running} sequences, "
-                    f"{reserved} of {limits.kv_blocks} KV blocks reserved (decode_kv_mb)"
-                )
             entry.job.fail(
-                Unavailable(f"decode stayed at its limits for {limits.max_wait_s:g} s: {reason}; retry later")
+                Unavailable(
+                    f"decode stayed at its limits for {limits.max_wait_s:g} s: {busy} of "
+                    f"max_running={limits.max_running} sequences, {reserved} of {limits.kv_blocks} KV blocks "
+                    "reserved (decode_kv_mb); retry later"
+                )
             )
         self._waiting = [e for e in self._waiting if e not in expired]
 
