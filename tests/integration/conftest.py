@@ -160,7 +160,7 @@ def trusted_server(tmp_path_factory, tiny_model_dir):
 def small_pool_server(tmp_path_factory, tiny_model_dir):
     """Small KV pools, and KV events: decode's pool is 4 MiB (1,024 tokens of the tiny model's
     KV, 64 blocks) with a 2 s queue timeout; prefill's is 2 MiB (32 blocks of 16 tokens, so
-    three ~220-token prompts evict) and computes prompts by chunks of 64 tokens, so several
+    three ~220-token prompts evict) and computes prompts in passes of 64 tokens, so several
     are in its pool at once; it publishes its events on `kv_events` (pub, replay).
     With decode_server's key, so a router can use it as a prefill server. Its prompts are
     always prefill's (local_prefill_when_idle off): its tests watch prefill's pool."""
@@ -169,7 +169,7 @@ def small_pool_server(tmp_path_factory, tiny_model_dir):
         "PDCHAT_DECODE_KV_MB": "4",
         "PDCHAT_QUEUE_TIMEOUT_S": "2",
         "PDCHAT_PREFILL_KV_MB": "2",
-        "PDCHAT_PREFILL_CHUNK": "64",
+        "PDCHAT_PREFILL_PASS_TOKENS": "64",
         "PDCHAT_PREFILL_KV_EVENTS_ENDPOINT": f"tcp://*:{pub}",
         "PDCHAT_PREFILL_KV_EVENTS_REPLAY_ENDPOINT": f"tcp://*:{replay}",
         "PDCHAT_HANDOFF_KEY": HANDOFF_KEY,

@@ -88,10 +88,13 @@ def test_requests_with_another_cache_salt_share_no_blocks(server):
     ask(client, body)
     other = ask(client, {**body, "cache_salt": "tenant-b"})
     unsalted = ask(client, {k: v for k, v in body.items() if k != "cache_salt"})
-    same = ask(client, body)
+    # Its prompt is computed by prefill, or by decode while idle: the second of two asks finds
+    # it in whichever stage computes it then (the first may go to the other stage).
+    same = [ask(client, body) for _ in range(2)]
     client.close()
     assert cached_tokens(other) == 0 and cached_tokens(unsalted) == 0
-    assert cached_tokens(same) > 0 and same.output_token_ids == other.output_token_ids
+    assert max(map(cached_tokens, same)) > 0
+    assert same[0].output_token_ids == same[1].output_token_ids == other.output_token_ids
     assert "'cache_salt' must be a non-empty string" in refusal(GrpcChat(server.grpc_url), {**body, "cache_salt": ""})
 
 

@@ -129,26 +129,3 @@ def test_a_prompt_larger_than_the_pool_fails_at_once_and_one_that_waits_too_long
     scheduler.close()
     assert ended[0].startswith("prefill's KV pool stayed full for 0.05 s") and "(prefill_kv_mb)" in ended[0]
     assert ended[1] == "long:done" and "late" not in log
-
-
-def test_prompts_take_turns_of_several_chunks_oldest_first():
-    """Turns of three chunks: a prompt of three is computed whole before the next starts (its
-    first token comes after its own work alone), and one behind a long prompt waits for one
-    turn of it, not its whole."""
-    log, ended, all_done = [], [], threading.Event()
-
-    def record(outcome):
-        ended.append(outcome)
-        if len(ended) == 3:
-            all_done.set()
-
-    scheduler = PrefillScheduler(turn_chunks=3)
-    gate = threading.Event()
-    scheduler.submit(PrefillTask(start=lambda: (gate.wait(), Chunks("z", 1, []))[1], done=lambda r: None, fail=print))
-    for job in (Chunks("long", 7, log), Chunks("three", 3, log), Chunks("one", 1, log)):
-        scheduler.submit(PrefillTask(start=lambda job=job: job, done=record, fail=lambda exc: record(str(exc))))
-    gate.set()
-    assert all_done.wait(10)
-    scheduler.close()
-    assert log == ["long"] * 3 + ["three"] * 3 + ["one"] + ["long"] * 3 + ["long"]
-    assert ended == ["three:done", "one:done", "long:done"]

@@ -524,17 +524,17 @@ QUEUE_TIMEOUT_S = Setting(
     "Longest a request waits for room, in seconds: in decode's batch, or for prefill's KV blocks (a prompt "
     "starts once its blocks fit beside those of the prompts in progress); then UNAVAILABLE, naming the limit.",
 )
-PREFILL_TURN_TOKENS = Setting(
-    "prefill_turn_tokens",
-    "prefill_turn_tokens",
-    "PDCHAT_PREFILL_TURN_TOKENS",
+PREFILL_PASS_TOKENS = Setting(
+    "prefill_pass_tokens",
+    "prefill_pass_tokens",
+    "PDCHAT_PREFILL_PASS_TOKENS",
     "2048",
     INTEGER,
     ("prefill",),
-    "Prompt tokens prefill computes for one prompt before the next prompt in progress takes its turn (whole "
-    "chunks of prefill_chunk, at least one), oldest first: a prompt within one turn is computed whole before the "
-    "next starts (first tokens early, as vLLM's token budget gives them); a prompt that arrives behind a long one "
-    "waits for at most one turn of it.",
+    "Prompt tokens prefill computes in one pass: a prompt up to this long is computed whole before the next starts "
+    "(its first token after its own work alone); a longer one in passes of this many, taking turns with the other "
+    "prompts in progress, oldest first, so a prompt behind a long one waits for at most one pass of it. One pass "
+    "costs less than the same tokens in smaller chunks, which each read the prompt so far back from the pool.",
 )
 PREFILL_CHUNK = Setting(
     "prefill_chunk",
@@ -542,10 +542,9 @@ PREFILL_CHUNK = Setting(
     "PDCHAT_PREFILL_CHUNK",
     "512",
     INTEGER,
-    ("prefill", "decode"),
-    "Prompt tokens per chunk: prefill computes prompts by chunks (in turns of prefill_turn_tokens), and decode "
-    "prefills a prompt itself by "
-    "chunks between the batch's decode steps.",
+    ("decode",),
+    "Prompt tokens per chunk when decode prefills a prompt itself, a chunk between its batch's decode steps (so a "
+    "long prompt does not stall the running streams); prefill's passes are prefill_pass_tokens.",
 )
 
 # KV events (pdchat.core.kv_events): vLLM's wire format, for cache-aware routers.
@@ -881,12 +880,12 @@ class BatchingOptions:
     kv_share: float  # the part of decode's KV pool one caller's requests may reserve together
     queue_timeout_s: float  # longest wait for room, then UNAVAILABLE
     prefill_chunk: int  # prompt tokens per local prefill chunk, between decode steps
-    prefill_turn_tokens: int  # prompt tokens one prompt computes in prefill before the next's turn
+    prefill_pass_tokens: int  # prompt tokens per pass in prefill
 
 
 def batching_options(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> BatchingOptions:
     """The stages' limits: MAX_RUNNING, DECODE_KV_SHARE, QUEUE_TIMEOUT_S, PREFILL_CHUNK and
-    PREFILL_TURN_TOKENS (their KV pools: kv_pool_options); ValueError for a share outside (0, 1]."""
+    PREFILL_PASS_TOKENS (their KV pools: kv_pool_options); ValueError for a share outside (0, 1]."""
     share = DECODE_KV_SHARE.get(parameters, environ)
     if not 0 < share <= 1:
         raise ValueError(f"setting {DECODE_KV_SHARE.name} must be in (0, 1], got {share}")
@@ -895,7 +894,7 @@ def batching_options(parameters: dict[str, str], environ: os._Environ | dict | N
         kv_share=share,
         queue_timeout_s=QUEUE_TIMEOUT_S.get(parameters, environ),
         prefill_chunk=PREFILL_CHUNK.get(parameters, environ),
-        prefill_turn_tokens=PREFILL_TURN_TOKENS.get(parameters, environ),
+        prefill_pass_tokens=PREFILL_PASS_TOKENS.get(parameters, environ),
     )
 
 

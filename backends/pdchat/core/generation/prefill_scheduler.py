@@ -1,12 +1,11 @@
-"""Prefill's scheduler: one thread computes every prompt, a chunk at a time, in turns.
+"""Prefill's scheduler: one thread computes every prompt, a chunk at a time, in turn.
 
 One prefill instance per server holds one KV pool, so its prefix cache serves every
 request the server gets (two instances would each cache half the conversations). The
-prompts in progress take turns of `turn_chunks` chunks, oldest first: a prompt that fits in
-one turn is computed whole before the next starts, so of four 2k-token prompts sent at once
-the first is answered after a quarter of the work, not all four at the end (as turns of one
-chunk did); and a short prompt that arrives while a long one prefills waits for at most one
-turn of it, not its whole.
+prompts in progress take turns by chunk (a prefill engine's chunk is `prefill_pass_tokens`,
+2,048 tokens), oldest first: a prompt within one chunk is computed whole, in one pass, before
+the next starts, and a short prompt that arrives while a long one prefills waits for at most
+one chunk of it, not its whole.
 
 Admission, as decode's: a prompt starts once its blocks fit beside those the prompts in
 progress reserve (`PrefillLimits`); until then it waits, in order, up to `max_wait_s`, then
@@ -70,11 +69,8 @@ class PrefillScheduler:
         before_pass: Callable[[], object] | None = None,
         limits: PrefillLimits = PrefillLimits(),
         clock: Callable[[], float] = time.monotonic,
-        turn_chunks: int = 1,
     ):
         self._before_pass = before_pass
-        self._turn_chunks = max(1, turn_chunks)
-        self._turn_taken = 0  # chunks the prompt at the front has computed in its turn
         self._limits, self._clock = limits, clock
         self._incoming: queue.SimpleQueue[PrefillTask | None] = queue.SimpleQueue()
         self._waiting: deque[PrefillTask] = deque()  # submitted, not started: no room yet
@@ -102,19 +98,13 @@ class PrefillScheduler:
                     self._before_pass()
                 result = job.step()
             except Exception as exc:  # noqa: BLE001 - every failure must reach its client
-                self._turn_taken = 0
                 job.abandon()
                 self._end(task, task.fail, exc)
                 continue
-            self._turn_taken += 1
-            if result is not None:
-                self._turn_taken = 0
-                self._end(task, task.done, result)
-            elif self._turn_taken < self._turn_chunks:
-                self._turns.appendleft((task, job))  # its turn goes on
+            if result is None:
+                self._turns.append((task, job))  # its next chunk after the others' turns
             else:
-                self._turn_taken = 0
-                self._turns.append((task, job))  # its next turn after the others'
+                self._end(task, task.done, result)
         for task, job in self._turns:
             job.abandon()
             task.fail(RuntimeError("prefill is shutting down"))

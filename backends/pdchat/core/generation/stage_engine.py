@@ -1,6 +1,6 @@
 """pdchat's own engine behind the seam (core.engine_api.Engine): a TextModel and its scheduler.
 
-A prefill engine runs one PrefillScheduler (prompts take turns of chunks, oldest first; a pass takes more
+A prefill engine runs one PrefillScheduler (prompts take turns by pass, oldest first; a pass takes more
 torch threads while the process's cores sit idle); a decode engine runs one DecodeScheduler
 over a DecodeBatch (continuous batching; with `decode_cpus`, its thread on cores of its own).
 A request waits for its output grammar to compile (the grammar worker) before it is queued,
@@ -77,9 +77,7 @@ class PdchatEngine:
             # A pass takes more torch threads while this process's other cores sit idle.
             limits = PrefillLimits(engine.pool.total_blocks, engine.pool.block_tokens, self._options.queue_timeout_s)
             self._prefill = PrefillScheduler(
-                before_pass=PassThreads.for_engine(engine, most).before_pass,
-                limits=limits,
-                turn_chunks=self._options.prefill_turn_tokens // self._options.prefill_chunk,
+                before_pass=PassThreads.for_engine(engine, most).before_pass, limits=limits
             )
             return
         limits = Limits(
@@ -112,7 +110,7 @@ class PdchatEngine:
     ) -> None:
         task = PrefillTask(
             start=functools.partial(
-                PrefillJob, self.model, request.prompt_token_ids, request.params, self._options.prefill_chunk
+                PrefillJob, self.model, request.prompt_token_ids, request.params, self._options.prefill_pass_tokens
             ),
             done=done,
             fail=fail,
