@@ -521,11 +521,12 @@ def test_a_stopped_prefill_server_costs_one_stall_then_decode_serves_whole(stack
 def test_a_whole_answer_longer_than_the_stall_deadline_still_arrives(stack, restart_router):
     """Nothing of a whole answer comes before its end: decode's heartbeats, relayed by chat,
     keep the router's wait for the next response under STALL_S."""
-    body = {**ENDLESS, "max_tokens": 1500, "stream": False}
+    # 6,000 tokens: over 2 x STALL_S below 1,000 tokens/s for one stream (a 2-core host does ~300).
+    body = {**ENDLESS, "max_tokens": 6000, "stream": False}
     started = time.monotonic()
     [answer] = router_responses(stack, body)
     took = time.monotonic() - started
-    assert answer["usage"]["completion_tokens"] == 1500 and answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] == 6000 and answer["choices"][0]["finish_reason"] == "length"
     assert took > 2 * STALL_S, f"the answer took {took:.1f} s: too short to show the deadline was kept"
 
 
