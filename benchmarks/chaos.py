@@ -254,6 +254,10 @@ def report(args, sent, faults, wall, before, after, kv, shm_left, restarts) -> N
         "failed_at_faults": len(at_fault),
         "failed_at_faults_by_error": dict(Counter(_error_class(s.outcome.error) for s in at_fault).most_common()),
         "failed_at_faults_longest_s": max((s.ended - s.started for s in at_fault), default=0.0),
+        "failed_by_fault": {
+            name: sum(1 for s in at_fault if s.started <= until + grace_s and s.ended >= start)
+            for name, start, until in faults.windows
+        },
         "failed_elsewhere": len(unexpected),
         "failed_elsewhere_first": sorted({f"{s.kind}: {s.outcome.error[:160]}" for s in unexpected})[:10],
         "by_kind": dict(by_kind),
