@@ -251,6 +251,8 @@ class DecodeScheduler:
         """Start waiting requests in order while there is room. A request whose owner's share
         is full waits for the owner's own requests to end and is passed; one that does not fit
         the pool or the batch is passed by none (FIFO), so a large request is not starved."""
+        if not self._waiting:  # NOTE: every turn comes here: a turn with none waiting costs nothing
+            return
         limits = self._limits
         held = self._held_by_owner()
         reserved = sum(blocks for blocks, _ in held.values())
