@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pdchat.core.errors import ModelUnavailable
+from pdchat.core.settings import ALLOW_UNSUPPORTED_MODEL
 
 # config.json's model_type -> how pdchat computes it.
 SUPPORTED = {
@@ -40,7 +41,6 @@ UNHONOURED = {
 # layer_types entries the paged attention computes; any other (linear_attention, mamba, ...)
 # is a layer with state of another kind.
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
-OVERRIDE = "allow_unsupported_model"
 
 
 def unsupported_features(config: dict[str, Any]) -> list[str]:
@@ -66,6 +66,6 @@ def check_supported(model_dir: Path, allowed: bool) -> None:
     families = ", ".join(sorted(SUPPORTED))
     raise ModelUnavailable(
         f"{architecture} at {model_dir} needs what pdchat's engine does not compute: {'; '.join(found)}. "
-        f"Supported families: {families} (docs/models.md). Set {OVERRIDE}=true to serve it anyway, "
+        f"Supported families: {families} (docs/models.md). Set {ALLOW_UNSUPPORTED_MODEL.name}=true to serve it anyway, "
         "at the risk of wrong outputs"
     )

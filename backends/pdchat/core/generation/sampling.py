@@ -46,9 +46,9 @@ def choose_token(
     """Pick the token at output `position` from 1-D `logits` over the vocabulary: the
     argmax at temperature 0 (or top_k 1), else a draw from the tempered distribution that
     min_p, top_k and top_p leave, by inverse transform: one uniform number from the
-    (seed, position) stream, found in the kept tokens' cumulative mass. No vocabulary-wide
-    sort runs (top_p finds its threshold from the sorted values alone), so a draw costs a
-    few vocabulary-wide passes."""
+    (seed, position) stream, found in the kept tokens' cumulative mass. No argsort and no
+    multinomial: top_p finds its threshold by sorting the probabilities' values alone
+    (numpy's sort, several times faster than torch's sort with indices)."""
     logits = logits.float().cpu()
     if temperature == 0.0 or top_k == 1:  # NOTE: as TokenChooser.greedy, so the greedy head agrees
         return int(torch.argmax(logits))
