@@ -13,6 +13,9 @@ ROLES = (MONOLITHIC, PREFILL, DECODE)
 # KV connectors: shm (same host) and nixl (NIXL over UCX, across hosts).
 SHM, NIXL = "shm", "nixl"
 KV_CONNECTORS = (SHM, NIXL)
+# The KV of an engine that moves it itself (engine=vllm: vLLM's NixlConnector); its handle
+# carries the engine's transfer parameters, and no pdchat connector touches it.
+ENGINE_KV = "engine"
 
 # Embedded models (built offline into the cache): name -> directory and served model name.
 TINY, SMOLLM2, TINY_GPTOSS = "tiny", "smollm2", "tiny-gptoss"

@@ -82,13 +82,16 @@ PREFILL, DECODE = "prefill", "decode"
 
 @dataclass(frozen=True)
 class Prefilled:
-    """A prompt prefilled: its first output token, its KV exported in the wire layout
-    (core.kv.base: [layers, 2, kv_heads, tokens, head_dim] in the model's dtype) and how many
-    of its tokens the engine's prefix cache gave rather than computed."""
+    """A prompt prefilled: its first output token, its KV and how many of its tokens the
+    engine's prefix cache gave rather than computed. The KV is either exported in the wire
+    layout (`kv`, core.kv.base: [layers, 2, kv_heads, tokens, head_dim] in the model's dtype)
+    for a pdchat connector to carry, or kept by an engine that moves it itself, which says
+    how a decode engine reaches it (`transfer_params`: vLLM's kv_transfer_params)."""
 
     first: Choice
-    kv: np.ndarray
+    kv: np.ndarray | None
     cached_tokens: int
+    transfer_params: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,9 @@ class DecodeRequest:
     on the network), which the engine runs off its stepping thread before the request is
     queued. `cached_tokens`: what prefill's prefix cache gave (reported in the first delta).
     `owner`: the caller whose share of decode's KV the request counts against (setting
-    decode_kv_share); "": the request is its own."""
+    decode_kv_share); "": the request is its own. `transfer_params`: for an engine that moves
+    KV itself, what its prefill engine said (Prefilled.transfer_params), from prefill's
+    sealed handle; it then pulls the KV itself, or computes the prompt where it cannot."""
 
     key: str  # unique per request (GenerationParams.request_id): what cancel() names
     prompt_token_ids: list[int]
@@ -119,6 +124,7 @@ class DecodeRequest:
     prefetch_kv: Callable[[], object] | None = None
     cached_tokens: int = 0
     owner: str = ""
+    transfer_params: dict | None = None
 
 
 @dataclass(frozen=True)

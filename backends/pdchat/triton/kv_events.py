@@ -31,11 +31,11 @@ class KVEvents:
     """A pool's KV events publisher, or nothing when its role's endpoint is unset.
     Call close() at finalize (either way)."""
 
-    def __init__(self, role: str, parameters: dict[str, str], args: dict, pool: BlockPool):
+    def __init__(self, role: str, parameters: dict[str, str], args: dict, pool: BlockPool | None):
         self._publisher: KVEventPublisher | None = None
         self._metrics: _EventMetrics | None = None
         options = kv_events_options(role, parameters)
-        if options is None:
+        if options is None or pool is None:  # off, or an engine that publishes its own (vLLM's)
             return
         index = instance_index(args["model_instance_name"])
         endpoint = instance_endpoint(options.endpoint, index)

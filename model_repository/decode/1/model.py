@@ -22,6 +22,7 @@ from pdchat.core.engine_api import DECODE, DecodeRequest, EngineHooks
 from pdchat.core.engines import open_engine
 from pdchat.core.errors import InvalidRequest
 from pdchat.core.generation.sampling import Choice
+from pdchat.core.kv.base import engine_transfer_params
 from pdchat.core.kv.connector import Connectors, KVHandover
 from pdchat.core.output.decode_streams import DecodeStreams
 from pdchat.core.output.feeds import DecodeFeeds
@@ -29,6 +30,7 @@ from pdchat.core.settings import batching_options, keep_off_decode_cpus, kv_opti
 from pdchat.ensemble.decode_load import LoadSlot
 from pdchat.ensemble.seal import StageSeal, server_directory
 from pdchat.models import resolve_model
+from pdchat.registry import ENGINE_KV
 from pdchat.triton import io
 from pdchat.triton.kv_events import KVEvents
 from pdchat.triton.metrics import DecodeServerMetrics
@@ -99,7 +101,9 @@ class TritonPythonModel:
         engine = self.engine
         stage = io.stage_input(request, self.seal, engine.context_length, engine.vocab_size)
         # Prefill's KV and first token come only inside a sealed handle; without one decode prefills.
-        kv = None if stage.kv_handle is None else KVHandover(self.connectors, stage.kv_handle)
+        # KV an engine moves itself (ENGINE_KV) is the engine's to pull, through the handle's transfer params.
+        handle = stage.kv_handle
+        kv = None if handle is None or handle.connector == ENGINE_KV else KVHandover(self.connectors, handle)
         try:
             self._sealed_decode(request, sender, stage, kv)
         except BaseException:
@@ -120,6 +124,8 @@ class TritonPythonModel:
         self.outbox.call(functools.partial(self.metrics.arrived, stream.key, time.monotonic()))
         self.outbox.watch(stream, sender.is_cancelled, functools.partial(self.engine.cancel, stream.key))
         source = {} if kv is None else kv.decode_source(stream.key, functools.partial(self._post, self.metrics.kv_pull))
+        if handle is not None and handle.connector == ENGINE_KV:
+            source = {"transfer_params": engine_transfer_params(handle)}
         cached = 0 if handle is None else handle.cached_tokens
         owner = io.kv_owner(request)
         request = DecodeRequest(stream.key, ids, params, first=first, cached_tokens=cached, owner=owner, **source)

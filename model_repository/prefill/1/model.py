@@ -21,6 +21,7 @@ import triton_python_backend_utils as pb_utils
 from pdchat import tensors
 from pdchat.core.engine_api import PREFILL, PrefillRequest
 from pdchat.core.engines import open_engine
+from pdchat.core.kv.base import engine_kv_handle
 from pdchat.core.kv.connector import Connectors
 from pdchat.core.settings import keep_off_decode_cpus, kv_options
 from pdchat.ensemble.seal import StageSeal
@@ -50,7 +51,9 @@ class TritonPythonModel:
         self.metrics = KVHeldMetrics(args["model_name"], args["model_instance_name"])
         self.pool_metrics = KVPoolMetrics(args["model_name"], args["model_instance_name"])
         self.vllm_metrics = VllmMetrics(settings.served_name, args["model_instance_name"])  # vLLM's names
-        self.connectors = Connectors(on_sweep=self._on_sweep, **kv_options(parameters))
+        options = kv_options(parameters)
+        self.kv_ttl_s = options["ttl_s"]
+        self.connectors = Connectors(on_sweep=self._on_sweep, **options)
         self.outbox = Outbox("pdchat-prefill-outbox")
         self.engine.start()
 
@@ -99,17 +102,28 @@ class TritonPythonModel:
     # On the outbox thread:
 
     def _answer(self, sender, stage, destination: str, first_output: bool, prefilled) -> None:
+        first = prefilled.first
         try:
-            handle = self.connectors.publish(
-                destination, prefilled.kv, prefilled.first.token_id, prefilled.first.logprobs, prefilled.cached_tokens
-            ).to_json()
+            if prefilled.kv is None:  # the engine moves its KV itself (engine=vllm): its transfer params go
+                handle = engine_kv_handle(
+                    len(stage.prompt_token_ids),
+                    first.token_id,
+                    first.logprobs,
+                    prefilled.transfer_params or {},
+                    prefilled.cached_tokens,
+                    self.kv_ttl_s,
+                ).to_json()
+            else:
+                handle = self.connectors.publish(
+                    destination, prefilled.kv, first.token_id, first.logprobs, prefilled.cached_tokens
+                ).to_json()
         except Exception as exc:  # noqa: BLE001 - KVBudgetExceeded becomes UNAVAILABLE
             sender.send(io.error_response(exc), flags=FINAL)
             return
         # Decode takes this KV only with prefill's seal over it and the prompt it belongs to.
         seal = self.seal.seal_prompt(stage.prompt_token_ids, stage.params_text, handle)
         outputs = [
-            io.int32_tensor(tensors.FIRST_TOKEN_ID, [prefilled.first.token_id]),
+            io.int32_tensor(tensors.FIRST_TOKEN_ID, [first.token_id]),
             io.string_tensor(tensors.KV_HANDLE, handle),
             io.string_tensor(tensors.STAGE_SEAL, seal),
         ]

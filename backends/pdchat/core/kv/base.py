@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -11,6 +12,7 @@ import numpy as np
 
 from pdchat.core.errors import PdchatError, Unavailable
 from pdchat.core.output.logprobs import TokenLogprobs
+from pdchat.registry import ENGINE_KV
 
 DEFAULT_BUDGET_BYTES = 2 << 30
 # KV dtypes on the wire: the model's own dtype, by name -> the numpy type carrying its bytes
@@ -132,6 +134,38 @@ class KVHandle:
             return cls.from_dict(json.loads(text))
         except ValueError as exc:
             raise KVUnavailable(f"malformed KV handle: {exc}") from None
+
+
+def engine_kv_handle(
+    prompt_tokens: int,
+    first_token_id: int,
+    first_token_logprobs: TokenLogprobs | None,
+    transfer_params: dict[str, Any],
+    cached_tokens: int,
+    ttl_s: float,
+) -> KVHandle:
+    """The handle of a prompt's KV that its engine moves itself (registry.ENGINE_KV): the
+    engine's transfer parameters (vLLM's kv_transfer_params) as its location. Signed into the
+    handoff like any handle, so a decode engine reads only KV a prefill server handed out."""
+    expires_at = round(time.time() + ttl_s, 3)
+    return KVHandle(
+        ENGINE_KV,
+        (prompt_tokens,),
+        expires_at,
+        first_token_id,
+        dict(transfer_params),
+        first_token_logprobs,
+        cached_tokens=cached_tokens,
+    )
+
+
+def engine_transfer_params(handle: KVHandle) -> dict[str, Any] | None:
+    """What a decode engine pulls an ENGINE_KV handle's KV with; None where there is nothing
+    to pull (the handle expired, or its prefill engine moves no KV): decode then computes the
+    prompt from its ids."""
+    if not handle.location or time.time() > handle.expires_at:
+        return None
+    return dict(handle.location)
 
 
 class KVConnector(Protocol):
