@@ -10,7 +10,8 @@ stage models. `model_repository/chat` serves it with BLS calls (`pdchat.triton.c
   may not take the request as it comes (`DecodeLoad.has_room`: it may wait, or be refused,
   and a refusal must come before any output); with
   setting local_prefill_when_idle, a lone request while decode holds no sequence
-  (`DecodeLoad`) goes render -> decode, which prefills the prompt itself;
+  (`DecodeLoad`) goes render -> decode, which prefills the prompt itself, as every one
+  does with setting engine vllm;
 - REMOTE_PREFILL: render -> prefill (KV through the configured connector), then one
   answer: the first token and the signed kv_transfer_params for a decode server (before
   it, when the caller asks, the streamed answer's first output, which the decode leg then
@@ -52,6 +53,7 @@ from pdchat.core.request.renderers import load_renderer
 from pdchat.core.request.rendering import REQUEST_TEMPLATE, PromptRenderer
 from pdchat.core.settings import (
     CHAT_RENDER_MAX_CHARS,
+    ENGINE,
     LOCAL_PREFILL_WHEN_IDLE,
     STAGE_STALL_TIMEOUT_S,
     forwarded_ids_policy,
@@ -215,12 +217,15 @@ class ChatFlow:
         render_max_chars: int = CHAT_RENDER_MAX_CHARS.default_value,
         decode_load: DecodeLoad | None = None,
         local_prefill_when_idle: bool = False,
+        decode_prefills_all: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ):
         """`render_max_chars`: the longest request rendered here (`_render`; 0: none);
         `decode_load`: this server's decode's load (None: unknown, read as room left);
         with `local_prefill_when_idle`, while it reads idle decode prefills a plain prompt
-        itself. `clock`: what times the bursts after a prompt decode prefilled (`_decode_prefills`)."""
+        itself; with `decode_prefills_all` (engine vllm), decode prefills every plain prompt:
+        its engine batches prompts with its running answers and keeps its own prefix cache.
+        `clock`: what times the bursts after a prompt decode prefilled (`_decode_prefills`)."""
         self.planner = planner
         self.renderer = renderer
         self.seal = seal
@@ -232,6 +237,7 @@ class ChatFlow:
         self.render_max_chars = render_max_chars
         self.decode_load = decode_load
         self.local_prefill_when_idle = local_prefill_when_idle
+        self.decode_prefills_all = decode_prefills_all
         self.clock = clock
         self._local: tuple[float, np.ndarray] | None = None  # when decode last took a plain prompt, and its ids
         self._serving = 0  # requests inside `serve` now
@@ -271,6 +277,7 @@ class ChatFlow:
             render_max_chars=CHAT_RENDER_MAX_CHARS.get(parameters, env),
             decode_load=DecodeLoad(server_directory(os.getppid())),
             local_prefill_when_idle=LOCAL_PREFILL_WHEN_IDLE.get(parameters, env),
+            decode_prefills_all=ENGINE.get(parameters, env) == "vllm",
         )
 
     async def serve(self, inputs: ChatInputs, stages: ChatStages) -> None:
@@ -358,6 +365,8 @@ class ChatFlow:
         yet. A prompt then goes to decode only if it is that very prompt (the n choices of
         one request, each started once the one before answered): decode holds its blocks,
         so it computes a block's tail of it; any other goes to prefill."""
+        if self.decode_prefills_all:
+            return True
         if not self.local_prefill_when_idle or self.decode_load is None:
             return False
         now = self.clock()

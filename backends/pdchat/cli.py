@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--model", default=registry.DEFAULT_MODEL)
     pd.add_argument("--connector", choices=registry.KV_CONNECTORS, default=registry.SHM)
     pd.add_argument("--port", type=int, default=8080, help="router port")
+    _engine_option(pd)
     _served_names_option(pd)
     _supervision_options(pd)
 
@@ -156,6 +157,18 @@ def _http_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _engine_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engine",
+        choices=("pdchat", "vllm"),
+        help=f"the engine under prefill and decode (docs/engines.md); sets {settings.ENGINE.env} (default pdchat)",
+    )
+
+
+def _engine_env(args: argparse.Namespace) -> dict[str, str]:
+    return {settings.ENGINE.env: args.engine} if args.engine else {}
+
+
 def _served_names_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name",
@@ -181,6 +194,7 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
         help=f"embedded model name ({', '.join(registry.EMBEDDED_MODELS)}) or HF model directory; "
         f"sets {settings.MODEL.env}",
     )
+    _engine_option(parser)
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
@@ -213,7 +227,7 @@ def _chat_options(parser: argparse.ArgumentParser) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from pdchat.launcher import TritonServer
 
-    env = {settings.MODEL.env: args.model} if args.model else {}
+    env = {**({settings.MODEL.env: args.model} if args.model else {}), **_engine_env(args)}
     if args.served_model_name:
         env[settings.SERVED_MODEL_NAME.env] = ",".join(_served_names(args))
     server = TritonServer(
@@ -363,7 +377,11 @@ def _pd(args: argparse.Namespace) -> int:
     stop = _stop_on_signals()
     _say("starting a prefill server, a decode server and the router")
     with PDStack(
-        model=args.model, connector=args.connector, router_port=args.port, served_model_names=_served_names(args)
+        model=args.model,
+        connector=args.connector,
+        router_port=args.port,
+        served_model_names=_served_names(args),
+        env=_engine_env(args),
     ) as stack:
         _say(
             f"ready: OpenAI API at {stack.router_url}/v1 "

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from pdchat.core import settings
 from pdchat.core.settings import cache_dir
-from pdchat.registry import MONOLITHIC, ROLES, SHM
+from pdchat.registry import MONOLITHIC, PREFILL, ROLES, SHM
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -206,13 +206,24 @@ def _stub_library_dirs() -> list[Path]:
 STUB_LIBRARY_DIRS = _stub_library_dirs()
 
 
-def stub_environment(libs: Path | None, env: dict[str, str]) -> dict[str, str]:
+def stub_environment(libs: Path | None, env: dict[str, str], python: Path | None = None) -> dict[str, str]:
     """PATH and LD_LIBRARY_PATH for tritonserver's python stub: it runs the first python3 on
-    PATH (make it this venv's), and must load this interpreter's libpython, not a distro one."""
+    PATH (make it `python`'s venv's, by default this one's), and must load this interpreter's
+    libpython, not a distro one (a venv made from the same Python shares it)."""
     return {
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        "PATH": f"{(python or Path(sys.executable)).parent}{os.pathsep}{env.get('PATH', '')}",
         "LD_LIBRARY_PATH": os.pathsep.join(str(p) for p in (*STUB_LIBRARY_DIRS, libs, env.get("LD_LIBRARY_PATH")) if p),
     }
+
+
+def vllm_python(env: dict[str, str]) -> Path:
+    """The python that runs a server's models with engine vllm (setting VLLM_VENV): that venv's,
+    else the checkout's .venv-vllm (scripts/bootstrap.sh --vllm) where it exists, else this one."""
+    venv = settings.VLLM_VENV.get({}, env)
+    if venv:
+        return Path(venv).expanduser() / "bin" / "python3"
+    built = REPO_ROOT / ".venv-vllm" / "bin" / "python3"
+    return built if built.exists() else Path(sys.executable)
 
 
 def stock_command() -> str:
@@ -304,11 +315,15 @@ class TritonServer:
             args.append(f"--backend-directory={backend_dir}")
         if self.role != MONOLITHIC:
             args.append(f"--model-config-name={self.role}")
-        if self.load_models is not None:
-            args += ["--model-control-mode=explicit", *(f"--load-model={m}" for m in self.load_models)]
-        args += list(self.extra_args)
         env = {**os.environ, **self.env}
-        return args, {**env, **stub_environment(libs, env)}
+        vllm = settings.ENGINE.get({}, env) == "vllm"
+        load_models = self.load_models
+        if load_models is None and vllm:  # the one engine the role uses (settings.ENGINE)
+            load_models = ("chat", "renderer", "prefill" if self.role == PREFILL else "decode")
+        if load_models is not None:
+            args += ["--model-control-mode=explicit", *(f"--load-model={m}" for m in load_models)]
+        args += list(self.extra_args)
+        return args, {**env, **stub_environment(libs, env, vllm_python(env) if vllm else None)}
 
     def spawn(self) -> None:
         """Start tritonserver on this server's ports (chosen at the first start, kept for

@@ -58,7 +58,8 @@ def resolve_model(parameters: dict[str, str], environ: os._Environ | dict | None
 
     Settings MODEL, DEVICE, DTYPE, TORCH_THREADS, SERVED_MODEL_NAME and FORWARD; embedded names are built into
     the cache on first use. ModelUnavailable for a model pdchat's engine does not support
-    (core.generation.model_support), unless setting ALLOW_UNSUPPORTED_MODEL says to serve it.
+    (core.generation.model_support), unless setting ALLOW_UNSUPPORTED_MODEL says to serve it
+    or setting ENGINE names vLLM's.
     """
     spec = settings.MODEL.get(parameters, environ)
     device = settings.DEVICE.get(parameters, environ)
@@ -76,5 +77,6 @@ def resolve_model(parameters: dict[str, str], environ: os._Environ | dict | None
                 f"model path '{spec}' is not a Hugging Face model directory (no config.json there); "
                 f"give a directory or one of the embedded models: {known}"
             )
-    check_supported(path, settings.ALLOW_UNSUPPORTED_MODEL.get(parameters, environ))
+    if settings.ENGINE.get(parameters, environ) == "pdchat":  # vLLM's engine has its own model coverage
+        check_supported(path, settings.ALLOW_UNSUPPORTED_MODEL.get(parameters, environ))
     return ModelSettings(path, device, dtype, threads, names, forward)

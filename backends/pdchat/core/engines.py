@@ -1,7 +1,7 @@
 """The engine a prefill or decode instance runs, as the settings choose (core.engine_api).
 
-Today that is pdchat's own (core.generation.stage_engine.PdchatEngine); another engine plugs
-in here, behind the same interface, with no change to the stage models.
+Setting ENGINE: pdchat's own (core.generation.stage_engine.PdchatEngine) or vLLM's
+(core.vllm.engine.VllmEngine), behind the same interface, so the stage models do not change.
 """
 
 from __future__ import annotations
@@ -21,6 +21,12 @@ def open_engine(
     `settings` place it, configured by the stage's `parameters`, its decode thread on `cpus`'
     decode cores (setting decode_cpus: the caller bound the process off them before anything
     started threads); not started."""
+    from pdchat.core.settings import ENGINE
+
+    if ENGINE.get(parameters) == "vllm":
+        from pdchat.core.vllm.engine import VllmEngine
+
+        return VllmEngine.for_stage(role, settings, parameters, instance)
     from pdchat.core.generation.stage_engine import PdchatEngine
 
     return PdchatEngine.for_stage(role, settings, parameters, instance, cpus)

@@ -235,6 +235,40 @@ FORWARD = Setting(
     "transformers: transformers' forward with torch attention, for every model "
     "(docs/architecture.md#the-forward-pass).",
 )
+ENGINE = Setting(
+    "engine",
+    "engine",
+    "PDCHAT_ENGINE",
+    "pdchat",
+    choice("pdchat", "vllm"),
+    ("chat", "prefill", "decode", "pdchat"),
+    "The engine under the prefill and decode models: pdchat (its own, for CPU hosts) or vllm (vLLM's AsyncLLM: "
+    "its kernels, models and GPU support, KV over its NixlConnector; installed apart, see docs/engines.md). With "
+    "vllm, chat gives decode every rendered prompt to compute itself (prefill serves only remote prefill), so a "
+    "server loads the one engine its role uses.",
+)
+VLLM_ENGINE_ARGS = Setting(
+    "vllm_engine_args",
+    "vllm_engine_args",
+    "PDCHAT_VLLM_ENGINE_ARGS",
+    "",
+    TEXT,
+    ("prefill", "decode"),
+    "With engine vllm: vLLM's engine arguments (AsyncEngineArgs) as a JSON object, or the path of a JSON file "
+    "holding one, as vllm_backend's model.json (dtype, max_model_len, gpu_memory_utilization, "
+    "tensor_parallel_size, enforce_eager, block_size, kv_transfer_config, ...), over what pdchat derives from its "
+    "own settings (docs/engines.md).",
+)
+VLLM_VENV = Setting(
+    "vllm_venv",
+    None,
+    "PDCHAT_VLLM_VENV",
+    "",
+    TEXT,
+    ("pdchat",),
+    "With engine vllm: the venv (vLLM and pdchat) the launcher runs the servers' models in; unset: the checkout's "
+    ".venv-vllm (scripts/bootstrap.sh --vllm) where it exists, else the launcher's own python.",
+)
 TORCH_THREADS = Setting(
     "torch_threads",
     "torch_threads",

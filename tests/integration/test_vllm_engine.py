@@ -1,0 +1,244 @@
+"""engine=vllm: vLLM's AsyncLLM under pdchat's Triton models, on the tiny model on CPU.
+
+A prefill server and a decode server with setting engine vllm (vLLM's NixlConnector moves
+the KV between their engines) and pdchat's router: the gate, seals, renderer, router and
+fronts are pdchat's, unchanged. `make test-vllm` runs these (scripts/bootstrap.sh --vllm
+builds the env the servers' models run in); elsewhere they are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+
+import pytest
+
+from pdchat.clients.chat import GrpcChat, HttpChat, chat_inputs
+from pdchat.launcher import PDStack, vllm_python
+from tests.conversations import PARITY_CASES, SAMPLING_CASES
+from tests.integration.adversarial import ADVERSARIAL
+from tests.integration.conftest import TEST_POOLS
+from tests.integration.helpers import (
+    ask,
+    chat_renders,
+    metric,
+    post,
+    prompt_tokens_computed,
+    refusal,
+    responses,
+    router_answer,
+    router_responses,
+    summary,
+    wait_for,
+)
+from tests.logprobs import assert_logprobs_close, logprobs_of
+
+PYTHON = vllm_python(dict(os.environ))
+HAS_VLLM = (
+    subprocess.run(
+        [PYTHON, "-c", "import importlib.util, sys; sys.exit(not importlib.util.find_spec('vllm'))"]
+    ).returncode
+    == 0
+)
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not HAS_VLLM, reason=f"no vLLM in {PYTHON}: scripts/bootstrap.sh --vllm builds .venv-vllm"),
+]
+CHAT = "chat"
+# Eager (no torch.compile): a server is ready in about 20 s rather than a minute.
+ENGINE_ENV = {"PDCHAT_ENGINE": "vllm", "PDCHAT_VLLM_ENGINE_ARGS": json.dumps({"enforce_eager": True}), **TEST_POOLS}
+CASES = ["single_turn", "multi_turn", "unicode_emoji", "tool_required", "json_schema", "long_prompt"]
+# vLLM's own offline engine on the same ids: what engine=vllm's greedy answer must equal.
+REFERENCE = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import tokens_input
+model, ids, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+if __name__ == "__main__":
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, detokenize=False, ignore_eos=True)
+    [output] = llm.generate([tokens_input(ids)], params, use_tqdm=False)
+    print("IDS", json.dumps(list(output.outputs[0].token_ids)), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model_dir):
+    instance = PDStack(model="tiny", env=ENGINE_ENV, log_dir=tmp_path_factory.mktemp("vllm-pd-logs"))
+    instance.start()
+    yield instance
+    instance.stop()
+    engine_cores = subprocess.run(["pgrep", "-f", "VLLM::EngineCore"], capture_output=True, text=True).stdout.split()
+    for server in (instance.prefill, instance.decode):
+        assert server.leaked_shm() == []
+    assert not [pid for pid in engine_cores if _in_group(int(pid), instance)], "an engine core outlived its server"
+
+
+def _in_group(pid: int, stack) -> bool:
+    try:
+        return os.getpgid(pid) in (stack.prefill.process.pid, stack.decode.process.pid)
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def clients(stack):
+    made = {
+        "grpc": GrpcChat(stack.decode.grpc_url, CHAT),
+        "http": HttpChat(stack.decode.http_url, CHAT),
+        "prefill": GrpcChat(stack.prefill.grpc_url, CHAT),
+    }
+    yield made
+    for client in made.values():
+        client.close()
+
+
+def prefill(clients, body):
+    """The prefill server's leg: first token, prompt ids, signed kv_transfer_params."""
+    [output] = list(clients["prefill"].stream(chat_inputs(body, kv_transfer_params={"do_remote_decode": True})))
+    assert output.kv_transfer_params["signature"] and len(output.output_token_ids) == 1
+    return output
+
+
+def forwarded(handed):
+    return {"prompt_token_ids": handed.prompt_token_ids, "kv_transfer_params": handed.kv_transfer_params}
+
+
+def test_a_greedy_answer_equals_vllms_own_generate_on_the_same_ids(stack, clients, tiny_model_dir):
+    body = {"max_tokens": 24, "temperature": 0, "ignore_eos": True, **PARITY_CASES["multi_turn"]}
+    served = ask(clients["grpc"], body)
+    reference = subprocess.run(
+        [PYTHON, "-c", REFERENCE, str(tiny_model_dir), json.dumps(served.prompt_token_ids), "24"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    [ids] = [line[4:] for line in reference.stdout.splitlines() if line.startswith("IDS ")]
+    assert served.output_token_ids == json.loads(ids)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("case", CASES)
+def test_pd_answers_equal_the_decode_servers_own_and_decode_neither_renders_nor_computes_the_prompt(
+    stack, clients, case, stream
+):
+    body = {"max_tokens": 12, "temperature": 0, "stream": stream, **PARITY_CASES[case]}
+    plain = ask(clients["grpc"], body)
+    handed = prefill(clients, body)
+    renders, computed = chat_renders(stack.decode), prompt_tokens_computed(stack.decode)["decode"]
+    reused = ask(clients["http"], body, **forwarded(handed))
+    assert reused.output_token_ids == plain.output_token_ids and reused.text == plain.text
+    assert reused.finish_reason == plain.finish_reason
+    assert chat_renders(stack.decode) == renders, "decode rendered a prompt it was handed"
+    # The KV came over vLLM's NixlConnector: decode computed at most the last block's tail.
+    grown = prompt_tokens_computed(stack.decode)["decode"] - computed
+    assert grown < len(handed.prompt_token_ids) and grown <= 128
+
+
+def test_the_router_serves_pd_on_vllms_engine_as_the_decode_server_alone(stack, clients):
+    body = {"max_tokens": 12, "temperature": 0, "return_token_ids": True, **PARITY_CASES["long_prompt"]}
+    plain = ask(clients["grpc"], body)
+    answer = router_answer(stack, body)
+    assert answer["ids"] == plain.output_token_ids
+    assert router_answer(stack, {**body, "stream": True})["ids"] == plain.output_token_ids
+
+
+@pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
+def test_sampling_fields_and_logprobs_are_the_same_through_pd(clients, case):
+    body = {**SAMPLING_CASES[case], "seed": 11}
+    plain = ask(clients["grpc"], body)
+    reused = ask(clients["grpc"], body, **forwarded(prefill(clients, body)))
+    assert reused.output_token_ids == plain.output_token_ids
+    got = logprobs_of(responses(reused))
+    assert len(got) == len(reused.output_token_ids)
+    assert all(len(entry["top_logprobs"]) == body["top_logprobs"] for entry in got)
+    assert_logprobs_close(got, logprobs_of(responses(plain)))
+
+
+def test_stop_strings_json_schema_and_tools_hold_through_pd(clients):
+    first = ask(clients["grpc"], {"max_tokens": 12, "temperature": 0, **PARITY_CASES["single_turn"]})
+    stop = first.text.split()[2]
+    body = {"max_tokens": 12, "temperature": 0, "stop": [stop], **PARITY_CASES["single_turn"]}
+    for answer in (ask(clients["grpc"], body), ask(clients["grpc"], body, **forwarded(prefill(clients, body)))):
+        assert answer.finish_reason == "stop" and stop not in answer.text
+        assert first.text.startswith(answer.text)
+
+    schema = {"max_tokens": 40, "temperature": 0, **PARITY_CASES["json_schema"]}
+    answer = ask(clients["grpc"], schema, **forwarded(prefill(clients, schema)))
+    if answer.finish_reason == "stop":  # a schema's JSON, once complete
+        assert isinstance(json.loads(summary(answer)["content"]), dict)
+
+    tools = {"max_tokens": 40, "temperature": 0, **PARITY_CASES["tool_required"]}
+    answer = ask(clients["grpc"], tools, **forwarded(prefill(clients, tools)))
+    [(name, arguments)] = summary(answer)["tool_calls"]
+    assert name in {tool["function"]["name"] for tool in tools["tools"]} and isinstance(arguments, dict)
+
+
+def test_n_choices_through_the_router(stack):
+    body = {"max_tokens": 8, "temperature": 0.9, "seed": 3, "n": 2, **PARITY_CASES["single_turn"]}
+    [reply] = router_responses(stack, body)
+    assert [choice["index"] for choice in reply["choices"]] == [0, 1]
+    assert all(choice["finish_reason"] in ("length", "stop") for choice in reply["choices"])
+
+
+@pytest.mark.parametrize("case", sorted(ADVERSARIAL))
+def test_the_gate_refuses_on_vllms_engine_what_it_refuses_on_pdchats(clients, case):
+    body = {"max_tokens": 4, "temperature": 0, **PARITY_CASES["single_turn"]}
+    handed = prefill(clients, body)
+    make, reason = ADVERSARIAL[case]
+    assert f"forwarded prompt token ids refused ({reason})" in refusal(clients["grpc"], body, **make(handed))
+    assert ask(clients["grpc"], body, **forwarded(handed)).finish_reason in ("length", "stop")
+
+
+def test_a_replayed_handoff_is_refused(clients):
+    body = {"max_tokens": 4, "temperature": 0, **PARITY_CASES["multi_turn"]}
+    handed = prefill(clients, body)
+    ask(clients["grpc"], body, **forwarded(handed))
+    assert "forwarded prompt token ids refused (replayed)" in refusal(clients["grpc"], body, **forwarded(handed))
+
+
+def test_a_client_leaving_aborts_vllms_request(stack):
+    reply = post(
+        stack,
+        {"messages": [{"role": "user", "content": "Go on"}], "max_tokens": 3000, "ignore_eos": True, "stream": True},
+    )
+    for _ in range(4):
+        reply.readline()
+    assert metric(stack.decode, "vllm:num_requests_running") >= 1
+    reply.close()
+    assert wait_for(lambda: metric(stack.decode, "vllm:num_requests_running") == 0, timeout=30)
+    assert wait_for(lambda: metric(stack.decode, "pdchat_decode_active") == 0)
+
+
+def test_prefill_killed_under_load_fails_no_request(stack, clients):
+    """Last: it kills the prefill server. Answers whose KV went with it are recomputed by
+    decode from their ids (vLLM's kv_load_failure_policy recompute), the rest run on decode."""
+    body = {"max_tokens": 12, "temperature": 0, "return_token_ids": True, **PARITY_CASES["long_prompt"]}
+    expected = ask(clients["grpc"], body).output_token_ids
+    handed = [prefill(clients, body) for _ in range(4)]  # KV held by prefill's engine, not yet pulled
+    answers, errors = [], []
+
+    def one() -> None:
+        try:
+            answers.append(router_answer(stack, body)["ids"])
+        except Exception as exc:  # noqa: BLE001 - counted, not raised on a thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for thread in threads[:4]:
+        thread.start()
+    os.killpg(stack.prefill.process.pid, signal.SIGKILL)
+    stack.prefill.process.wait()
+    for thread in threads[4:]:
+        thread.start()
+    reused = [ask(clients["grpc"], body, **forwarded(h)).output_token_ids for h in handed]
+    for thread in threads:
+        thread.join(180)
+    assert errors == []
+    assert answers == [expected] * 8 and reused == [expected] * 4
+    stack.prefill.cleanup_shm()
