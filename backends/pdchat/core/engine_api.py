@@ -149,14 +149,16 @@ class EngineState:
 
 @dataclass(frozen=True)
 class EngineHooks:
-    """What a decode engine reports while it runs, on its own thread (each must be cheap):
-    `on_state` its running/waiting requests and KV held (throttled), `on_load(held, queued)`
-    the requests it holds and those waiting for room (every pass), `on_emitted()` a step's
-    deltas all handed out."""
+    """What an engine reports while it runs, on its own thread (each must be cheap): a
+    decode engine's `on_state` (its running/waiting requests and KV held, throttled),
+    `on_load(held, queued)` (the requests it holds and those waiting for room, every pass)
+    and `on_emitted()` (a step's deltas all handed out); any engine's `on_dead()`, once,
+    when it can serve no more (vLLM's engine core died)."""
 
     on_state: Callable[[EngineState], None] | None = None
     on_load: Callable[[int, int], None] | None = None
     on_emitted: Callable[[], None] | None = None
+    on_dead: Callable[[], None] | None = None
 
 
 class Engine(Protocol):

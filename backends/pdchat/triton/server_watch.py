@@ -31,12 +31,25 @@ def exit_with_server(
     def watch() -> None:
         while os.getppid() == server:
             time.sleep(interval_s)
-        remove_own_region(cmdline)
-        os._exit(1)
+        leave(cmdline)
 
     thread = threading.Thread(target=watch, name="pdchat-server-watch", daemon=True)
     thread.start()
     return thread
+
+
+def leave(cmdline: Path = Path("/proc/self/cmdline")) -> None:
+    """Exit this stub now, its shm region removed."""
+    remove_own_region(cmdline)
+    os._exit(1)
+
+
+def leave_soon(delay_s: float = 1.0) -> None:
+    """Exit this stub in `delay_s` (its last responses go out meanwhile), from a thread of its
+    own: for a model whose engine died and cannot serve again. A stub gone is what pdchat's
+    supervision restarts a server for (TritonServer.dead_stub); a live stub with a dead
+    engine would fail every request while the server reads ready."""
+    threading.Timer(delay_s, leave).start()
 
 
 def remove_own_region(cmdline: Path = Path("/proc/self/cmdline")) -> Path | None:

@@ -35,7 +35,7 @@ from pdchat.triton import io
 from pdchat.triton.kv_events import KVEvents
 from pdchat.triton.metrics import DecodeServerMetrics
 from pdchat.triton.outbox import Outbox
-from pdchat.triton.server_watch import exit_with_server
+from pdchat.triton.server_watch import exit_with_server, leave_soon
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("pdchat.decode")
@@ -65,7 +65,9 @@ class TritonPythonModel:
         self.load = LoadSlot(server_directory(os.getppid()), instance, self.engine.kv_capacity_tokens)
         self.streams = DecodeStreams(transport, self.metrics, self.feeds, self.engine.cancel, self.outbox.unwatch)
         flush = functools.partial(self.outbox.call, self.feeds.flush)
-        self.engine.start(EngineHooks(on_state=self._on_state, on_load=self.load.set, on_emitted=flush))
+        self.engine.start(
+            EngineHooks(on_state=self._on_state, on_load=self.load.set, on_emitted=flush, on_dead=leave_soon)
+        )
 
     def execute(self, requests):
         for request in requests:

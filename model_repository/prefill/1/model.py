@@ -19,7 +19,7 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
-from pdchat.core.engine_api import PREFILL, PrefillRequest
+from pdchat.core.engine_api import PREFILL, EngineHooks, PrefillRequest
 from pdchat.core.engines import open_engine
 from pdchat.core.kv.base import engine_kv_handle
 from pdchat.core.kv.connector import Connectors
@@ -31,7 +31,7 @@ from pdchat.triton import io
 from pdchat.triton.kv_events import KVEvents
 from pdchat.triton.metrics import EngineInfo, KVHeldMetrics, KVPoolMetrics, VllmMetrics
 from pdchat.triton.outbox import Outbox
-from pdchat.triton.server_watch import exit_with_server
+from pdchat.triton.server_watch import exit_with_server, leave_soon
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("pdchat.prefill")
@@ -55,7 +55,7 @@ class TritonPythonModel:
         self.kv_ttl_s = options["ttl_s"]
         self.connectors = Connectors(on_sweep=self._on_sweep, **options)
         self.outbox = Outbox("pdchat-prefill-outbox")
-        self.engine.start()
+        self.engine.start(EngineHooks(on_dead=leave_soon))
 
     def execute(self, requests):
         for request in requests:

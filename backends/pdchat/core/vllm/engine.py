@@ -16,7 +16,9 @@ again included (the same token under greedy or a seeded draw: pdchat seeds every
 KV it cannot pull is recomputed (kv_load_failure_policy recompute).
 
 vLLM's engine core runs in a child process (VLLM::EngineCore) even in-process mode; a
-watcher process stops it if this process dies without closing the engine (`kill -9`).
+watcher process stops it if this process dies without closing the engine (`kill -9`), and
+the engine core's death is told to `EngineHooks.on_dead` (the stage model then exits, for
+supervision to restart the server).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from pdchat.models import ModelSettings
 
 log = logging.getLogger(__name__)
 VLLM = "vllm"  # ExecutionPath.forward of this engine
+ENGINE_CHECK_S = 1.0  # how often the engine core's life is looked at
 # AsyncEngineArgs fields that take vLLM config objects, and those objects' classes in vllm.config.
 _CONFIG_ARGUMENTS = {
     "kv_transfer_config": "KVTransferConfig",
@@ -139,7 +142,7 @@ class VllmEngine:
         )
         dtype = str(model.dtype).removeprefix("torch.")
         self.path = ExecutionPath(device="cpu" if on_cpu else "cuda", dtype=dtype, forward=VLLM)
-        self._watcher = _watch_engine_core()
+        self._watcher = _start_watcher()
 
     @classmethod
     def for_stage(cls, role: str, settings: ModelSettings, parameters: dict[str, str], instance: str) -> VllmEngine:
@@ -166,6 +169,15 @@ class VllmEngine:
 
     def start(self, hooks: EngineHooks | None = None) -> None:
         self._hooks = hooks or EngineHooks()
+        self._run(self._notice_engine_death())
+
+    async def _notice_engine_death(self) -> None:
+        """Tell `on_dead` once vLLM's engine core is gone (its requests fail UNAVAILABLE meanwhile)."""
+        while not self._llm.errored:
+            await asyncio.sleep(ENGINE_CHECK_S)
+        log.error("%s: vLLM's engine core died", self.name)
+        if self._hooks.on_dead is not None:
+            self._hooks.on_dead()
 
     # Requests: each a task on the loop, by key.
 
@@ -406,11 +418,12 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _watch_engine_core() -> subprocess.Popen | None:
-    """A process that stops this process's children (vLLM's engine core and its helpers)
-    once this process is gone without stopping them."""
+def _start_watcher() -> subprocess.Popen | None:
+    """A process that stops this process's children (vLLM's engine core) once this process is
+    gone without stopping them. NOTE: not multiprocessing's resource tracker: it unlinks what
+    the engine core left in /dev/shm once they are both gone."""
     me = os.getpid()
-    children = [pid for pid in _pids() if _parent_of(pid) == me]
+    children = [pid for pid in _pids() if _parent_of(pid) == me and "resource_tracker" not in _command(pid)]
     if not children:
         return None
     return subprocess.Popen([sys.executable, "-c", _WATCHER, str(me), *map(str, children)], stdin=subprocess.DEVNULL)
@@ -418,6 +431,13 @@ def _watch_engine_core() -> subprocess.Popen | None:
 
 def _pids() -> list[int]:
     return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _parent_of(pid: int) -> int | None:
