@@ -318,8 +318,10 @@ class TritonServer:
         env = {**os.environ, **self.env}
         vllm = settings.ENGINE.get({}, env) == "vllm"
         load_models = self.load_models
-        if load_models is None and vllm:  # the one engine the role uses (settings.ENGINE)
-            load_models = ("chat", "renderer", "prefill" if self.role == PREFILL else "decode")
+        if vllm:  # the one engine the role uses, with vLLM's KV connector only in a P/D pair
+            load_models = load_models or ("chat", "renderer", "prefill" if self.role == PREFILL else "decode")
+            if self.role == MONOLITHIC:
+                env.setdefault(settings.VLLM_KV_CONNECTOR.env, "false")
         if load_models is not None:
             args += ["--model-control-mode=explicit", *(f"--load-model={m}" for m in load_models)]
         args += list(self.extra_args)

@@ -12,15 +12,17 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import threading
+import time
+import uuid
 
 import pytest
 
 from pdchat.clients.chat import GrpcChat, HttpChat, chat_inputs
-from pdchat.launcher import PDStack, vllm_python
+from pdchat.launcher import PDStack
 from tests.conversations import PARITY_CASES, SAMPLING_CASES
 from tests.integration.adversarial import ADVERSARIAL
-from tests.integration.conftest import TEST_POOLS
 from tests.integration.helpers import (
     ask,
     chat_renders,
@@ -34,22 +36,11 @@ from tests.integration.helpers import (
     summary,
     wait_for,
 )
+from tests.integration.vllm_servers import ENGINE_ENV, PYTHON, VLLM_TESTS
 from tests.logprobs import assert_logprobs_close, logprobs_of
 
-PYTHON = vllm_python(dict(os.environ))
-HAS_VLLM = (
-    subprocess.run(
-        [PYTHON, "-c", "import importlib.util, sys; sys.exit(not importlib.util.find_spec('vllm'))"]
-    ).returncode
-    == 0
-)
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(not HAS_VLLM, reason=f"no vLLM in {PYTHON}: scripts/bootstrap.sh --vllm builds .venv-vllm"),
-]
+pytestmark = VLLM_TESTS
 CHAT = "chat"
-# Eager (no torch.compile): a server is ready in about 20 s rather than a minute.
-ENGINE_ENV = {"PDCHAT_ENGINE": "vllm", "PDCHAT_VLLM_ENGINE_ARGS": json.dumps({"enforce_eager": True}), **TEST_POOLS}
 CASES = ["single_turn", "multi_turn", "unicode_emoji", "tool_required", "json_schema", "long_prompt"]
 # vLLM's own offline engine on the same ids: what engine=vllm's greedy answer must equal.
 REFERENCE = """
@@ -65,9 +56,16 @@ if __name__ == "__main__":
 """
 
 
+# ipc: a TCP port chosen now could be handed to a server's own port before decode binds it.
+KV_EVENTS = f"ipc://{tempfile.gettempdir()}/pdchat-vllm-kv-events-{os.getpid()}"
+TOPIC = b"kv-events"
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model_dir):
-    instance = PDStack(model="tiny", env=ENGINE_ENV, log_dir=tmp_path_factory.mktemp("vllm-pd-logs"))
+    events = {"PDCHAT_DECODE_KV_EVENTS_ENDPOINT": KV_EVENTS, "PDCHAT_KV_EVENTS_TOPIC": TOPIC.decode()}
+    env = {**ENGINE_ENV, **events}
+    instance = PDStack(model="tiny", env=env, log_dir=tmp_path_factory.mktemp("vllm-pd-logs"))
     instance.start()
     yield instance
     instance.stop()
@@ -200,6 +198,57 @@ def test_a_replayed_handoff_is_refused(clients):
     handed = prefill(clients, body)
     ask(clients["grpc"], body, **forwarded(handed))
     assert "forwarded prompt token ids refused (replayed)" in refusal(clients["grpc"], body, **forwarded(handed))
+
+
+def long_chat(salt: str | None = None) -> dict:
+    system = "You answer briefly and precisely about lighthouses and their keepers. " * 40
+    return {
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Why are they tall?"}],
+        "max_tokens": 2,
+        "temperature": 0,
+        **({"cache_salt": salt} if salt else {}),
+    }
+
+
+def test_vllms_prefix_cache_hits_show_in_cached_tokens_and_a_salt_keeps_them_apart(clients):
+    body = long_chat(salt=f"salt-{uuid.uuid4()}")
+    first, again = ask(clients["grpc"], body), ask(clients["grpc"], body)
+    assert summary_usage(first)["cached_tokens"] == 0
+    assert summary_usage(again)["cached_tokens"] >= len(again.prompt_token_ids) // 2
+    other = ask(clients["grpc"], {**body, "cache_salt": f"salt-{uuid.uuid4()}"})
+    assert summary_usage(other)["cached_tokens"] == 0
+
+
+def summary_usage(result) -> dict:
+    usage = responses(result)[-1]["usage"]
+    return {"prompt_tokens": usage["prompt_tokens"], "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
+
+
+def test_vllms_kv_events_come_out_on_pdchats_endpoint(clients):
+    import msgspec
+    import zmq
+
+    from tests.kv_event_types import BlockStored, KVEventBatch
+
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+    sub.connect(KV_EVENTS)
+    try:
+        time.sleep(0.3)  # the subscription reaches the server
+        answer = ask(clients["grpc"], long_chat(salt=f"events-{uuid.uuid4()}"))
+        decoder, stored = msgspec.msgpack.Decoder(KVEventBatch), []
+        while sub.poll(2000):
+            topic, seq, payload = sub.recv_multipart()
+            assert topic == TOPIC and len(seq) == 8
+            stored += [e for e in decoder.decode(payload).events if isinstance(e, BlockStored)]
+    finally:
+        context.destroy(linger=0)
+    assert stored, "no BlockStored event from vLLM's publisher"
+    block = stored[0].block_size
+    tokens = [token for event in stored for token in event.token_ids]
+    full = len(answer.prompt_token_ids) // block * block
+    assert tokens[:full] == answer.prompt_token_ids[:full]
 
 
 def test_a_client_leaving_aborts_vllms_request(stack):

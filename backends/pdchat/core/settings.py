@@ -259,6 +259,17 @@ VLLM_ENGINE_ARGS = Setting(
     "tensor_parallel_size, enforce_eager, block_size, kv_transfer_config, ...), over what pdchat derives from its "
     "own settings (docs/engines.md).",
 )
+VLLM_KV_CONNECTOR = Setting(
+    "vllm_kv_connector",
+    "vllm_kv_connector",
+    "PDCHAT_VLLM_KV_CONNECTOR",
+    "true",
+    FLAG,
+    ("prefill", "decode", "pdchat"),
+    "With engine vllm: give the engine vLLM's NixlConnector, which a P/D pair's prefill and decode servers need. "
+    "The launcher sets it false on a server that serves alone: an idle engine with the connector keeps about two "
+    "cores busy (UCX's progress thread and vLLM's engine loop poll).",
+)
 VLLM_VENV = Setting(
     "vllm_venv",
     None,

@@ -24,6 +24,7 @@ from pdchat.core.settings import (
     MAX_RUNNING,
     PREFIX_CACHING,
     VLLM_ENGINE_ARGS,
+    VLLM_KV_CONNECTOR,
     kv_events_options,
 )
 from pdchat.models import ModelSettings
@@ -70,8 +71,9 @@ def engine_arguments(
     """vLLM's AsyncEngineArgs for a `prefill` or `decode` (`role`) instance: the model, its
     served name and dtype (pdchat's `auto`: float32 on CPU, the model's own on GPU), a fixed
     seed, prefix caching and decode's batch as pdchat's settings say, KV events where their
-    endpoint is set, and vLLM's NixlConnector (prefill produces KV, decode consumes it and
-    recomputes what it cannot pull); then setting VLLM_ENGINE_ARGS over all of it."""
+    endpoint is set, and vLLM's NixlConnector unless setting VLLM_KV_CONNECTOR says not
+    (prefill produces KV, decode consumes it and recomputes what it cannot pull); then
+    setting VLLM_ENGINE_ARGS over all of it."""
     if role not in (PREFILL, DECODE):
         raise ValueError(f"an engine serves prefill or decode, not {role!r}")
     dtype = settings.dtype
@@ -84,14 +86,15 @@ def engine_arguments(
         "seed": 0,
         "enable_prefix_caching": PREFIX_CACHING.get(parameters, environ),
         "disable_log_stats": False,
-        "kv_transfer_config": {
+    }
+    if VLLM_KV_CONNECTOR.get(parameters, environ):
+        arguments["kv_transfer_config"] = {
             "kv_connector": NIXL_CONNECTOR,
             "kv_role": "kv_producer" if role == PREFILL else "kv_consumer",
             "kv_buffer_device": "cpu" if on_cpu else "cuda",
             "kv_load_failure_policy": KV_LOAD_FAILURE_POLICY,
             "engine_id": f"{instance.replace(' ', '-')}-{uuid.uuid4().hex[:8]}",
-        },
-    }
+        }
     if role == DECODE:
         arguments["max_num_seqs"] = MAX_RUNNING.get(parameters, environ)
     events = kv_events_options(role, dict(parameters), environ)
