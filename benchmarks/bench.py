@@ -12,6 +12,7 @@
     python -m benchmarks chaos        # mixed load through a supervised P/D stack, kill -9 and SIGSTOP (chaos.py)
     python -m benchmarks prefix       # TTFT per turn of an 8-turn chat, prefix cache on and off (prefix.py)
     python -m benchmarks peer         # beside vLLM's CPU build: tok/s, TTFT, ITL by concurrency (peer.py)
+    python -m benchmarks gpu --model DIR  # P/D on vLLM's engine (engine=vllm) on one GPU (gpu.py)
 
 Ratios are measured side by side in one run: compare those, not numbers across runs.
 """
@@ -27,7 +28,7 @@ import time
 
 import numpy as np
 
-from benchmarks import chaos, e2e, peer, prefix, scaleout
+from benchmarks import chaos, e2e, gpu, peer, prefix, scaleout
 from benchmarks.report import plot, table, timed, write_results
 from pdchat.core.settings import DEVICE, DTYPE, FORWARDED_IDS, MODEL
 
@@ -749,6 +750,7 @@ def main(argv: list[str] | None = None) -> None:
     chaos.add_arguments(commands.add_parser("chaos"))
     prefix.add_arguments(commands.add_parser("prefix"))
     peer.add_arguments(commands.add_parser("peer"))
+    gpu.add_arguments(commands.add_parser("gpu"))
     args = parser.parse_args(argv)
     benches = {
         "reuse": bench_reuse,
@@ -761,6 +763,7 @@ def main(argv: list[str] | None = None) -> None:
         "chaos": chaos.run,
         "prefix": prefix.run,
         "peer": peer.run,
+        "gpu": gpu.run,
     }
     benches[args.bench](args)
 
