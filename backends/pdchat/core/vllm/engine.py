@@ -82,8 +82,9 @@ for pid in pids:
 
 def prepare_process(pool_bytes: int, on_cpu: bool) -> None:
     """What this process needs before vLLM is imported: a UTF-8 locale (the python backend's
-    stub leaves it ASCII, and torch's inductor then fails to read its templates); the engine
-    core without a further worker process; on CPU, the KV cache sized as pdchat's pool unless
+    stub leaves it ASCII, and torch's inductor then fails to read its templates); the model
+    run in the engine core's process, not a worker process of its own (VLLM_ENABLE_V1_MULTIPROCESSING
+    unset: as fast on 2 cores, one process fewer); on CPU, the KV cache sized as pdchat's pool unless
     VLLM_CPU_KVCACHE_SPACE says; a port of its own for the NixlConnector's handshake unless
     VLLM_NIXL_SIDE_CHANNEL_PORT says (every engine with the connector listens on one)."""
     if locale.getpreferredencoding(False).lower().replace("-", "") != "utf8":
@@ -124,6 +125,7 @@ class VllmEngine:
         self._hooks = EngineHooks()
         self._stats = _Stats()
         self._flush_due = False
+        self._death_watch = None
         self._llm = self._run(self._open()).result()
         config = self._llm.vllm_config
         self.context_length = config.model_config.max_model_len
@@ -149,12 +151,11 @@ class VllmEngine:
         return cls(role, settings, parameters, instance)
 
     async def _open(self):
+        import vllm.config
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         arguments = dict(self._arguments)
-        import vllm.config
-
         for key, class_name in _CONFIG_ARGUMENTS.items():
             if isinstance(arguments.get(key), dict):
                 arguments[key] = getattr(vllm.config, class_name)(**arguments[key])
@@ -169,7 +170,7 @@ class VllmEngine:
 
     def start(self, hooks: EngineHooks | None = None) -> None:
         self._hooks = hooks or EngineHooks()
-        self._run(self._notice_engine_death())
+        self._death_watch = self._run(self._notice_engine_death())
 
     async def _notice_engine_death(self) -> None:
         """Tell `on_dead` once vLLM's engine core is gone (its requests fail UNAVAILABLE meanwhile)."""
@@ -245,18 +246,23 @@ class VllmEngine:
         try:
             async for output in self._llm.generate(prompt, sampling, key):
                 completion = output.outputs[0]
+                deltas = []
                 for index, token in enumerate(completion.token_ids):
                     cached = None
                     if first:  # what a prefill's prefix cache gave, else this engine's own
                         cached = request.cached_tokens if request.transfer_params else (output.num_cached_tokens or 0)
-                        first = False
-                    delta = answer.emit(Choice(token, self._logprobs(completion, index, token, params)), cached)
+                    deltas.append(answer.emit(Choice(token, self._logprobs(completion, index, token, params)), cached))
+                    if deltas[-1].finish_reason:
+                        break
+                for delta in _coalesced(deltas, keep_first_apart=first):
                     callbacks.emit(delta)
+                first = first and not deltas
+                if deltas:
                     self._emitted()
-                    if delta.finish_reason:
-                        if not output.finished:
-                            await self._llm.abort(key)
-                        return
+                if deltas and deltas[-1].finish_reason:
+                    if not output.finished:
+                        await self._llm.abort(key)
+                    return
                 if output.finished:
                     self._finished(completion.finish_reason, callbacks)
                     return
@@ -333,6 +339,9 @@ class VllmEngine:
         return None
 
     def close(self) -> None:
+        if self._death_watch is not None:
+            self._death_watch.cancel()  # the engine core stopping now is no death
+
         async def stop() -> None:
             for task in list(self._tasks.values()):
                 task.cancel()
@@ -346,6 +355,25 @@ class VllmEngine:
         self._loop.call_soon_threadsafe(self._loop.stop)
         if self._watcher is not None:
             self._watcher.kill()
+
+
+def _coalesced(deltas: list[Delta], keep_first_apart: bool) -> list[Delta]:
+    """The tokens of one vLLM output (several where this loop fell behind vLLM, which then
+    merges them) as one delta, as vLLM's own server streams them; the answer's first token
+    alone (`keep_first_apart`), since a client that has it from prefill skips that delta."""
+    if keep_first_apart and deltas:
+        return deltas[:1] + _coalesced(deltas[1:], keep_first_apart=False)
+    if len(deltas) < 2:
+        return deltas
+    return [
+        Delta(
+            "".join(delta.text for delta in deltas),
+            [token for delta in deltas for token in delta.token_ids],
+            deltas[-1].finish_reason,
+            [entry for delta in deltas for entry in delta.logprobs],
+            deltas[0].cached_tokens,
+        )
+    ]
 
 
 class _Stats:
