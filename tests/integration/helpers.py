@@ -3,6 +3,7 @@ itself (metrics, Triton's statistics)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import tritonclient.grpc as grpcclient
 
-from pdchat.clients.chat import ChatError, ChatOutput, ChatResult, ChatStream, chat_inputs, collect
+from pdchat.clients.chat import ChatError, ChatOutput, ChatResult, ChatStream, GrpcChat, HttpChat, chat_inputs, collect
 from pdchat.clients.grpc_streams import StreamLoop
 
 
@@ -228,3 +229,31 @@ class StreamReader(threading.Thread):
         finally:
             self.ended_at = time.monotonic()
             self.first.set()
+
+
+@contextlib.contextmanager
+def pd_clients(stack) -> Iterator[dict]:
+    """Chat clients of a P/D pair: the decode server's over gRPC and HTTP, the prefill server's
+    over gRPC ("prefill")."""
+    made = {
+        "grpc": GrpcChat(stack.decode.grpc_url, "chat"),
+        "http": HttpChat(stack.decode.http_url, "chat"),
+        "prefill": GrpcChat(stack.prefill.grpc_url, "chat"),
+    }
+    try:
+        yield made
+    finally:
+        for client in made.values():
+            client.close()
+
+
+def prefill_leg(clients: dict, body: dict) -> ChatOutput:
+    """The prefill server's leg (pd_clients): first token, prompt ids, signed kv_transfer_params."""
+    [output] = list(clients["prefill"].stream(chat_inputs(body, kv_transfer_params={"do_remote_decode": True})))
+    assert output.kv_transfer_params["signature"] and len(output.output_token_ids) == 1
+    return output
+
+
+def forwarded(handed: ChatOutput) -> dict:
+    """The inputs that forward a prefill leg's ids and handoff to decode."""
+    return {"prompt_token_ids": handed.prompt_token_ids, "kv_transfer_params": handed.kv_transfer_params}

@@ -10,14 +10,22 @@ from __future__ import annotations
 
 import pytest
 
-from pdchat.clients.chat import GrpcChat, HttpChat, chat_inputs
 from pdchat.launcher import PDStack
 from tests.conversations import WEATHER_TOOL as WEATHER
 from tests.integration.adversarial import ADVERSARIAL
 from tests.integration.conftest import TEST_POOLS, in_background
-from tests.integration.helpers import ask, chat_renders, metric, refusal, router_answer, summary
+from tests.integration.helpers import (
+    ask,
+    chat_renders,
+    forwarded,
+    metric,
+    pd_clients,
+    prefill_leg,
+    refusal,
+    router_answer,
+    summary,
+)
 
-CHAT = "chat"
 DATE = "2026-11-30"
 ASKED = {"role": "user", "content": "What is the weather in Paris?"}
 CASES = {
@@ -66,25 +74,8 @@ def stack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def clients(stack):
-    made = {
-        "grpc": GrpcChat(stack.decode.grpc_url, CHAT),
-        "http": HttpChat(stack.decode.http_url, CHAT),
-        "prefill": GrpcChat(stack.prefill.grpc_url, CHAT),
-    }
-    yield made
-    for client in made.values():
-        client.close()
-
-
-def prefill(clients, body):
-    """The prefill server's leg: first token, prompt ids, signed kv_transfer_params."""
-    [output] = list(clients["prefill"].stream(chat_inputs(body, kv_transfer_params={"do_remote_decode": True})))
-    assert output.kv_transfer_params["signature"]
-    return output
-
-
-def forwarded(handed):
-    return {"prompt_token_ids": handed.prompt_token_ids, "kv_transfer_params": handed.kv_transfer_params}
+    with pd_clients(stack) as made:
+        yield made
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -94,7 +85,7 @@ def test_render_and_reuse_paths_give_identical_answers(stack, clients, case):
     for protocol in ("grpc", "http"):
         for stream in (False, True):
             request = {**body, "stream": stream}
-            handed = prefill(clients, body)
+            handed = prefill_leg(clients, body)
             renders = chat_renders(stack.decode)
             reused = ask(clients[protocol], request, **forwarded(handed))
             assert chat_renders(stack.decode) == renders, "the reuse path ran the renderer"
@@ -146,7 +137,7 @@ def test_pd_through_the_router_equals_monolithic(stack, clients, case, stream):
 @pytest.mark.parametrize("case", sorted(ADVERSARIAL))
 def test_the_gate_refuses_what_it_refuses_on_the_template_path(stack, clients, case):
     body = {"max_tokens": 4, "temperature": 0, **CASES["tools"]}
-    handed = prefill(clients, body)
+    handed = prefill_leg(clients, body)
     make, reason = ADVERSARIAL[case]
     assert f"forwarded prompt token ids refused ({reason})" in refusal(clients["grpc"], body, **make(handed))
     assert ask(clients["grpc"], body, **forwarded(handed)).finish_reason == "length", "the genuine handoff still works"
@@ -163,7 +154,7 @@ def test_the_gate_refuses_what_it_refuses_on_the_template_path(stack, clients, c
 )
 def test_ids_rendered_with_other_harmony_inputs_are_refused(clients, change):
     body = {"max_tokens": 4, "temperature": 0, **CASES["instructions"]}
-    handed = prefill(clients, body)
+    handed = prefill_leg(clients, body)
     message = refusal(clients["http"], {**body, **change}, **forwarded(handed))
     assert "(fingerprint_mismatch)" in message
 

@@ -19,15 +19,17 @@ import uuid
 
 import pytest
 
-from pdchat.clients.chat import GrpcChat, HttpChat, chat_inputs
 from pdchat.launcher import PDStack
 from tests.conversations import PARITY_CASES, SAMPLING_CASES
 from tests.integration.adversarial import ADVERSARIAL
 from tests.integration.helpers import (
     ask,
     chat_renders,
+    forwarded,
     metric,
+    pd_clients,
     post,
+    prefill_leg,
     prompt_tokens_computed,
     refusal,
     responses,
@@ -40,7 +42,6 @@ from tests.integration.vllm_servers import ENGINE_ENV, PYTHON, VLLM_TESTS
 from tests.logprobs import assert_logprobs_close, logprobs_of
 
 pytestmark = VLLM_TESTS
-CHAT = "chat"
 CASES = ["single_turn", "multi_turn", "unicode_emoji", "tool_required", "json_schema", "long_prompt"]
 # vLLM's own offline engine on the same ids: what engine=vllm's greedy answer must equal.
 REFERENCE = """
@@ -84,25 +85,8 @@ def _in_group(pid: int, stack) -> bool:
 
 @pytest.fixture(scope="module")
 def clients(stack):
-    made = {
-        "grpc": GrpcChat(stack.decode.grpc_url, CHAT),
-        "http": HttpChat(stack.decode.http_url, CHAT),
-        "prefill": GrpcChat(stack.prefill.grpc_url, CHAT),
-    }
-    yield made
-    for client in made.values():
-        client.close()
-
-
-def prefill(clients, body):
-    """The prefill server's leg: first token, prompt ids, signed kv_transfer_params."""
-    [output] = list(clients["prefill"].stream(chat_inputs(body, kv_transfer_params={"do_remote_decode": True})))
-    assert output.kv_transfer_params["signature"] and len(output.output_token_ids) == 1
-    return output
-
-
-def forwarded(handed):
-    return {"prompt_token_ids": handed.prompt_token_ids, "kv_transfer_params": handed.kv_transfer_params}
+    with pd_clients(stack) as made:
+        yield made
 
 
 def test_a_greedy_answer_equals_vllms_own_generate_on_the_same_ids(stack, clients, tiny_model_dir):
@@ -127,7 +111,7 @@ def test_pd_answers_equal_the_decode_servers_own_and_decode_neither_renders_nor_
 ):
     body = {"max_tokens": 12, "temperature": 0, "stream": stream, **PARITY_CASES[case]}
     plain = ask(clients["grpc"], body)
-    handed = prefill(clients, body)
+    handed = prefill_leg(clients, body)
     renders, computed = chat_renders(stack.decode), prompt_tokens_computed(stack.decode)["decode"]
     reused = ask(clients["http"], body, **forwarded(handed))
     assert reused.output_token_ids == plain.output_token_ids and reused.text == plain.text
@@ -150,7 +134,7 @@ def test_the_router_serves_pd_on_vllms_engine_as_the_decode_server_alone(stack, 
 def test_sampling_fields_and_logprobs_are_the_same_through_pd(clients, case):
     body = {**SAMPLING_CASES[case], "seed": 11}
     plain = ask(clients["grpc"], body)
-    reused = ask(clients["grpc"], body, **forwarded(prefill(clients, body)))
+    reused = ask(clients["grpc"], body, **forwarded(prefill_leg(clients, body)))
     assert reused.output_token_ids == plain.output_token_ids
     got = logprobs_of(responses(reused))
     assert len(got) == len(reused.output_token_ids)
@@ -162,17 +146,17 @@ def test_stop_strings_json_schema_and_tools_hold_through_pd(clients):
     first = ask(clients["grpc"], {"max_tokens": 12, "temperature": 0, **PARITY_CASES["single_turn"]})
     stop = first.text.split()[2]
     body = {"max_tokens": 12, "temperature": 0, "stop": [stop], **PARITY_CASES["single_turn"]}
-    for answer in (ask(clients["grpc"], body), ask(clients["grpc"], body, **forwarded(prefill(clients, body)))):
+    for answer in (ask(clients["grpc"], body), ask(clients["grpc"], body, **forwarded(prefill_leg(clients, body)))):
         assert answer.finish_reason == "stop" and stop not in answer.text
         assert first.text.startswith(answer.text)
 
     schema = {"max_tokens": 40, "temperature": 0, **PARITY_CASES["json_schema"]}
-    answer = ask(clients["grpc"], schema, **forwarded(prefill(clients, schema)))
+    answer = ask(clients["grpc"], schema, **forwarded(prefill_leg(clients, schema)))
     if answer.finish_reason == "stop":  # a schema's JSON, once complete
         assert isinstance(json.loads(summary(answer)["content"]), dict)
 
     tools = {"max_tokens": 40, "temperature": 0, **PARITY_CASES["tool_required"]}
-    answer = ask(clients["grpc"], tools, **forwarded(prefill(clients, tools)))
+    answer = ask(clients["grpc"], tools, **forwarded(prefill_leg(clients, tools)))
     [(name, arguments)] = summary(answer)["tool_calls"]
     assert name in {tool["function"]["name"] for tool in tools["tools"]} and isinstance(arguments, dict)
 
@@ -187,7 +171,7 @@ def test_n_choices_through_the_router(stack):
 @pytest.mark.parametrize("case", sorted(ADVERSARIAL))
 def test_the_gate_refuses_on_vllms_engine_what_it_refuses_on_pdchats(clients, case):
     body = {"max_tokens": 4, "temperature": 0, **PARITY_CASES["single_turn"]}
-    handed = prefill(clients, body)
+    handed = prefill_leg(clients, body)
     make, reason = ADVERSARIAL[case]
     assert f"forwarded prompt token ids refused ({reason})" in refusal(clients["grpc"], body, **make(handed))
     assert ask(clients["grpc"], body, **forwarded(handed)).finish_reason in ("length", "stop")
@@ -195,7 +179,7 @@ def test_the_gate_refuses_on_vllms_engine_what_it_refuses_on_pdchats(clients, ca
 
 def test_a_replayed_handoff_is_refused(clients):
     body = {"max_tokens": 4, "temperature": 0, **PARITY_CASES["multi_turn"]}
-    handed = prefill(clients, body)
+    handed = prefill_leg(clients, body)
     ask(clients["grpc"], body, **forwarded(handed))
     assert "forwarded prompt token ids refused (replayed)" in refusal(clients["grpc"], body, **forwarded(handed))
 
@@ -269,7 +253,7 @@ def test_prefill_killed_under_load_fails_no_request(stack, clients):
     decode from their ids (vLLM's kv_load_failure_policy recompute), the rest run on decode."""
     body = {"max_tokens": 12, "temperature": 0, "return_token_ids": True, **PARITY_CASES["long_prompt"]}
     expected = ask(clients["grpc"], body).output_token_ids
-    handed = [prefill(clients, body) for _ in range(4)]  # KV held by prefill's engine, not yet pulled
+    handed = [prefill_leg(clients, body) for _ in range(4)]  # KV held by prefill's engine, not yet pulled
     answers, errors = [], []
 
     def one() -> None:
