@@ -177,6 +177,13 @@ def test_the_gate_refuses_on_vllms_engine_what_it_refuses_on_pdchats(clients, ca
     assert ask(clients["grpc"], body, **forwarded(handed)).finish_reason in ("length", "stop")
 
 
+def test_a_prefill_leg_sent_to_the_decode_server_is_refused_saying_why(clients):
+    body = {"max_tokens": 4, "temperature": 0, **PARITY_CASES["single_turn"]}
+    message = refusal(clients["grpc"], body, kv_transfer_params={"do_remote_decode": True})
+    assert "does not serve the prefill stage" in message and "Traceback" not in message
+    assert ask(clients["grpc"], body).finish_reason == "length"
+
+
 def test_a_replayed_handoff_is_refused(clients):
     body = {"max_tokens": 4, "temperature": 0, **PARITY_CASES["multi_turn"]}
     handed = prefill_leg(clients, body)
@@ -246,6 +253,21 @@ def test_a_client_leaving_aborts_vllms_request(stack):
     reply.close()
     assert wait_for(lambda: metric(stack.decode, "vllm:num_requests_running") == 0, timeout=30)
     assert wait_for(lambda: metric(stack.decode, "pdchat_decode_active") == 0)
+
+
+def test_a_sampled_request_with_a_long_prompt_is_served_plain_and_through_pd(stack, clients):
+    """A seeded draw after a prompt longer than vLLM's default batch budget (2,048 tokens):
+    prefilled in chunks, it failed vLLM's CPU engine core (pdchat turns chunking off on CPU)."""
+    body = {
+        "messages": [{"role": "user", "content": "harbour pilot diary " * 900}],
+        "max_tokens": 4,
+        "temperature": 0.8,
+    }
+    plain = ask(clients["grpc"], {**body, "seed": 5})
+    assert len(plain.prompt_token_ids) > 2048 and len(plain.output_token_ids) == 4
+    through_router = router_answer(stack, {**body, "seed": 5, "return_token_ids": True})
+    assert through_router["ids"] == plain.output_token_ids
+    assert ask(clients["grpc"], {"max_tokens": 2, **PARITY_CASES["single_turn"]}).finish_reason == "length"
 
 
 def test_prefill_killed_under_load_fails_no_request(stack, clients):

@@ -34,8 +34,14 @@ def test_engine_arguments_follow_pdchats_settings_and_the_role():
     assert decode["max_num_seqs"] == 8 and "max_num_seqs" not in prefill
     assert prefill["kv_transfer_config"]["engine_id"] != decode["kv_transfer_config"]["engine_id"]
     assert "kv_events_config" not in decode
+    assert decode["enable_chunked_prefill"] is False  # on CPU: a seeded request's chunks fail vLLM's engine
+    lease = prefill["kv_transfer_config"]["kv_connector_extra_config"]["kv_lease_duration"]
+    assert lease >= 60 + 10  # past the handles' expiry (kv_ttl_s, 60 s by default)
     on_gpu = engine_arguments("decode", SETTINGS, {}, "decode_0", on_cpu=False, environ={})
     assert on_gpu["dtype"] == "auto" and on_gpu["kv_transfer_config"]["kv_buffer_device"] == "cuda"
+    assert "enable_chunked_prefill" not in on_gpu
+    alone = engine_arguments("decode", SETTINGS, {"vllm_kv_connector": "false"}, "d", on_cpu=True, environ={})
+    assert "kv_transfer_config" not in alone
 
 
 def test_kv_events_go_to_vllms_publisher_on_pdchats_endpoint():

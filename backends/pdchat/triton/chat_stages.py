@@ -16,7 +16,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from pdchat import tensors
-from pdchat.core.errors import ErrorCode, InvalidRequest, PdchatError, parse_tag
+from pdchat.core.errors import ErrorCode, InvalidRequest, PdchatError, Unavailable, parse_tag
 from pdchat.core.output.responses import FAILED, ClientOutput
 from pdchat.ensemble.flow import DecodeCall, Prefilled, Rendered
 from pdchat.ensemble.routing import Route
@@ -181,6 +181,12 @@ class BLSStages:
             model_name=model_name, inputs=inputs, requested_output_names=outputs, request_id=self.request.request_id()
         ).exec()
         if response.has_error():
+            message = response.error().message()
+            if f"Model '{model_name}' is not ready" in message or "unknown model" in message:
+                raise Unavailable(
+                    f"this server does not serve the {model_name} stage: model '{model_name}' is not loaded "
+                    "(with setting engine vllm a server loads the engine of its role alone: docs/engines.md)"
+                )
             raise StageError(response.error())
         return response
 

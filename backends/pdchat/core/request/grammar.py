@@ -9,6 +9,7 @@ compiles them against a tokenizer and masks logits.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
@@ -168,7 +169,16 @@ def grammar_for(spec: dict[str, Any]):
         ]
         return calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
     except (RuntimeError, ValueError) as exc:
-        raise InvalidRequest(f"cannot build a grammar for this {spec['type']}: {exc}") from exc
+        raise InvalidRequest(f"cannot build a grammar for this {spec['type']}: {_reason(exc)}") from exc
+
+
+# xgrammar's messages start with its C++ source position: "[00:47:10] /project/cpp/x.cc:4950: ".
+_SOURCE_POSITION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
+def _reason(exc: Exception) -> str:
+    """What xgrammar says is wrong, without its source position."""
+    return _SOURCE_POSITION.sub("", str(exc).strip())
 
 
 def _json(xgr, schema: dict):

@@ -21,6 +21,7 @@ from pdchat.core.errors import ModelUnavailable
 from pdchat.core.output.logprobs import TokenLogprobs
 from pdchat.core.request.protocol import GenerationParams
 from pdchat.core.settings import (
+    KV_TTL_S,
     MAX_RUNNING,
     PREFIX_CACHING,
     VLLM_ENGINE_ARGS,
@@ -33,6 +34,8 @@ NIXL_CONNECTOR = "NixlConnector"
 # What a decode engine with a prefill engine's kv_transfer_params does where the pull fails
 # (prefill gone, blocks expired): compute the prompt from its ids, never fail the request.
 KV_LOAD_FAILURE_POLICY = "recompute"
+# How much longer than a handle is valid prefill's engine keeps its blocks (clocks of two hosts differ).
+LEASE_MARGIN_S = 15
 # Prefill's request to vLLM's NixlConnector: keep the prompt's blocks for a decode engine to read.
 REMOTE_DECODE = {"do_remote_decode": True}
 
@@ -70,9 +73,11 @@ def engine_arguments(
 ) -> dict[str, Any]:
     """vLLM's AsyncEngineArgs for a `prefill` or `decode` (`role`) instance: the model, its
     served name and dtype (pdchat's `auto`: float32 on CPU, the model's own on GPU), a fixed
-    seed, prefix caching and decode's batch as pdchat's settings say, KV events where their
+    seed, prefix caching and decode's batch as pdchat's settings say, each prompt prefilled
+    in one pass on CPU, KV events where their
     endpoint is set, and vLLM's NixlConnector unless setting VLLM_KV_CONNECTOR says not
-    (prefill produces KV, decode consumes it and recomputes what it cannot pull); then
+    (prefill produces KV and keeps it past its handle's expiry, decode consumes it and
+    recomputes what it cannot pull); then
     setting VLLM_ENGINE_ARGS over all of it."""
     if role not in (PREFILL, DECODE):
         raise ValueError(f"an engine serves prefill or decode, not {role!r}")
@@ -87,6 +92,11 @@ def engine_arguments(
         "enable_prefix_caching": PREFIX_CACHING.get(parameters, environ),
         "disable_log_stats": False,
     }
+    if on_cpu:
+        # NOTE: vLLM's CPU runner fails its engine core on a seeded request whose prompt it
+        # prefills in chunks (it rewinds the request's generator, which CPU generators cannot),
+        # and pdchat seeds every request: each prompt goes in one pass instead.
+        arguments["enable_chunked_prefill"] = False
     if VLLM_KV_CONNECTOR.get(parameters, environ):
         arguments["kv_transfer_config"] = {
             "kv_connector": NIXL_CONNECTOR,
@@ -94,6 +104,11 @@ def engine_arguments(
             "kv_buffer_device": "cpu" if on_cpu else "cuda",
             "kv_load_failure_policy": KV_LOAD_FAILURE_POLICY,
             "engine_id": f"{instance.replace(' ', '-')}-{uuid.uuid4().hex[:8]}",
+            # NOTE: prefill keeps a prompt's blocks past its handle's expiry (setting kv_ttl_s), so
+            # a decode server with a valid handle never reads blocks handed to another request.
+            "kv_connector_extra_config": {
+                "kv_lease_duration": math.ceil(KV_TTL_S.get(parameters, environ)) + LEASE_MARGIN_S
+            },
         }
     if role == DECODE:
         arguments["max_num_seqs"] = MAX_RUNNING.get(parameters, environ)
