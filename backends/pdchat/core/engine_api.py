@@ -24,6 +24,7 @@ pdchat.core.engines.open_engine builds the engine the settings choose.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -145,6 +146,43 @@ class EngineState:
     running: int  # decoding, or computing their prompt
     waiting: int  # queued for room
     kv_bytes: int  # KV its requests hold
+
+
+class StateReports:
+    """An engine's reports to `on_state` (EngineHooks.on_state): a changed state at most every
+    `interval_s` while work goes on (the KV held changes nearly every step at 16 rows; each
+    report is several metric updates, each a round trip to the server), and at once when the
+    engine turns idle after any work, so the last state is never left unreported.
+
+    NOTE: the idle state is reported after every request taken in since the last report
+    (`took_work`), even when it equals the one reported: what `on_state` reads beside it (the
+    pool's token counters) moved with the request."""
+
+    def __init__(
+        self,
+        on_state: Callable[[EngineState], None] | None,
+        interval_s: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._on_state, self._interval_s, self._clock = on_state, interval_s, clock
+        self._state: EngineState | None = None
+        self._reported_at = float("-inf")
+        self._taken = False
+
+    def took_work(self) -> None:
+        self._taken = True
+
+    def report(self, idle: bool, state: Callable[[], EngineState]) -> None:
+        """Report `state()` (made only when it is due) if it is; `idle`: the engine holds no request."""
+        if self._on_state is None:
+            return
+        now = self._clock()
+        if not idle and now - self._reported_at < self._interval_s:
+            return
+        made = state()
+        if made != self._state or (idle and self._taken):
+            self._state, self._reported_at, self._taken = made, now, False
+            self._on_state(made)
 
 
 @dataclass(frozen=True)

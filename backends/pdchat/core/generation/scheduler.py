@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pdchat.core.engine_api import EngineState
+from pdchat.core.engine_api import EngineState, StateReports
 from pdchat.core.errors import Unavailable
 from pdchat.core.generation.pass_threads import PassThreads
 from pdchat.core.output.responses import Delta
@@ -151,14 +151,10 @@ class DecodeScheduler:
         self._cpus = cpus
         self._pass_threads = pass_threads
         self._limits = limits
-        self._on_state = on_state
+        self._reports = StateReports(on_state, state_interval_s, clock)
         self._on_load = on_load
         self._on_emitted = on_emitted
-        self._state_interval_s = state_interval_s
         self._clock = clock
-        self._state: EngineState | None = None
-        self._reported_at = float("-inf")
-        self._taken_since_report = False  # a job came in since the last report (see _report)
         self._incoming: queue.SimpleQueue[DecodeJob | None] = queue.SimpleQueue()
         self._cancel_requests: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._unmatched: set[str] = set()  # cancel keys of the last turn that matched no job
@@ -211,7 +207,7 @@ class DecodeScheduler:
                 return False
             block = False
             self._waiting.append(_Entry(job, self._clock()))
-            self._taken_since_report = True
+            self._reports.took_work()
 
     def _drop_cancelled(self) -> None:
         """Cancel the jobs whose keys came. NOTE: a key that matches no job is tried once more,
@@ -419,24 +415,11 @@ class DecodeScheduler:
             self._on_load(self._held(), self._queued_for_room)
 
     def _report(self) -> None:
-        """Tell `on_state` of a changed state at most every `state_interval_s` while work
-        goes on (the KV held changes nearly every step at 16 rows; each report is several
-        metric updates, each a round trip to the server), and at once when the scheduler
-        is about to wait idle after any work, so the last state is never left unreported.
-
-        NOTE: the idle state is reported after every job taken in since the last report,
-        even when it equals the one reported: what `on_state` reads beside it (the pool's
-        token counters) moved with the job."""
-        if self._on_state is None:
-            return
-        idle = self._held() == 0
-        now = self._clock()
-        if not idle and now - self._reported_at < self._state_interval_s:
-            return
-        state = EngineState(len(self._running) + len(self._prefilling), len(self._waiting), self._batch.kv_bytes())
-        if state != self._state or (idle and self._taken_since_report):
-            self._state, self._reported_at, self._taken_since_report = state, now, False
-            self._on_state(state)
+        """Tell `on_state` of the state (StateReports: spaced while work goes on)."""
+        self._reports.report(
+            self._held() == 0,
+            lambda: EngineState(len(self._running) + len(self._prefilling), len(self._waiting), self._batch.kv_bytes()),
+        )
 
 
 def _owner(job: DecodeJob) -> str:

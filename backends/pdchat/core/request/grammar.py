@@ -150,6 +150,17 @@ def _check_spec_json(spec_json: str) -> None:
     grammar_for(json.loads(spec_json))
 
 
+def grammar_ebnf(spec: dict[str, Any]) -> str:
+    """The spec's grammar as EBNF text (what vLLM's structured outputs take). Cached: the
+    prefill and decode legs of one request, and agents resending the same tools, build it once."""
+    return _grammar_ebnf_json(json.dumps(spec, sort_keys=True))
+
+
+@lru_cache(maxsize=1024)
+def _grammar_ebnf_json(spec_json: str) -> str:
+    return str(grammar_for(json.loads(spec_json)))
+
+
 def grammar_for(spec: dict[str, Any]):
     """The xgrammar Grammar of a spec; raises InvalidRequest for a schema it cannot use."""
     import xgrammar as xgr

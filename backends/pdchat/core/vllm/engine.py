@@ -45,13 +45,14 @@ from pdchat.core.engine_api import (
     ExecutionPath,
     Prefilled,
     PrefillRequest,
+    StateReports,
 )
 from pdchat.core.errors import InvalidRequest, ModelUnavailable, PdchatError, Unavailable
 from pdchat.core.generation.answers import Answers, AnswerText
 from pdchat.core.generation.paged import PoolUsage
 from pdchat.core.generation.sampling import Choice
 from pdchat.core.output.responses import Delta
-from pdchat.core.request.grammar import grammar_for
+from pdchat.core.request.grammar import grammar_ebnf
 from pdchat.core.request.protocol import GenerationParams
 from pdchat.core.settings import kv_pool_options
 from pdchat.core.vllm.arguments import cpu_kv_cache_gib, engine_arguments, sampling_arguments, token_logprobs
@@ -123,6 +124,7 @@ class VllmEngine:
         self._thread.start()
         self._tasks: dict[str, asyncio.Task] = {}
         self._hooks = EngineHooks()
+        self._reports = StateReports(None)
         self._stats = _Stats()
         self._flush_due = False
         self._death_watch = None
@@ -170,6 +172,7 @@ class VllmEngine:
 
     def start(self, hooks: EngineHooks | None = None) -> None:
         self._hooks = hooks or EngineHooks()
+        self._reports = StateReports(self._hooks.on_state)
         self._death_watch = self._run(self._notice_engine_death())
 
     async def _notice_engine_death(self) -> None:
@@ -242,15 +245,15 @@ class VllmEngine:
             callbacks.fail(_request_error(exc))
             return
         callbacks.started()
+        self._reports.took_work()
         first = True
         try:
             async for output in self._llm.generate(prompt, sampling, key):
                 completion = output.outputs[0]
+                # On the first delta (AnswerText.emit): what a prefill's prefix cache gave, else this engine's.
+                cached = request.cached_tokens if request.transfer_params else (output.num_cached_tokens or 0)
                 deltas = []
                 for index, token in enumerate(completion.token_ids):
-                    cached = None
-                    if first:  # what a prefill's prefix cache gave, else this engine's own
-                        cached = request.cached_tokens if request.transfer_params else (output.num_cached_tokens or 0)
                     deltas.append(answer.emit(Choice(token, self._logprobs(completion, index, token, params)), cached))
                     if deltas[-1].finish_reason:
                         break
@@ -290,7 +293,7 @@ class VllmEngine:
             self.answers.check_harmony(params)
         arguments = sampling_arguments(params, prefill=prefill, transfer_params=transfer_params)
         if params.constraint is not None:
-            arguments["structured_outputs"] = StructuredOutputsParams(grammar=str(grammar_for(params.constraint)))
+            arguments["structured_outputs"] = StructuredOutputsParams(grammar=grammar_ebnf(params.constraint))
         return SamplingParams(**arguments, output_kind=RequestOutputKind.DELTA)
 
     @staticmethod
@@ -321,12 +324,13 @@ class VllmEngine:
 
     def _on_stats(self, stats) -> None:
         self._stats.update(stats)
-        used_blocks = self._stats.usage(self.total_blocks, self.block_tokens).used_blocks
-        state = EngineState(stats.num_running_reqs, stats.num_waiting_reqs, used_blocks * self._kv_bytes_per_block)
+        running, waiting = stats.num_running_reqs, stats.num_waiting_reqs
         if self._hooks.on_load is not None:
-            self._hooks.on_load(state.running, state.waiting)
-        if self._hooks.on_state is not None:
-            self._hooks.on_state(state)
+            self._hooks.on_load(running, waiting)
+        used_blocks = self._stats.usage(self.total_blocks, self.block_tokens).used_blocks
+        self._reports.report(
+            running + waiting == 0, lambda: EngineState(running, waiting, used_blocks * self._kv_bytes_per_block)
+        )
 
     def pool_usage(self) -> PoolUsage:
         return self._stats.usage(self.total_blocks, self.block_tokens)
