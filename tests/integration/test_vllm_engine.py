@@ -249,7 +249,8 @@ def test_a_client_leaving_aborts_vllms_request(stack):
     )
     for _ in range(4):
         reply.readline()
-    assert metric(stack.decode, "vllm:num_requests_running") >= 1
+    # NOTE: the gauge follows the engine's state at most 0.1 s late (StateReports), so it is awaited.
+    assert wait_for(lambda: metric(stack.decode, "vllm:num_requests_running") >= 1, timeout=10)
     reply.close()
     assert wait_for(lambda: metric(stack.decode, "vllm:num_requests_running") == 0, timeout=30)
     assert wait_for(lambda: metric(stack.decode, "pdchat_decode_active") == 0)
