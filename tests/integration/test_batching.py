@@ -48,6 +48,44 @@ def test_batched_requests_get_the_tokens_each_gets_alone_on_the_render_path(serv
     assert together(server.grpc_url, requests) == alone
 
 
+def sampled_bodies() -> list[dict]:
+    """Sixteen seeded, sampled requests (OpenAI's default temperature 1.0 with top_p 0.95,
+    and each other shaping field on some), each with a prompt and seed of its own."""
+    shaping = [
+        {},
+        {"top_k": 20},
+        {"min_p": 0.05},
+        {"presence_penalty": 0.5, "frequency_penalty": 0.3},
+        {"repetition_penalty": 1.2},
+        {"logit_bias": {"13": 5.0}},
+        {"min_tokens": 4},
+        {"temperature": 0.7, "top_p": 1.0},
+    ]
+    chats = [{"messages": messages} for messages in CONVERSATIONS.values()]
+    return [
+        {
+            **chats[i % len(chats)],
+            "temperature": 1.0,
+            "top_p": 0.95,
+            **shaping[i % len(shaping)],
+            "seed": 1000 + i,
+            "max_tokens": 8 + i,
+            "stream": True,
+        }
+        for i in range(16)
+    ]
+
+
+def test_a_seeded_sampled_answer_is_the_same_alone_and_in_a_batch_of_16(server):
+    """A draw depends on the request's seed and output position alone, never on its rows' neighbours."""
+    client = GrpcChat(server.grpc_url)
+    requests = [{"request": body} for body in sampled_bodies()]
+    alone = [collect(client.stream(chat_inputs(**r))).output_token_ids for r in requests]
+    client.close()
+    assert len({tuple(a) for a in alone}) == len(alone), "the draws are not all alike"
+    assert together(server.grpc_url, requests) == alone
+
+
 def test_batched_local_prefills_get_the_tokens_each_gets_alone_on_the_reuse_path(trusted_server):
     """Forwarded ids without KV: decode prefills them itself, in chunks, between steps."""
     client = GrpcChat(trusted_server.grpc_url)
