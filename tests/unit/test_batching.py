@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from pdchat.core.errors import Unavailable
 from pdchat.core.generation import cpu_kernels
-from pdchat.core.generation.engine import CausalLM, DecodeBatch
+from pdchat.core.generation.engine import CausalLM, DecodeBatch, PromptPrefill
 from pdchat.core.settings import KVPoolOptions
 
 STEPS = 16
@@ -111,6 +111,24 @@ def test_a_cached_prefix_gives_the_same_tokens_and_is_not_computed_again(tiny_mo
     for _ in range(5):
         tokens.append(int(batch.step([tokens[-1]])[0].argmax()))
     assert tokens == alone(reference, system + turn + [9, 10, 11], 6)
+
+
+def test_prompts_admitted_together_share_the_prefix_the_first_of_them_computes(tiny_model_dir):
+    """Two prompts of one system prompt, both started before either computes: the second
+    looks its prefix up at its first chunk, so it reuses the blocks the first computed."""
+    engine = CausalLM(tiny_model_dir, "cpu", pool=KVPoolOptions(8 * MIB, 16, True))
+    system, first_turn, second_turn = prompts_of((200, 30, 20), engine.vocab_size, seed=2)
+    first = PromptPrefill(engine, system + first_turn, None, chunk=512)
+    second = PromptPrefill(engine, system + second_turn, None, chunk=512)
+    assert first.step() is not None and first.cached_tokens == 0
+    computed = engine.pool.computed_prompt_tokens
+    logits, _ = second.step()
+    assert second.cached_tokens == 192, "the system prompt's full blocks"
+    assert engine.pool.computed_prompt_tokens - computed == 220 - 192
+    fresh_logits, fresh = engine.prefill(system + second_turn, cache_salt="uncached")
+    torch.testing.assert_close(logits, fresh_logits, rtol=1e-4, atol=1e-4)
+    for sequence in (first.sequence, second.sequence, fresh):
+        sequence.release()
 
 
 def test_eviction_under_a_small_pool_keeps_outputs_right_and_too_big_a_prompt_is_refused(tiny_model_dir, reference):

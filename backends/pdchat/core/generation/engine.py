@@ -384,25 +384,35 @@ class PromptPrefill:
     """A prompt's KV computed into a new sequence chunk by chunk, after the prefix the pool
     caches, so a long prompt can share the thread with other work between chunks.
 
-    The sequence (`sequence`) holds the cached blocks from construction on: a caller that
-    abandons the prefill calls `release()`."""
+    NOTE: the cached prefix is looked up at the first chunk, not at construction: a prompt
+    admitted beside another of the same prefix (a burst of one conversation's turns, one
+    system prompt's requests) reuses the blocks that one computed before this one's turn.
+    The sequence (`sequence`) exists from construction on: a caller that abandons the
+    prefill calls `release()`."""
 
     def __init__(self, engine: CausalLM, prompt_token_ids: list[int], cache_salt: str | None, chunk: int):
         engine.check_prompt(prompt_token_ids)
         engine.check_fits(len(prompt_token_ids))
         self.engine, self.prompt_token_ids, self.chunk = engine, prompt_token_ids, chunk
         self.sequence = engine.sequence(cache_salt)
-        self.cached_tokens = self._done = self.sequence.reuse_prefix(prompt_token_ids)
+        self._done: int | None = None  # prompt tokens in the sequence; None before the first chunk
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache gave (0 before the first chunk)."""
+        return self.sequence.cached_tokens
 
     @property
     def remaining(self) -> int:
-        """Prompt tokens still to compute."""
-        return len(self.prompt_token_ids) - self._done
+        """Prompt tokens still to compute (the whole prompt before the first chunk's lookup)."""
+        return len(self.prompt_token_ids) - (self._done or 0)
 
     def step(self, greedy: bool = False) -> tuple[torch.Tensor | None, int | None] | None:
         """Compute the next chunk; None until the prompt is complete, then the logits after
         it and, if `greedy`, their argmax (CausalLM.prefill_chunk_choosing's pair). A
         failure releases the sequence."""
+        if self._done is None:
+            self._done = self.sequence.reuse_prefix(self.prompt_token_ids)
         end = min(len(self.prompt_token_ids), self._done + self.chunk)
         chunk = self.prompt_token_ids[self._done : end]
         last = end == len(self.prompt_token_ids)

@@ -37,10 +37,6 @@ class PrefillJob:
         self._engine = model.engine
         self._prompt = PromptPrefill(model.engine, prompt_token_ids, params.cache_salt, chunk)
 
-    @property
-    def remaining(self) -> int:
-        return self._prompt.remaining
-
     def step(self) -> Prefilled | None:
         """One chunk; the result once the prompt is complete (the sequence then released)."""
         last = self._prompt.step(self._chooser.greedy)
@@ -222,8 +218,9 @@ class Generation:
         prompt's cached prefix); True once the first token is chosen."""
         if self.cache is None:
             self._local = PromptPrefill(self.engine, self.prompt_token_ids, self.params.cache_salt, self._prefill_chunk)
-            self.cache, self.cached_tokens = self._local.sequence, self._local.cached_tokens
+            self.cache = self._local.sequence
         last = self._local.step(self._chooser.greedy and not (self._given and self.params.logprobs))
+        self.cached_tokens = self._local.cached_tokens
         if last is None:
             return False
         self._pending = self._chooser.choose(*last) if self._given is None else self._given_again(last[0])
