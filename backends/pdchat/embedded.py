@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pdchat.core.errors import ModelUnavailable
 from pdchat.core.settings import cache_dir
-from pdchat.registry import EMBEDDED_MODELS, SMOLLM2, TINY, TINY_GPTOSS
+from pdchat.registry import EMBEDDED_MODELS, SMOLLM2, TINY, TINY_GPTOSS, TINY_QWEN3
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_SEED = 0
@@ -55,29 +55,48 @@ def ensure_model(name: str) -> Path:
     return target
 
 
+# The seeded tiny models' shape (tiny's and tiny-qwen3's): small enough to test on 2 cores,
+# with head_dim 64, which vLLM's CPU attention supports, so both run beside vLLM too.
+TINY_SHAPE = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 16384,
+    # Large init keeps greedy output varied instead of collapsing onto one token.
+    "initializer_range": 0.1,
+    "tie_word_embeddings": True,
+}
+
+
 def build_tiny(out: Path) -> None:
     """Seeded tiny Llama sharing SmolLM2's tokenizer; template with tools and reasoning."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    _build_tiny_of_family(LlamaConfig, LlamaForCausalLM, out)
+
+
+def build_tiny_qwen3(out: Path) -> None:
+    """tiny's shape and tokenizer as a Qwen3 (its q/k norms): a family on transformers'
+    forward pass with pdchat's paged attention (docs/models.md), to serve beside vLLM."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    _build_tiny_of_family(Qwen3Config, Qwen3ForCausalLM, out)
+
+
+def _build_tiny_of_family(config_class, model_class, out: Path) -> None:
     tokenizer = _smollm2_tokenizer()
     tokenizer.chat_template = resources.files("pdchat").joinpath("templates/chatml_tools.jinja").read_text()
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=16384,
-        # Large init keeps greedy output varied instead of collapsing onto one token.
-        initializer_range=0.1,
-        tie_word_embeddings=True,
+        **TINY_SHAPE,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id,
     )
-    _save_seeded(LlamaForCausalLM, config, tokenizer, out)
+    _save_seeded(model_class, config, tokenizer, out)
 
 
 def build_smollm2(out: Path) -> None:
@@ -191,7 +210,7 @@ def _harmony_tokenizer():
     )
 
 
-BUILDERS = {TINY: build_tiny, SMOLLM2: build_smollm2, TINY_GPTOSS: build_tiny_gptoss}
+BUILDERS = {TINY: build_tiny, SMOLLM2: build_smollm2, TINY_GPTOSS: build_tiny_gptoss, TINY_QWEN3: build_tiny_qwen3}
 
 
 def _smollm2_dir() -> str:

@@ -18,6 +18,11 @@ KV_CONNECTORS = (SHM, NIXL)
 ENGINE_KV = "engine"
 
 # Embedded models (built offline into the cache): name -> directory and served model name.
-TINY, SMOLLM2, TINY_GPTOSS = "tiny", "smollm2", "tiny-gptoss"
-EMBEDDED_MODELS = {TINY: "tiny-llama", SMOLLM2: "SmolLM2-135M-Instruct", TINY_GPTOSS: "tiny-gptoss"}
+TINY, SMOLLM2, TINY_GPTOSS, TINY_QWEN3 = "tiny", "smollm2", "tiny-gptoss", "tiny-qwen3"
+EMBEDDED_MODELS = {
+    TINY: "tiny-llama",
+    SMOLLM2: "SmolLM2-135M-Instruct",
+    TINY_GPTOSS: "tiny-gptoss",
+    TINY_QWEN3: "tiny-qwen3",
+}
 DEFAULT_MODEL = SMOLLM2

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pdchat import embedded, registry
-from pdchat.core.engine_api import TRANSFORMERS
-from pdchat.core.generation import runners
+from pdchat.core.engine_api import OWN_LLAMA, TRANSFORMERS
+from pdchat.core.generation import llama, runners
 from pdchat.core.generation.engine import CausalLM, DecodeBatch
 from pdchat.core.settings import KVPoolOptions
 
@@ -133,7 +133,7 @@ def test_a_supported_family_batched_on_paged_attention_equals_transformers_gener
     torch.manual_seed(0)
     getattr(transformers, model_name)(config).save_pretrained(tmp_path)
     ours = CausalLM(tmp_path, "cpu", pool=KVPoolOptions(32 * MIB, 16, False))
-    assert ours.path.forward == TRANSFORMERS
+    assert ours.path.forward == (OWN_LLAMA if family in llama.FAMILIES else TRANSFORMERS)
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 4096, (n,), generator=generator).tolist() for n in (5, 70, 41)]

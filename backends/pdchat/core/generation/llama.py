@@ -1,4 +1,6 @@
-"""A lean forward pass for Llama-architecture models over the block pool.
+"""A lean forward pass for Llama-architecture models over the block pool: Llama, and the
+families that are Llama with biases on q, k and v (Qwen2) or RMSNorms on each head's query
+and key before the rotary (Qwen3).
 
 transformers' forward is general: per layer it calls a dozen modules through decorators
 and output-capturing hooks, projects q, k and v (and gate and up) in separate GEMMs and
@@ -39,21 +41,24 @@ from pdchat.core.generation.projection import RowGemm
 
 # Rope types whose table does not depend on the sequence length (no dynamic scaling).
 _STATIC_ROPE = frozenset({"default", "linear", "llama3"})
+# The families this pass computes: Llama's decoder, Qwen2's (q, k and v biases), Qwen3's
+# (per-head q and k RMSNorms); each without a sliding window.
+FAMILIES = frozenset({"llama", "qwen2", "qwen3"})
 
 
 def supports(model: torch.nn.Module) -> bool:
-    """Whether `model` is a Llama-architecture causal LM this pass computes exactly: fp32,
-    no biases, SiLU MLP, a rotary table fixed at load, every projection a plain nn.Linear
-    (not quantized)."""
+    """Whether `model` is a causal LM of FAMILIES this pass computes exactly: fp32, SiLU MLP,
+    a rotary table fixed at load, full attention in every layer, no bias but on q, k and v,
+    every projection a plain nn.Linear (not quantized)."""
     config = model.config
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     return (
-        config.model_type == "llama"
+        config.model_type in FAMILIES
         and getattr(config, "quantization_config", None) is None
         and model.dtype == torch.float32
         and config.hidden_act == "silu"
-        and not config.attention_bias
-        and not config.mlp_bias
+        and not getattr(config, "use_sliding_window", False)
+        and all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ())
         and getattr(config, "pretraining_tp", 1) == 1
         and rope in _STATIC_ROPE
         and all(_plain(layer) for layer in model.model.layers)
@@ -62,13 +67,17 @@ def supports(model: torch.nn.Module) -> bool:
 
 def _plain(layer: torch.nn.Module) -> bool:
     attention, mlp = layer.self_attn, layer.mlp
-    projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
-    projections += (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    return all(
-        type(linear) is torch.nn.Linear
-        and type(linear.weight.data) is torch.Tensor
-        and linear.weight.dtype == torch.float32
-        for linear in projections
+    qkv = (attention.q_proj, attention.k_proj, attention.v_proj)
+    projections = (*qkv, attention.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    return (
+        all(
+            type(linear) is torch.nn.Linear
+            and type(linear.weight.data) is torch.Tensor
+            and linear.weight.dtype == torch.float32
+            for linear in projections
+        )
+        and len({linear.bias is None for linear in qkv}) == 1
+        and all(linear.bias is None for linear in projections[3:])
     )
 
 
@@ -80,7 +89,20 @@ class _Layer:
         self.module = attention  # paged_attention reads its layer_idx
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
-        self.qkv = RowGemm(_stack(attention.q_proj, attention.k_proj, attention.v_proj), blocked=blocked)
+        qkv = (attention.q_proj, attention.k_proj, attention.v_proj)
+        bias = None if attention.q_proj.bias is None else torch.cat([linear.bias.detach() for linear in qkv])
+        self.qkv = RowGemm(_stack(*qkv), bias=bias, blocked=blocked)  # Qwen2's biases
+        # Qwen3's per-head RMSNorm weights, [heads, head_dim], the q heads' then the k heads'.
+        self.head_norms = None
+        if getattr(attention, "q_norm", None) is not None:
+            q_heads = attention.config.num_attention_heads
+            kv_heads = attention.config.num_key_value_heads
+            self.head_norms = torch.cat(
+                (
+                    attention.q_norm.weight.detach().expand(q_heads, -1),
+                    attention.k_norm.weight.detach().expand(kv_heads, -1),
+                )
+            ).contiguous()
         self.out = RowGemm(attention.o_proj.weight, blocked=blocked)
         self.gate_up = RowGemm(_stack(mlp.gate_proj, mlp.up_proj), blocked=blocked)
         self.down = RowGemm(mlp.down_proj.weight, blocked=blocked)
@@ -135,7 +157,8 @@ class LlamaForward:
         normed = self._rms_norm(kernels, hidden, self.layers[0].input_norm)
         prompt = queries > 1  # its GEMMs' rows bucketed (RowGemm): few shapes for all prompt lengths
         for index, layer in enumerate(self.layers):
-            attended = attend(layer, layer.qkv(normed, bucket_rows=prompt))  # [rows * queries, q_heads * head_dim]
+            qkv = self._head_normed(layer, layer.qkv(normed, bucket_rows=prompt))
+            attended = attend(layer, qkv)  # [rows * queries, q_heads * head_dim]
             delta = layer.out(attended, bucket_rows=prompt)
             normed = self._add_rms_norm(kernels, hidden, delta, layer.post_norm, normed)
             activated = self._swiglu(kernels, layer.gate_up(normed, bucket_rows=prompt))
@@ -209,6 +232,15 @@ class LlamaForward:
             return attended.transpose(1, 2).reshape(rows * queries, -1)
 
         return attend
+
+    def _head_normed(self, layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
+        """q, k and v with each query and key head RMSNormed where the family does (Qwen3),
+        in place, before the rotary."""
+        if layer.head_norms is not None:
+            heads = layer.head_norms.shape[0]
+            qk = qkv[:, : heads * self.head_dim].view(-1, heads, self.head_dim)
+            qk.copy_(functional.rms_norm(qk, (self.head_dim,), None, self.eps) * layer.head_norms)
+        return qkv
 
     def _norm_after(self, index: int) -> torch.Tensor:
         """The weight of the RMSNorm after layer `index`: the next layer's input norm, or the final one."""

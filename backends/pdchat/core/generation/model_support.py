@@ -1,6 +1,6 @@
 """Which model families pdchat's engine computes exactly, and the check every stage makes at load.
 
-pdchat's engine runs a model through its own forward (the Llama family) or transformers'
+pdchat's engine runs a model through its own forward (Llama, Qwen2, Qwen3) or transformers'
 forward with pdchat's paged attention in place of transformers' (core.generation.paged).
 That attention honours causal masks, GQA, a sliding window and attention sinks; a model that
 needs more of its attention (a logit softcap), keeps another kind of state (recurrent or
@@ -25,8 +25,8 @@ from pdchat.core.settings import ALLOW_UNSUPPORTED_MODEL
 SUPPORTED = {
     "llama": "own Llama forward (transformers' for what it does not cover)",
     "gpt_oss": "transformers' forward with paged attention (sliding window, attention sinks)",
-    "qwen2": "transformers' forward with paged attention",
-    "qwen3": "transformers' forward with paged attention",
+    "qwen2": "own forward (q, k and v biases; transformers' for what it does not cover)",
+    "qwen3": "own forward (per-head q and k norms; transformers' for what it does not cover)",
     "mistral": "transformers' forward with paged attention (sliding window)",
     "gemma3_text": "transformers' forward with paged attention (sliding window)",
 }

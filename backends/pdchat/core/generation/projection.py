@@ -22,7 +22,7 @@ PROMPT_ROW_BUCKET = 16
 
 
 class RowGemm:
-    """`x @ W^T` for x [..., in], W [out, in]: [..., out].
+    """`x @ W^T + b` for x [..., in], W [out, in] and an optional bias b [out]: [..., out].
 
     - one row: torch's GEMM on W, or on a stored W^T when `transposed_for_one_row` (MKL
       multiplies a vector by [in, out] faster than by [out, in] transposed: the
@@ -35,9 +35,18 @@ class RowGemm:
     agree to rounding (about 1e-5 relative), not bit for bit."""
 
     def __init__(
-        self, weight: torch.Tensor, *, blocked: bool = True, lazy: bool = False, transposed_for_one_row: bool = False
+        self,
+        weight: torch.Tensor,
+        *,
+        bias: torch.Tensor | None = None,
+        blocked: bool = True,
+        lazy: bool = False,
+        transposed_for_one_row: bool = False,
     ):
+        """NOTE: the bias goes into each GEMM as nn.Linear's does (torch's and oneDNN's add
+        it in the product), so on torch's GEMM the result is nn.Linear's bit for bit."""
         self.weight = weight.detach()
+        self.bias = None if bias is None else bias.detach()
         self.blocked = blocked and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32
         self._transposed = self.weight.t().contiguous() if transposed_for_one_row else None
         self._layout = self._blocked_layout() if self.blocked and not lazy else None
@@ -53,11 +62,12 @@ class RowGemm:
             padded = -(-rows // PROMPT_ROW_BUCKET) * PROMPT_ROW_BUCKET if bucket_rows else rows
             if padded != rows:
                 flat = torch.cat((flat, flat.new_zeros(padded - rows, flat.shape[1])))
-            out = torch.ops.mkldnn._linear_pointwise(flat, self._layout, None, "none", [None], "")[:rows]
+            out = torch.ops.mkldnn._linear_pointwise(flat, self._layout, self.bias, "none", [None], "")[:rows]
         elif self._transposed is not None:
-            out = x.reshape(rows, -1) @ self._transposed
+            flat = x.reshape(rows, -1)
+            out = flat @ self._transposed if self.bias is None else torch.addmm(self.bias, flat, self._transposed)
         else:
-            return functional.linear(x, self.weight)
+            return functional.linear(x, self.weight, self.bias)
         return out.view(*x.shape[:-1], -1)
 
     def _blocked_layout(self) -> torch.Tensor:
