@@ -106,6 +106,7 @@ def test_the_scheduler_asks_before_every_pass():
 
     class TwoChunks:
         steps = 0
+        next_pass_tokens = 512
 
         def step(self):
             self.steps += 1
@@ -114,11 +115,11 @@ def test_the_scheduler_asks_before_every_pass():
         def abandon(self):
             pass
 
-    scheduler = PrefillScheduler(before_pass=lambda: asked.append(1))
+    scheduler = PrefillScheduler(before_pass=lambda tokens: asked.append(tokens))
     scheduler.submit(PrefillTask(start=TwoChunks, done=lambda _: done.set(), fail=lambda exc: None))
     assert done.wait(5)
     scheduler.close()
-    assert len(asked) == 2
+    assert asked == [512, 512]
 
 
 @pytest.fixture(scope="module")

@@ -191,12 +191,18 @@ class EngineHooks:
     decode engine's `on_state` (its running/waiting requests and KV held, throttled),
     `on_load(held, queued)` (the requests it holds and those waiting for room, every pass)
     and `on_emitted()` (a step's deltas all handed out); any engine's `on_dead()`, once,
-    when it can serve no more (vLLM's engine core died)."""
+    when it can serve no more (vLLM's engine core died). Taking turns on the server's cores
+    (setting prefill_takes_cores, pdchat's engine): a prefill engine calls `pass_began()`
+    (True where a decode waits for the pass) and `pass_ended()` around a long prompt pass, a
+    decode engine `before_step()` before each step, which returns when the step may run."""
 
     on_state: Callable[[EngineState], None] | None = None
     on_load: Callable[[int, int], None] | None = None
     on_emitted: Callable[[], None] | None = None
     on_dead: Callable[[], None] | None = None
+    pass_began: Callable[[], bool] | None = None
+    pass_ended: Callable[[], None] | None = None
+    before_step: Callable[[], object] | None = None
 
 
 class Engine(Protocol):

@@ -14,6 +14,7 @@ response sender (one response per request, as a non-decoupled model may) from th
 
 import functools
 import logging
+import os
 import time
 
 import triton_python_backend_utils as pb_utils
@@ -23,8 +24,9 @@ from pdchat.core.engine_api import PREFILL, EngineHooks, PrefillRequest
 from pdchat.core.engines import open_engine
 from pdchat.core.kv.base import engine_kv_handle
 from pdchat.core.kv.connector import Connectors
-from pdchat.core.settings import keep_off_decode_cpus, kv_options
-from pdchat.ensemble.seal import StageSeal
+from pdchat.core.settings import PREFILL_TAKES_CORES, keep_off_decode_cpus, kv_options
+from pdchat.ensemble.core_turns import PassMarks
+from pdchat.ensemble.seal import StageSeal, server_directory
 from pdchat.models import resolve_model
 from pdchat.registry import SHM
 from pdchat.triton import io
@@ -55,7 +57,13 @@ class TritonPythonModel:
         self.kv_ttl_s = options["ttl_s"]
         self.connectors = Connectors(on_sweep=self._on_sweep, **options)
         self.outbox = Outbox("pdchat-prefill-outbox")
-        self.engine.start(EngineHooks(on_dead=leave_soon))
+        # With prefill_takes_cores, decode on this server waits for the passes it marks.
+        self.pass_marks = None
+        turns = {}
+        if PREFILL_TAKES_CORES.get(parameters):
+            self.pass_marks = PassMarks(server_directory(os.getppid()), args["model_instance_name"])
+            turns = {"pass_began": self.pass_marks.begin, "pass_ended": self.pass_marks.end}
+        self.engine.start(EngineHooks(on_dead=leave_soon, **turns))
 
     def execute(self, requests):
         for request in requests:
@@ -79,6 +87,8 @@ class TritonPythonModel:
 
     def finalize(self):
         self.engine.close()
+        if self.pass_marks is not None:
+            self.pass_marks.close()
         self.kv_events.close()
         self.outbox.close()
         self.engine_info.close()

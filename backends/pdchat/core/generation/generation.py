@@ -37,6 +37,12 @@ class PrefillJob:
         self._engine = model.engine
         self._prompt = PromptPrefill(model.engine, prompt_token_ids, params.cache_salt, chunk)
 
+    @property
+    def next_pass_tokens(self) -> int:
+        """The prompt tokens its next chunk computes at most (before the first, its cached
+        prefix is not yet known)."""
+        return min(self._prompt.remaining, self._prompt.chunk)
+
     def step(self) -> Prefilled | None:
         """One chunk; the result once the prompt is complete (the sequence then released)."""
         last = self._prompt.step(self._chooser.greedy)

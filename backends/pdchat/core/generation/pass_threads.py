@@ -143,6 +143,14 @@ class PassThreads:
             self.current = threads
         return threads
 
+    def take_most(self) -> int:
+        """`most` threads for the next pass, whatever the cores did (a pass that decode waits
+        for: setting prefill_takes_cores); set now if they changed."""
+        if self.current != self.most:
+            self._set_threads(self.most)
+            self.current = self.most
+        return self.most
+
     def at_base(self) -> None:
         """Back to `base` threads (set now if the last pass took more)."""
         if self.current != self.base:

@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 class Prefilling(Protocol):
     """What the scheduler needs of a prompt in progress (core.generation.generation.PrefillJob)."""
 
+    @property
+    def next_pass_tokens(self) -> int:
+        """The prompt tokens its next pass computes at most (its cached prefix is found then)."""
+        ...
+
     def step(self) -> Any | None: ...
 
     def abandon(self) -> None: ...
@@ -60,17 +65,19 @@ class PrefillLimits:
 
 
 class PrefillScheduler:
-    """`before_pass`: called on the scheduler thread before each chunk's pass (prefill's
-    PassThreads.before_pass: the torch threads it takes)."""
+    """`before_pass(tokens)` and `after_pass()`: called on the scheduler thread around each
+    pass, `tokens` the most it computes (the torch threads it takes, PassThreads; the marks
+    of a pass that takes the server's cores in turns with decode, EngineHooks)."""
 
     def __init__(
         self,
         name: str = "pdchat-prefill",
-        before_pass: Callable[[], object] | None = None,
+        before_pass: Callable[[int], object] | None = None,
         limits: PrefillLimits = PrefillLimits(),
         clock: Callable[[], float] = time.monotonic,
+        after_pass: Callable[[], object] | None = None,
     ):
-        self._before_pass = before_pass
+        self._before_pass, self._after_pass = before_pass, after_pass
         self._limits, self._clock = limits, clock
         self._incoming: queue.SimpleQueue[PrefillTask | None] = queue.SimpleQueue()
         self._waiting: deque[PrefillTask] = deque()  # submitted, not started: no room yet
@@ -95,12 +102,15 @@ class PrefillScheduler:
             task, job = self._turns.popleft()
             try:
                 if self._before_pass is not None:
-                    self._before_pass()
+                    self._before_pass(job.next_pass_tokens)
                 result = job.step()
             except Exception as exc:  # noqa: BLE001 - every failure must reach its client
                 job.abandon()
                 self._end(task, task.fail, exc)
                 continue
+            finally:
+                if self._after_pass is not None:
+                    self._after_pass()
             if result is None:
                 self._turns.append((task, job))  # its next chunk after the others' turns
             else:

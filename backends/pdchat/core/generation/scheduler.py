@@ -136,6 +136,7 @@ class DecodeScheduler:
         clock: Callable[[], float] = time.monotonic,
         cpus: frozenset[int] | None = None,
         pass_threads: PassThreads | None = None,
+        before_step: Callable[[], object] | None = None,
     ):
         """`cpus`: the CPUs the scheduler's thread (and the torch threads it starts) runs on
         (pdchat.core.placement); None: wherever it was started. `on_load(held, queued)`: called
@@ -146,10 +147,12 @@ class DecodeScheduler:
         thread once a step's outputs were handed to their jobs (`emit`), before its forward pass.
         `pass_threads`: a local prefill's chunk takes the torch threads it says while no row
         runs (idle cores join it: a lone prompt's first token comes sooner); every step, and
-        a chunk beside running rows, takes its `base`."""
+        a chunk beside running rows, takes its `base`. `before_step()`: called before each
+        step's forward pass; the step runs once it returns (EngineHooks.before_step)."""
         self._batch = batch
         self._cpus = cpus
         self._pass_threads = pass_threads
+        self._before_step = before_step
         self._limits = limits
         self._reports = StateReports(on_state, state_interval_s, clock)
         self._on_load = on_load
@@ -380,6 +383,8 @@ class DecodeScheduler:
             return
         if self._pass_threads is not None:
             self._pass_threads.at_base()
+        if self._before_step is not None:
+            self._before_step()  # a prefill pass on the server's cores first (EngineHooks.before_step)
         try:
             # The greedy rows' tokens come with the step, decided for the batch at once.
             logits, argmax = self._batch.step_rows(

@@ -74,11 +74,12 @@ class PdchatEngine:
         engine = self.model.engine
         most = prefill_threads_when_idle(self._parameters)
         if self.role == PREFILL:
-            # A pass takes more torch threads while this process's other cores sit idle.
+            # A pass takes more torch threads while this process's other cores sit idle, or
+            # `most` whenever decode waits for it (EngineHooks.pass_began: prefill_takes_cores).
             limits = PrefillLimits(engine.pool.total_blocks, engine.pool.block_tokens, self._options.queue_timeout_s)
-            self._prefill = PrefillScheduler(
-                before_pass=PassThreads.for_engine(engine, most).before_pass, limits=limits
-            )
+            threads = PassThreads.for_engine(engine, most)
+            turns = _PassTurns(threads, hooks, self._options.prefill_takes_cores)
+            self._prefill = PrefillScheduler(before_pass=turns.before, limits=limits, after_pass=turns.after)
             return
         limits = Limits(
             max_running=self._options.max_running,
@@ -101,6 +102,7 @@ class PdchatEngine:
             on_emitted=hooks.on_emitted,
             cpus=self._cpus and self._cpus.decode,
             pass_threads=lone_prompt_threads,
+            before_step=hooks.before_step,
         )
         if self._cpus is not None:
             log.info("%s: %s (setting decode_cpus)", self.name, self._cpus.describe())
@@ -223,3 +225,26 @@ class PdchatEngine:
         if scheduler is None:
             raise RuntimeError(f"this {self.role} engine was not started, or serves the other stage")
         return scheduler
+
+
+class _PassTurns:
+    """Prefill's side of prefill_takes_cores: a pass of at least `from_tokens` tokens is
+    marked for decode to wait for (EngineHooks.pass_began, pass_ended) and, where a decode
+    does, takes every thread (PassThreads.take_most); any other pass takes the threads
+    PassThreads decides."""
+
+    def __init__(self, threads: PassThreads, hooks: EngineHooks, from_tokens: int):
+        self._threads, self._hooks = threads, hooks
+        self._from_tokens = from_tokens if hooks.pass_began is not None else 0
+        self._marked = False
+
+    def before(self, tokens: int) -> None:
+        self._marked = 0 < self._from_tokens <= tokens and bool(self._hooks.pass_began())
+        if self._marked:
+            self._threads.take_most()
+        else:
+            self._threads.before_pass()
+
+    def after(self) -> None:
+        if self._marked and self._hooks.pass_ended is not None:
+            self._hooks.pass_ended()

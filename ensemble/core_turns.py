@@ -1,0 +1,124 @@
+"""Prefill's prompt passes and decode's steps taking turns on one server's cores (setting
+prefill_takes_cores).
+
+By default the two stage models split a server's cores (torch_threads: half each), so a
+prompt's pass runs on half of them while decode steps its rows on the rest: the rows' tokens
+come fast and the first tokens slowly. With prefill_takes_cores, a pass takes every core
+and decode, before its next step, waits for the pass to end: the way vLLM's steps share
+the cores between prompts and rows. Each running row then waits at most one pass per step
+(decode steps once between two passes of a long prompt), and no pass is waited for longer
+than MAX_TURN_S, so a prefill that died mid-pass stalls no stream.
+
+Each prefill instance marks its passes in a file of its own, `prefill-pass.<instance>` in
+the server's directory (pdchat.ensemble.seal.server_directory): the passes it began and the
+running pass's deadline on CLOCK_MONOTONIC (the same clock in every process of the host),
+16 bytes, mapped. Decode reads them all before each step. No Triton import here.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pdchat.ensemble.decode_load import FILE_PREFIX as DECODE_LOAD_PREFIX
+
+FILE_PREFIX = "prefill-pass."
+_PASS = struct.Struct("<qd")  # passes begun, the running pass's deadline (0.0: none runs)
+MAX_TURN_S = 0.25  # the longest decode waits for one pass
+_POLL_S = 0.0005  # how often a waiting decode looks again
+_RESCAN_S = 1.0  # how often decode looks for prefill instances that came or went
+
+
+def _mapped(path: Path, create: bool) -> mmap.mmap:
+    flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, _PASS.size)
+        return mmap.mmap(fd, _PASS.size)
+    finally:
+        os.close(fd)
+
+
+class PassMarks:
+    """One prefill instance's passes, marked by its scheduler thread (begin before a pass,
+    end after it). NOTE: one writer per file; a reader may see a mark one write old."""
+
+    def __init__(self, directory: Path, instance: str, clock: Callable[[], float] = time.monotonic):
+        self.directory, self.path = directory, directory / f"{FILE_PREFIX}{instance}"
+        self._map, self._clock, self._begun = _mapped(self.path, create=True), clock, 0
+        self._decode_seen_at, self._decode = float("-inf"), False
+        _PASS.pack_into(self._map, 0, 0, 0.0)
+
+    def begin(self) -> bool:
+        """Mark a pass where a decode instance serves on this server (its load file,
+        pdchat.ensemble.decode_load, says so); whether it did: a prefill-only server's
+        passes take the cores its idle heuristics give them."""
+        now = self._clock()
+        if now - self._decode_seen_at >= _RESCAN_S:
+            self._decode_seen_at = now
+            self._decode = any(self.directory.glob(f"{DECODE_LOAD_PREFIX}*"))
+        if not self._decode:
+            return False
+        self._begun += 1
+        _PASS.pack_into(self._map, 0, self._begun, now + MAX_TURN_S)
+        return True
+
+    def end(self) -> None:
+        _PASS.pack_into(self._map, 0, self._begun, 0.0)
+
+    def close(self) -> None:
+        self._map.close()
+        self.path.unlink(missing_ok=True)
+
+
+class PassTurns:
+    """Decode's side: before each step, `wait()` while a prefill pass it has not yet waited
+    for runs on the server (each at most until its deadline)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        self.directory, self._clock, self._sleep = directory, clock, sleep
+        self._maps: dict[Path, mmap.mmap] = {}
+        self._waited: dict[Path, int] = {}  # per file, the pass last waited for
+        self._scanned_at = float("-inf")
+
+    def wait(self) -> float:
+        """Return once no pass runs that this decode has not waited for; the seconds waited."""
+        now = started = self._clock()
+        if now - self._scanned_at >= _RESCAN_S:
+            self._rescan(now)
+        for path, marks in self._maps.items():
+            begun, deadline = _PASS.unpack_from(marks, 0)
+            if deadline <= now or self._waited.get(path) == begun:
+                continue
+            self._waited[path] = begun
+            while _PASS.unpack_from(marks, 0) == (begun, deadline) and now < deadline:
+                self._sleep(_POLL_S)
+                now = self._clock()
+        return now - started
+
+    def _rescan(self, now: float) -> None:
+        self._scanned_at = now
+        present = set(self.directory.glob(f"{FILE_PREFIX}*"))
+        for gone in set(self._maps) - present:
+            self._maps.pop(gone).close()
+            self._waited.pop(gone, None)
+        for path in present - set(self._maps):
+            try:
+                self._maps[path] = _mapped(path, create=False)
+            except (OSError, ValueError):  # gone meanwhile, or not yet its full size
+                continue
+
+    def close(self) -> None:
+        for marks in self._maps.values():
+            marks.close()
+        self._maps.clear()

@@ -1,0 +1,102 @@
+"""Prefill's prompt passes and decode's steps take turns on one server's cores
+(pdchat.ensemble.core_turns): decode waits for a marked pass once, never past its deadline."""
+
+from pdchat.ensemble.core_turns import MAX_TURN_S, PassMarks, PassTurns
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def turns_and_marks(tmp_path, on_poll=None):
+    clock = Clock()
+    polls = []
+
+    def sleep(seconds: float) -> None:
+        clock.now += seconds
+        polls.append(seconds)
+        if on_poll is not None:
+            on_poll(len(polls))
+
+    (tmp_path / "decode-load.decode_0_0").write_bytes(bytes(24))  # a decode serves beside it
+    marks = PassMarks(tmp_path, "prefill_0_0", clock=clock)
+    return PassTurns(tmp_path, clock=clock, sleep=sleep), marks, clock, polls
+
+
+def test_with_no_pass_running_a_step_does_not_wait(tmp_path):
+    turns, marks, _, polls = turns_and_marks(tmp_path)
+    assert turns.wait() == 0.0
+    marks.begin()
+    marks.end()
+    assert turns.wait() == 0.0 and polls == []
+
+
+def test_a_step_waits_for_a_running_pass_until_it_ends_and_then_steps_once_before_the_next(tmp_path):
+    ended = {}
+
+    def end_after_ten_polls(count: int) -> None:
+        if count == 10:
+            marks.end()
+            ended["at"] = count
+
+    turns, marks, _, polls = turns_and_marks(tmp_path, end_after_ten_polls)
+    marks.begin()
+    waited = turns.wait()
+    assert ended == {"at": 10} and len(polls) == 10 and waited > 0
+    marks.begin()  # the prompt's next pass starts at once
+    assert turns.wait() > 0, "a new pass is waited for"
+    assert turns.wait() == 0.0, "but only once: the step after it runs beside it"
+
+
+def test_a_pass_is_never_waited_for_past_its_deadline(tmp_path):
+    turns, marks, clock, _ = turns_and_marks(tmp_path)
+    marks.begin()  # and never ends: its prefill died mid-pass
+    started = clock.now
+    turns.wait()
+    assert MAX_TURN_S <= clock.now - started < MAX_TURN_S + 0.01
+    assert turns.wait() == 0.0
+
+
+def test_a_prefill_instance_that_left_is_forgotten(tmp_path):
+    turns, marks, clock, _ = turns_and_marks(tmp_path)
+    turns.wait()
+    assert len(turns._maps) == 1
+    marks.close()
+    clock.now += 2.0  # past the rescan interval
+    assert turns.wait() == 0.0 and turns._maps == {}
+    turns.close()
+
+
+def test_only_a_pass_of_prefill_takes_cores_tokens_or_more_takes_the_cores():
+    from pdchat.core.engine_api import EngineHooks
+    from pdchat.core.generation.stage_engine import _PassTurns
+
+    taken, marks = [], []
+
+    class Threads:
+        def before_pass(self):
+            taken.append("decided by the idle cores")
+
+        def take_most(self):
+            taken.append("most")
+
+    hooks = EngineHooks(pass_began=lambda: marks.append("began") or True, pass_ended=lambda: marks.append("ended"))
+    turns = _PassTurns(Threads(), hooks, from_tokens=1024)
+    for tokens in (256, 2048):
+        turns.before(tokens)
+        turns.after()
+    assert taken == ["decided by the idle cores", "most"] and marks == ["began", "ended"]
+    off = _PassTurns(Threads(), hooks, from_tokens=0)
+    off.before(4096)
+    off.after()
+    assert marks == ["began", "ended"]
+
+
+def test_a_prefill_without_a_decode_on_its_server_marks_no_pass(tmp_path):
+    marks = PassMarks(tmp_path, "prefill_0_0")
+    assert marks.begin() is False
+    assert PassTurns(tmp_path).wait() == 0.0
