@@ -1,9 +1,9 @@
 """Prefill's prompt passes and decode's steps taking turns on one server's cores (setting
-prefill_takes_cores).
+prefill_takes_cores_ms).
 
 By default the two stage models split a server's cores (torch_threads: half each), so a
 prompt's pass runs on half of them while decode steps its rows on the rest: the rows' tokens
-come fast and the first tokens slowly. With prefill_takes_cores, a pass takes every core
+come fast and the first tokens slowly. With prefill_takes_cores_ms, a pass takes every core
 and decode, before its next step, waits for the pass to end: the way vLLM's steps share
 the cores between prompts and rows. Each running row then waits at most one pass per step
 (decode steps once between two passes of a long prompt), and no pass is waited for longer

@@ -71,28 +71,42 @@ def test_a_prefill_instance_that_left_is_forgotten(tmp_path):
     turns.close()
 
 
-def test_only_a_pass_of_prefill_takes_cores_tokens_or_more_takes_the_cores():
+def test_a_pass_takes_the_cores_once_the_passes_before_it_say_it_takes_prefill_takes_cores_ms():
+    """Expected from the core-seconds per token measured so far: with 1 ms per token on one
+    thread and 2 threads, 256 tokens take 128 ms (marked), 32 take 16 ms (not); nothing is
+    marked before a pass was measured, nor with the setting at 0."""
     from pdchat.core.engine_api import EngineHooks
     from pdchat.core.generation.stage_engine import _PassTurns
 
-    taken, marks = [], []
+    clock, taken, marks = Clock(), [], []
 
     class Threads:
+        most = 2
+
         def before_pass(self):
-            taken.append("decided by the idle cores")
+            taken.append("idle cores")
+            return 1
 
         def take_most(self):
             taken.append("most")
+            return 2
 
     hooks = EngineHooks(pass_began=lambda: marks.append("began") or True, pass_ended=lambda: marks.append("ended"))
-    turns = _PassTurns(Threads(), hooks, from_tokens=1024)
-    for tokens in (256, 2048):
+    turns = _PassTurns(Threads(), hooks, from_ms=40, clock=clock)
+
+    def one_pass(tokens: int, seconds: float) -> None:
         turns.before(tokens)
+        clock.now += seconds
         turns.after()
-    assert taken == ["decided by the idle cores", "most"] and marks == ["began", "ended"]
-    off = _PassTurns(Threads(), hooks, from_tokens=0)
-    off.before(4096)
-    off.after()
+
+    one_pass(100, 0.1)  # unknown rate: beside decode; 1 ms of a core per token
+    one_pass(256, 0.128)
+    one_pass(32, 0.016)
+    assert taken == ["idle cores", "most", "idle cores"] and marks == ["began", "ended"]
+    off = _PassTurns(Threads(), hooks, from_ms=0, clock=clock)
+    for _ in range(2):
+        off.before(4096)
+        off.after()
     assert marks == ["began", "ended"]
 
 

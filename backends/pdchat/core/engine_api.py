@@ -192,7 +192,7 @@ class EngineHooks:
     `on_load(held, queued)` (the requests it holds and those waiting for room, every pass)
     and `on_emitted()` (a step's deltas all handed out); any engine's `on_dead()`, once,
     when it can serve no more (vLLM's engine core died). Taking turns on the server's cores
-    (setting prefill_takes_cores, pdchat's engine): a prefill engine calls `pass_began()`
+    (setting prefill_takes_cores_ms, pdchat's engine): a prefill engine calls `pass_began()`
     (True where a decode waits for the pass) and `pass_ended()` around a long prompt pass, a
     decode engine `before_step()` before each step, which returns when the step may run."""
 

@@ -306,18 +306,19 @@ PREFILL_THREADS_WHEN_IDLE = Setting(
     "local_prefill_when_idle); its steps keep torch_threads. auto: every core this process may run on; "
     "torch_threads or fewer: off (docs/batching.md#prefill).",
 )
-PREFILL_TAKES_CORES = Setting(
-    "prefill_takes_cores",
-    "prefill_takes_cores",
-    "PDCHAT_PREFILL_TAKES_CORES",
-    "1024",
+PREFILL_TAKES_CORES_MS = Setting(
+    "prefill_takes_cores_ms",
+    "prefill_takes_cores_ms",
+    "PDCHAT_PREFILL_TAKES_CORES_MS",
+    "40",
     COUNT,
     ("prefill", "decode"),
-    "A prompt pass in prefill that computes at least this many tokens takes the server's cores in turns with "
-    "decode, as vLLM's steps do: it runs on prefill_threads_when_idle threads while decode waits for it before its "
-    "next step (at most 0.25 s, and stepping once between two passes of a long prompt), so long prompts' first "
-    "tokens come sooner under load, each running row waiting up to one pass. Shorter passes run beside decode's "
-    "steps on torch_threads. 0: never (docs/batching.md#prefill).",
+    "A prompt pass in prefill expected to take at least this many milliseconds on every core (its tokens at the "
+    "core-seconds per token of the passes before it) takes the server's cores in turns with decode, as vLLM's "
+    "steps do: it runs on prefill_threads_when_idle threads while decode waits for it before its next step (at "
+    "most 0.25 s, and stepping once between two passes of a long prompt), so first tokens come sooner under load, "
+    "each running row waiting up to one pass. Shorter passes run beside decode's steps on torch_threads. 0: never "
+    "(docs/batching.md#prefill).",
 )
 
 
@@ -939,7 +940,7 @@ class BatchingOptions:
     queue_timeout_s: float  # longest wait for room, then UNAVAILABLE
     prefill_chunk: int  # prompt tokens per local prefill chunk, between decode steps
     prefill_pass_tokens: int  # prompt tokens per pass in prefill
-    prefill_takes_cores: int  # a prefill pass of this many tokens or more takes the cores in turns; 0: none
+    prefill_takes_cores_ms: int  # a prefill pass expected this long or longer takes the cores in turns; 0: none
 
 
 def batching_options(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> BatchingOptions:
@@ -954,7 +955,7 @@ def batching_options(parameters: dict[str, str], environ: os._Environ | dict | N
         queue_timeout_s=QUEUE_TIMEOUT_S.get(parameters, environ),
         prefill_chunk=PREFILL_CHUNK.get(parameters, environ),
         prefill_pass_tokens=PREFILL_PASS_TOKENS.get(parameters, environ),
-        prefill_takes_cores=PREFILL_TAKES_CORES.get(parameters, environ),
+        prefill_takes_cores_ms=PREFILL_TAKES_CORES_MS.get(parameters, environ),
     )
 
 

@@ -26,7 +26,7 @@ from pdchat.core.kv.base import engine_transfer_params
 from pdchat.core.kv.connector import Connectors, KVHandover
 from pdchat.core.output.decode_streams import DecodeStreams
 from pdchat.core.output.feeds import DecodeFeeds
-from pdchat.core.settings import PREFILL_TAKES_CORES, batching_options, keep_off_decode_cpus, kv_options
+from pdchat.core.settings import PREFILL_TAKES_CORES_MS, batching_options, keep_off_decode_cpus, kv_options
 from pdchat.ensemble.core_turns import PassTurns
 from pdchat.ensemble.decode_load import LoadSlot
 from pdchat.ensemble.seal import StageSeal, server_directory
@@ -66,8 +66,8 @@ class TritonPythonModel:
         self.load = LoadSlot(server_directory(os.getppid()), instance, self.engine.kv_capacity_tokens)
         self.streams = DecodeStreams(transport, self.metrics, self.feeds, self.engine.cancel, self.outbox.unwatch)
         flush = functools.partial(self.outbox.call, self.feeds.flush)
-        # With prefill_takes_cores, each step waits for a prompt pass prefill marks on this server.
-        self.turns = PassTurns(server_directory(os.getppid())) if PREFILL_TAKES_CORES.get(parameters) else None
+        # With prefill_takes_cores_ms, each step waits for a prompt pass prefill marks on this server.
+        self.turns = PassTurns(server_directory(os.getppid())) if PREFILL_TAKES_CORES_MS.get(parameters) else None
         self.engine.start(
             EngineHooks(
                 on_state=self._on_state,

@@ -145,7 +145,7 @@ class PassThreads:
 
     def take_most(self) -> int:
         """`most` threads for the next pass, whatever the cores did (a pass that decode waits
-        for: setting prefill_takes_cores); set now if they changed."""
+        for: setting prefill_takes_cores_ms); set now if they changed."""
         if self.current != self.most:
             self._set_threads(self.most)
             self.current = self.most

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -75,10 +76,10 @@ class PdchatEngine:
         most = prefill_threads_when_idle(self._parameters)
         if self.role == PREFILL:
             # A pass takes more torch threads while this process's other cores sit idle, or
-            # `most` whenever decode waits for it (EngineHooks.pass_began: prefill_takes_cores).
+            # `most` whenever decode waits for it (EngineHooks.pass_began: prefill_takes_cores_ms).
             limits = PrefillLimits(engine.pool.total_blocks, engine.pool.block_tokens, self._options.queue_timeout_s)
             threads = PassThreads.for_engine(engine, most)
-            turns = _PassTurns(threads, hooks, self._options.prefill_takes_cores)
+            turns = _PassTurns(threads, hooks, self._options.prefill_takes_cores_ms)
             self._prefill = PrefillScheduler(before_pass=turns.before, limits=limits, after_pass=turns.after)
             return
         limits = Limits(
@@ -228,23 +229,45 @@ class PdchatEngine:
 
 
 class _PassTurns:
-    """Prefill's side of prefill_takes_cores: a pass of at least `from_tokens` tokens is
-    marked for decode to wait for (EngineHooks.pass_began, pass_ended) and, where a decode
-    does, takes every thread (PassThreads.take_most); any other pass takes the threads
-    PassThreads decides."""
+    """Prefill's side of prefill_takes_cores_ms: a pass expected to take at least `from_ms` on
+    every core is marked for decode to wait for (EngineHooks.pass_began, pass_ended) and,
+    where a decode does, takes every thread (PassThreads.take_most); any other pass takes
+    the threads PassThreads decides.
 
-    def __init__(self, threads: PassThreads, hooks: EngineHooks, from_tokens: int):
-        self._threads, self._hooks = threads, hooks
-        self._from_tokens = from_tokens if hooks.pass_began is not None else 0
+    The expectation is the pass's tokens at the core-seconds per token the passes before it
+    took (a moving average, so it holds for any model and host). NOTE: until a pass was
+    measured none is expected long, and a pass's tokens are an upper bound (its cached
+    prefix is found during it)."""
+
+    def __init__(
+        self,
+        threads: PassThreads,
+        hooks: EngineHooks,
+        from_ms: int,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self._threads, self._hooks, self._clock = threads, hooks, clock
+        self._from_s = from_ms / 1000 if hooks.pass_began is not None else 0.0
+        self._core_s_per_token: float | None = None
+        self._pass: tuple[float, int, int] | None = None  # started at, tokens, threads
         self._marked = False
 
     def before(self, tokens: int) -> None:
-        self._marked = 0 < self._from_tokens <= tokens and bool(self._hooks.pass_began())
-        if self._marked:
-            self._threads.take_most()
-        else:
-            self._threads.before_pass()
+        self._marked = self._expected_long(tokens) and bool(self._hooks.pass_began())
+        threads = self._threads.take_most() if self._marked else self._threads.before_pass()
+        self._pass = (self._clock(), tokens, threads)
 
     def after(self) -> None:
+        if self._pass is not None:
+            started, tokens, threads = self._pass
+            measured = (self._clock() - started) * threads / max(tokens, 1)
+            average = self._core_s_per_token
+            self._core_s_per_token = measured if average is None else 0.8 * average + 0.2 * measured
+            self._pass = None
         if self._marked and self._hooks.pass_ended is not None:
             self._hooks.pass_ended()
+
+    def _expected_long(self, tokens: int) -> bool:
+        if self._from_s <= 0.0 or self._core_s_per_token is None:
+            return False
+        return tokens * self._core_s_per_token / self._threads.most >= self._from_s
