@@ -88,7 +88,7 @@ class PassTurns:
     ):
         self.directory, self._clock, self._sleep = directory, clock, sleep
         self._maps: dict[Path, mmap.mmap] = {}
-        self._waited: dict[Path, int] = {}  # per file, the pass last waited for
+        self._waited: dict[Path, tuple[int, float]] = {}  # per file, the pass last waited for
         self._scanned_at = float("-inf")
 
     def wait(self) -> float:
@@ -97,26 +97,26 @@ class PassTurns:
         if now - self._scanned_at >= _RESCAN_S:
             self._rescan(now)
         for path, marks in self._maps.items():
-            begun, deadline = _PASS.unpack_from(marks, 0)
-            if deadline <= now or self._waited.get(path) == begun:
+            mark = begun, deadline = _PASS.unpack_from(marks, 0)
+            if deadline <= now or self._waited.get(path) == mark:
                 continue
-            self._waited[path] = begun
-            while _PASS.unpack_from(marks, 0) == (begun, deadline) and now < deadline:
+            self._waited[path] = mark
+            while _PASS.unpack_from(marks, 0) == mark and now < deadline:
                 self._sleep(_POLL_S)
                 now = self._clock()
         return now - started
 
     def _rescan(self, now: float) -> None:
+        """Map the instances' files anew. NOTE: all of them, not only new names: a prefill
+        instance that restarted wrote a new file under its old name."""
         self._scanned_at = now
-        present = set(self.directory.glob(f"{FILE_PREFIX}*"))
-        for gone in set(self._maps) - present:
-            self._maps.pop(gone).close()
-            self._waited.pop(gone, None)
-        for path in present - set(self._maps):
+        self.close()
+        for path in self.directory.glob(f"{FILE_PREFIX}*"):
             try:
                 self._maps[path] = _mapped(path, create=False)
             except (OSError, ValueError):  # gone meanwhile, or not yet its full size
                 continue
+        self._waited = {path: mark for path, mark in self._waited.items() if path in self._maps}
 
     def close(self) -> None:
         for marks in self._maps.values():

@@ -114,3 +114,13 @@ def test_a_prefill_without_a_decode_on_its_server_marks_no_pass(tmp_path):
     marks = PassMarks(tmp_path, "prefill_0_0")
     assert marks.begin() is False
     assert PassTurns(tmp_path).wait() == 0.0
+
+
+def test_a_restarted_prefill_instances_new_file_is_read(tmp_path):
+    turns, marks, clock, _ = turns_and_marks(tmp_path)
+    turns.wait()
+    marks.close()
+    again = PassMarks(tmp_path, "prefill_0_0", clock=clock)  # the same name, a new file
+    clock.now += 2.0
+    again.begin()
+    assert turns.wait() > 0, "the new instance's pass is waited for"
