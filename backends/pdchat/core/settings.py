@@ -317,8 +317,8 @@ PREFILL_TAKES_CORES_MS = Setting(
     "core-seconds per token of the passes before it) takes the server's cores in turns with decode, as vLLM's "
     "steps do: it runs on prefill_threads_when_idle threads while decode waits for it before its next step (at "
     "most 0.25 s, and stepping once between two passes of a long prompt), so first tokens come sooner under load, "
-    "each running row waiting up to one pass. Shorter passes run beside decode's steps on torch_threads. 0: never "
-    "(docs/batching.md#prefill).",
+    "each running row waiting up to one pass. Shorter passes run beside decode's steps on torch_threads. Decode "
+    "with a CPU of its own (decode_cpus) does not wait. 0: never (docs/batching.md#prefill).",
 )
 
 
