@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pdchat.ensemble.decode_load import FILE_PREFIX as DECODE_LOAD_PREFIX
+from pdchat.ensemble.decode_load import DecodeLoad
 
 FILE_PREFIX = "prefill-pass."
 _PASS = struct.Struct("<qd")  # passes begun, the running pass's deadline (0.0: none runs)
@@ -49,23 +49,20 @@ class PassMarks:
     end after it). NOTE: one writer per file; a reader may see a mark one write old."""
 
     def __init__(self, directory: Path, instance: str, clock: Callable[[], float] = time.monotonic):
-        self.directory, self.path = directory, directory / f"{FILE_PREFIX}{instance}"
+        self.path = directory / f"{FILE_PREFIX}{instance}"
         self._map, self._clock, self._begun = _mapped(self.path, create=True), clock, 0
-        self._decode_seen_at, self._decode = float("-inf"), False
+        self._decode = DecodeLoad(directory)
         _PASS.pack_into(self._map, 0, 0, 0.0)
 
     def begin(self) -> bool:
-        """Mark a pass where a decode instance serves on this server (its load file,
-        pdchat.ensemble.decode_load, says so); whether it did: a prefill-only server's
-        passes take the cores its idle heuristics give them."""
-        now = self._clock()
-        if now - self._decode_seen_at >= _RESCAN_S:
-            self._decode_seen_at = now
-            self._decode = any(self.directory.glob(f"{DECODE_LOAD_PREFIX}*"))
-        if not self._decode:
+        """Mark a pass while this server's decode holds sequences (its load files,
+        pdchat.ensemble.decode_load, say so); whether it did. NOTE: an idle decode, or none
+        (a P/D prefill server), has no cores to give: the pass takes the cores prefill's
+        idle heuristics find, which also sees another server's work on the host."""
+        if not self._decode.held():
             return False
         self._begun += 1
-        _PASS.pack_into(self._map, 0, self._begun, now + MAX_TURN_S)
+        _PASS.pack_into(self._map, 0, self._begun, self._clock() + MAX_TURN_S)
         return True
 
     def end(self) -> None:

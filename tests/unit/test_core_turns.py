@@ -2,6 +2,7 @@
 (pdchat.ensemble.core_turns): decode waits for a marked pass once, never past its deadline."""
 
 from pdchat.ensemble.core_turns import MAX_TURN_S, PassMarks, PassTurns
+from pdchat.ensemble.decode_load import LoadSlot
 
 
 class Clock:
@@ -22,7 +23,7 @@ def turns_and_marks(tmp_path, on_poll=None):
         if on_poll is not None:
             on_poll(len(polls))
 
-    (tmp_path / "decode-load.decode_0_0").write_bytes(bytes(24))  # a decode serves beside it
+    LoadSlot(tmp_path, "decode_0_0", 4096).set(3)  # a decode serves three sequences beside it
     marks = PassMarks(tmp_path, "prefill_0_0", clock=clock)
     return PassTurns(tmp_path, clock=clock, sleep=sleep), marks, clock, polls
 
@@ -110,10 +111,15 @@ def test_a_pass_takes_the_cores_once_the_passes_before_it_say_it_takes_prefill_t
     assert marks == ["began", "ended"]
 
 
-def test_a_prefill_without_a_decode_on_its_server_marks_no_pass(tmp_path):
+def test_a_prefill_without_a_busy_decode_on_its_server_marks_no_pass(tmp_path):
+    """No decode (a P/D prefill server) or an idle one: nothing to take turns with, and the
+    host's other servers may be busy (prefill's idle heuristics see them)."""
     marks = PassMarks(tmp_path, "prefill_0_0")
     assert marks.begin() is False
-    assert PassTurns(tmp_path).wait() == 0.0
+    load = LoadSlot(tmp_path, "decode_0_0", 4096)
+    assert marks.begin() is False
+    load.set(1)
+    assert marks.begin() is True
 
 
 def test_a_restarted_prefill_instances_new_file_is_read(tmp_path):
