@@ -94,7 +94,8 @@ class PassTurns:
         if now - self._scanned_at >= _RESCAN_S:
             self._rescan(now)
         for path, marks in self._maps.items():
-            mark = begun, deadline = _PASS.unpack_from(marks, 0)
+            mark = _PASS.unpack_from(marks, 0)  # (passes begun, deadline)
+            deadline = mark[1]
             if deadline <= now or self._waited.get(path) == mark:
                 continue
             self._waited[path] = mark

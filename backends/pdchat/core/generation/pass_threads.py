@@ -138,21 +138,19 @@ class PassThreads:
             return self.current
         self._decided_at = now
         threads = min(self.most, self.base + idle_whole_cores(self._idle.since_last()))
-        if threads != self.current:
-            self._set_threads(threads)
-            self.current = threads
-        return threads
+        return self._take(threads)
 
     def take_most(self) -> int:
         """`most` threads for the next pass, whatever the cores did (a pass that decode waits
         for: setting prefill_takes_cores_ms); set now if they changed."""
-        if self.current != self.most:
-            self._set_threads(self.most)
-            self.current = self.most
-        return self.most
+        return self._take(self.most)
 
     def at_base(self) -> None:
         """Back to `base` threads (set now if the last pass took more)."""
-        if self.current != self.base:
-            self._set_threads(self.base)
-            self.current = self.base
+        self._take(self.base)
+
+    def _take(self, threads: int) -> int:
+        if threads != self.current:
+            self._set_threads(threads)
+            self.current = threads
+        return threads
