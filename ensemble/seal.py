@@ -33,6 +33,7 @@ import stat
 import time
 from pathlib import Path
 
+from pdchat.core import procfs
 from pdchat.core.errors import InvalidRequest, ModelUnavailable
 from pdchat.core.settings import STAGE_KEY, STAGE_SEAL_TTL_S, cache_dir
 from pdchat.ensemble.handoff import ids_digest, mac, same_mac
@@ -223,11 +224,10 @@ def _prompt_bytes(prompt_token_ids: list[int], generation_params: str, kv_handle
 
 def server_id(pid: int) -> str:
     """Names the process `pid` for as long as it runs: `<scope>-<pid>-<start time>`."""
-    try:
-        started = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]  # field 22, starttime
-    except (OSError, IndexError) as exc:
-        raise ModelUnavailable(f"cannot tell which server process {pid} is from /proc: {exc}") from None
-    return f"{_scope()}-{pid}-{started}"
+    fields = procfs.stat_fields(pid)
+    if fields is None or len(fields) < 20:
+        raise ModelUnavailable(f"cannot tell which server process {pid} is from /proc/{pid}/stat")
+    return f"{_scope()}-{pid}-{fields[19]}"  # field 22 of proc(5), starttime
 
 
 def server_directory(pid: int, *, create: bool = True) -> Path:

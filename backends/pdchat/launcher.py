@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdchat.core import settings
+from pdchat.core import procfs, settings
 from pdchat.core.settings import cache_dir
 from pdchat.registry import MONOLITHIC, PREFILL, ROLES, SHM
 
@@ -369,7 +369,7 @@ class TritonServer:
         loaded, if one did. A stub gone with its model (unloaded, reloaded) is forgotten; one
         whose model's readiness the server does not tell now (busy, stopped) is looked at again."""
         for pid, (model, instance) in list(self.stubs.items()):
-            if _alive(pid):
+            if procfs.alive(pid):
                 continue
             now = python_stubs(self.process.pid)
             if instance in {name for _, name in now.values()}:  # its model was reloaded
@@ -479,41 +479,21 @@ def _read_from(path: Path | None, offset: int, limit: int = 4 << 20) -> str:
 
 
 def process_group(pgid: int) -> list[int]:
-    """Live (not zombie) processes of a process group: a server's are tritonserver and its stubs.
-
-    NOTE: /proc is listed, not globbed for `*/stat`: pathlib's glob stats each match, and a
-    process that exits in between makes that stat raise ProcessLookupError, not "missing"."""
+    """Live (not zombie) processes of a process group: a server's are tritonserver and its stubs."""
     pids = []
-    for name in os.listdir("/proc"):
-        fields = _stat_fields(int(name)) if name.isdigit() else None
+    for pid in procfs.pids():
+        fields = procfs.stat_fields(pid)
         if fields is not None and int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(name))
+            pids.append(pid)
     return pids
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat after the command name: [state, ppid, pgrp, ...]; None once it exited."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, not yet reaped by its parent, does not)."""
-    fields = _stat_fields(pid)
-    return fields is not None and fields[0] != "Z"
 
 
 def python_stubs(pgid: int) -> dict[int, tuple[str, str]]:
     """The python backend stubs in a server's process group, by pid: (model, instance)."""
     stubs = {}
     for pid in process_group(pgid):
-        try:
-            words = [w.decode() for w in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
-        except (OSError, UnicodeDecodeError):
-            continue
-        if not words[0].endswith("triton_python_backend_stub"):
+        words = procfs.command_words(pid)
+        if not words or not words[0].endswith("triton_python_backend_stub"):
             continue
         model = next((Path(w).parent.parent.name for w in words if w.endswith("/model.py")), "")
         instance = next((w for w in words if model and re.fullmatch(re.escape(model) + r"_\d+_\d+", w)), model)

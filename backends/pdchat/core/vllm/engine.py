@@ -32,9 +32,9 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Coroutine
-from pathlib import Path
 from typing import Any
 
+from pdchat.core import procfs
 from pdchat.core.engine_api import (
     DECODE,
     PREFILL,
@@ -55,7 +55,12 @@ from pdchat.core.output.responses import Delta
 from pdchat.core.request.grammar import grammar_ebnf
 from pdchat.core.request.protocol import GenerationParams
 from pdchat.core.settings import kv_pool_options
-from pdchat.core.vllm.arguments import cpu_kv_cache_gib, engine_arguments, sampling_arguments, token_logprobs
+from pdchat.core.vllm.arguments import (
+    cpu_kv_cache_gib,
+    engine_arguments,
+    sampling_arguments,
+    token_logprobs,
+)
 from pdchat.models import ModelSettings
 
 log = logging.getLogger(__name__)
@@ -455,26 +460,11 @@ def _start_watcher() -> subprocess.Popen | None:
     gone without stopping them. NOTE: not multiprocessing's resource tracker: it unlinks what
     the engine core left in /dev/shm once they are both gone."""
     me = os.getpid()
-    children = [pid for pid in _pids() if _parent_of(pid) == me and "resource_tracker" not in _command(pid)]
+    children = [
+        pid
+        for pid in procfs.pids()
+        if procfs.parent_of(pid) == me and "resource_tracker" not in " ".join(procfs.command_words(pid))
+    ]
     if not children:
         return None
     return subprocess.Popen([sys.executable, "-c", _WATCHER, str(me), *map(str, children)], stdin=subprocess.DEVNULL)
-
-
-def _pids() -> list[int]:
-    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
-
-
-def _command(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _parent_of(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])
