@@ -13,6 +13,7 @@ from pdchat.core.request.protocol import GenerationParams
 from pdchat.core.vllm.arguments import (
     cpu_kv_cache_gib,
     engine_arguments,
+    refuse_unapplied_settings,
     sampling_arguments,
     token_logprobs,
     user_engine_arguments,
@@ -116,3 +117,16 @@ def test_vllms_logprobs_become_pdchats_most_likely_first():
 
 def test_vllms_cpu_kv_cache_is_whole_gib_of_at_least_one():
     assert cpu_kv_cache_gib(256 << 20) == 1 and cpu_kv_cache_gib(3 << 30) == 3 and cpu_kv_cache_gib((3 << 30) + 1) == 4
+
+
+def test_a_setting_vllms_engine_would_not_apply_is_refused_at_load_by_name():
+    """Set by parameter or variable, for the role that reads it; unset ones pass."""
+    refuse_unapplied_settings("decode", {}, environ={})
+    refuse_unapplied_settings("prefill", {}, environ={"PDCHAT_DECODE_KV_SHARE": "0.25"})  # a decode setting
+    with pytest.raises(ModelUnavailable) as info:
+        refuse_unapplied_settings("decode", {"queue_timeout_s": "5"}, environ={"PDCHAT_DECODE_KV_SHARE": "0.25"})
+    message = str(info.value)
+    assert "queue_timeout_s (config parameter queue_timeout_s)" in message
+    assert "decode_kv_share (PDCHAT_DECODE_KV_SHARE)" in message and "engine vllm" in message
+    with pytest.raises(ModelUnavailable, match="torch_threads"):
+        refuse_unapplied_settings("prefill", {}, environ={"PDCHAT_TORCH_THREADS": "4"})

@@ -160,13 +160,25 @@ class Setting(Generic[T]):
         set it, else the variable in `environ` (this process's environment if None), else
         the default; an empty value counts as unset. Raises ModelUnavailable, naming the
         setting and where the text came from, if that text is not of the setting's type."""
+        found = self._text(parameters, environ)
+        return self.default_value if found is None else self.parse(*found)
+
+    def set_by(
+        self, parameters: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None
+    ) -> str | None:
+        """Where this setting is set for a model with config `parameters` ("config parameter x"
+        or its variable's name, as `get` reads them), None where it takes its default."""
+        found = self._text(parameters, environ)
+        return None if found is None else found[1]
+
+    def _text(self, parameters: Mapping[str, str] | None, environ: Mapping[str, str] | None) -> tuple[str, str] | None:
+        """(the text that sets this setting, where it came from), or None: unset. NOTE: an
+        empty value counts as unset."""
         configured = parameters.get(self.param) if parameters and self.param else None
         if configured:
-            return self.parse(configured, f"config parameter {self.param}")
+            return configured, f"config parameter {self.param}"
         exported = (os.environ if environ is None else environ).get(self.env)
-        if exported:
-            return self.parse(exported, self.env)
-        return self.default_value
+        return (exported, self.env) if exported else None
 
     def parse(self, text: str, source: str) -> T:
         """`text` as this setting's type; `source` says where the text came from if it is not."""

@@ -21,11 +21,21 @@ from pdchat.core.errors import ModelUnavailable
 from pdchat.core.output.logprobs import TokenLogprobs
 from pdchat.core.request.protocol import GenerationParams
 from pdchat.core.settings import (
+    DECODE_CPUS,
+    DECODE_KV_SHARE,
+    FORWARD,
     KV_TTL_S,
     MAX_RUNNING,
+    PREFILL_CHUNK,
+    PREFILL_PASS_TOKENS,
+    PREFILL_TAKES_CORES_MS,
+    PREFILL_THREADS_WHEN_IDLE,
     PREFIX_CACHING,
+    QUEUE_TIMEOUT_S,
+    TORCH_THREADS,
     VLLM_ENGINE_ARGS,
     VLLM_KV_CONNECTOR,
+    Setting,
     kv_events_options,
 )
 from pdchat.models import ModelSettings
@@ -38,6 +48,35 @@ KV_LOAD_FAILURE_POLICY = "recompute"
 LEASE_MARGIN_S = 15
 # Prefill's request to vLLM's NixlConnector: keep the prompt's blocks for a decode engine to read.
 REMOTE_DECODE = {"do_remote_decode": True}
+# pdchat's engine's own forward, threads, scheduling and admission: vLLM's engine has its own.
+NOT_APPLIED = (
+    FORWARD,
+    TORCH_THREADS,
+    PREFILL_THREADS_WHEN_IDLE,
+    PREFILL_TAKES_CORES_MS,
+    DECODE_CPUS,
+    PREFILL_PASS_TOKENS,
+    PREFILL_CHUNK,
+    DECODE_KV_SHARE,
+    QUEUE_TIMEOUT_S,
+)
+
+
+def refuse_unapplied_settings(
+    role: str, parameters: Mapping[str, str], environ: Mapping[str, str] | None = None
+) -> None:
+    """ModelUnavailable naming each setting of NOT_APPLIED that a `role` instance reads and
+    its config or environment sets: vLLM's engine would not apply it, and an operator who
+    set it must not believe it holds."""
+    unapplied: list[Setting] = [
+        setting for setting in NOT_APPLIED if role in setting.applies_to and setting.set_by(parameters, environ)
+    ]
+    if unapplied:
+        named = ", ".join(f"{setting.name} ({setting.set_by(parameters, environ)})" for setting in unapplied)
+        raise ModelUnavailable(
+            f"{named}: not applied with setting engine vllm (vLLM's engine schedules, threads and admits by its "
+            "own rules); unset them, or run engine pdchat (docs/engines.md)"
+        )
 
 
 def user_engine_arguments(parameters: Mapping[str, str], environ: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -58,6 +58,7 @@ from pdchat.core.settings import kv_pool_options
 from pdchat.core.vllm.arguments import (
     cpu_kv_cache_gib,
     engine_arguments,
+    refuse_unapplied_settings,
     sampling_arguments,
     token_logprobs,
 )
@@ -113,6 +114,7 @@ class VllmEngine:
         if role not in (PREFILL, DECODE):
             raise ValueError(f"an engine serves prefill or decode, not {role!r}")
         self.role, self.name = role, instance
+        refuse_unapplied_settings(role, parameters)
         on_cpu = settings.device == "cpu" or (settings.device == "auto" and not _cuda_available())
         prepare_process(kv_pool_options(role, parameters).bytes, on_cpu)
         try:
