@@ -1,4 +1,4 @@
-"""Prefill's prompt passes and decode's steps taking turns on one server's cores (setting
+"""Prefill's prompt passes and decode's steps taking turns on a host's cores (setting
 prefill_takes_cores_ms).
 
 By default the two stage models split a server's cores (torch_threads: half each), so a
@@ -12,7 +12,11 @@ than MAX_TURN_S, so a prefill that died mid-pass stalls no stream.
 Each prefill instance marks its passes in a file of its own, `prefill-pass.<instance>` in
 the server's directory (pdchat.ensemble.seal.server_directory): the passes it began and the
 running pass's deadline on CLOCK_MONOTONIC (the same clock in every process of the host),
-16 bytes, mapped. Decode reads them all before each step. No Triton import here.
+16 bytes, mapped. Decode reads them all before each step.
+
+The turns span the servers that share cores (SharedCores): a P/D pair on one host takes
+turns as one server does, its prefill server's passes marked while the decode server holds
+sequences. No Triton import here.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pdchat.ensemble.decode_load import DecodeLoad
+from pdchat.ensemble.seal import live_server_directories
 
 FILE_PREFIX = "prefill-pass."
 _PASS = struct.Struct("<qd")  # passes begun, the running pass's deadline (0.0: none runs)
@@ -44,6 +49,36 @@ def _mapped(path: Path, create: bool) -> mmap.mmap:
         os.close(fd)
 
 
+class SharedCores:
+    """The server directories whose prefill passes and decode loads take turns on this
+    process's cores: its own server's, and those of the host's other live servers
+    (live_server_directories) whose tritonserver may run on one of its CPUs. Looked up anew
+    every _RESCAN_S.
+
+    NOTE: a server bound to other CPUs (taskset, numactl) shares no core and is left out."""
+
+    def __init__(self, own: Path, clock: Callable[[], float] = time.monotonic):
+        self.own, self._clock = own, clock
+        self._found, self._found_at = [own], float("-inf")
+
+    def directories(self) -> list[Path]:
+        now = self._clock()
+        if now - self._found_at >= _RESCAN_S:
+            self._found, self._found_at = [self.own, *self._others()], now
+        return self._found
+
+    def _others(self) -> list[Path]:
+        mine = os.sched_getaffinity(0)
+        others = []
+        for directory, pid in live_server_directories(self.own.parent).items():
+            try:
+                if directory != self.own and os.sched_getaffinity(pid) & mine:
+                    others.append(directory)
+            except OSError:  # gone meanwhile
+                continue
+        return others
+
+
 class PassMarks:
     """One prefill instance's passes, marked by its scheduler thread (begin before a pass,
     end after it). NOTE: one writer per file; a reader may see a mark one write old."""
@@ -51,15 +86,15 @@ class PassMarks:
     def __init__(self, directory: Path, instance: str, clock: Callable[[], float] = time.monotonic):
         self.path = directory / f"{FILE_PREFIX}{instance}"
         self._map, self._clock, self._begun = _mapped(self.path, create=True), clock, 0
-        self._decode = DecodeLoad(directory)
+        self._sharing = SharedCores(directory, clock)
         _PASS.pack_into(self._map, 0, 0, 0.0)
 
     def begin(self) -> bool:
-        """Mark a pass while this server's decode holds sequences (its load files,
-        pdchat.ensemble.decode_load, say so); whether it did. NOTE: an idle decode, or none
-        (a P/D prefill server), has no cores to give: the pass takes the cores prefill's
-        idle heuristics find, which also sees another server's work on the host."""
-        if not self._decode.held():
+        """Mark a pass while a decode on these cores (this server's or a SharedCores one's)
+        holds sequences, as its load files (pdchat.ensemble.decode_load) say; whether it did.
+        NOTE: idle decodes, or none, have no cores to give: the pass takes the cores
+        prefill's idle heuristics find."""
+        if not any(DecodeLoad(directory).held() for directory in self._sharing.directories()):
             return False
         self._begun += 1
         _PASS.pack_into(self._map, 0, self._begun, self._clock() + MAX_TURN_S)
@@ -75,7 +110,8 @@ class PassMarks:
 
 class PassTurns:
     """Decode's side: before each step, `wait()` while a prefill pass it has not yet waited
-    for runs on the server (each at most until its deadline)."""
+    for runs on its server or on one sharing its cores (SharedCores), each at most until
+    its deadline."""
 
     def __init__(
         self,
@@ -83,7 +119,7 @@ class PassTurns:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ):
-        self.directory, self._clock, self._sleep = directory, clock, sleep
+        self._sharing, self._clock, self._sleep = SharedCores(directory, clock), clock, sleep
         self._maps: dict[Path, mmap.mmap] = {}
         self._waited: dict[Path, tuple[int, float]] = {}  # per file, the pass last waited for
         self._scanned_at = float("-inf")
@@ -109,7 +145,8 @@ class PassTurns:
         instance that restarted wrote a new file under its old name."""
         self._scanned_at = now
         self.close()
-        for path in self.directory.glob(f"{FILE_PREFIX}*"):
+        paths = [path for directory in self._sharing.directories() for path in directory.glob(f"{FILE_PREFIX}*")]
+        for path in paths:
             try:
                 self._maps[path] = _mapped(path, create=False)
             except (OSError, ValueError):  # gone meanwhile, or not yet its full size

@@ -290,16 +290,36 @@ def _server_key(directory: Path) -> bytes:
     return _read_key(path)
 
 
-def _remove_gone_servers(root: Path) -> None:
-    """Remove the directories of this scope's servers whose process is gone (or is another now)."""
-    scope = _scope()
-    for entry in root.iterdir():
-        parts = entry.name.split("-")
-        if len(parts) != 3 or parts[0] != scope or not parts[1].isdigit():
-            continue
+def live_server_directories(root: Path) -> dict[Path, int]:
+    """This scope's server directories under `root` (server_directory's parent) whose process
+    still runs, each with its tritonserver's pid."""
+    scope, live = _scope(), {}
+    for entry, pid in _scope_directories(root, scope):
         try:
-            alive = server_id(int(parts[1])) == entry.name
+            alive = server_id(pid) == entry.name
         except ModelUnavailable:
             alive = False
-        if not alive:
+        if alive:
+            live[entry] = pid
+    return live
+
+
+def _scope_directories(root: Path, scope: str) -> list[tuple[Path, int]]:
+    try:
+        entries = list(root.iterdir())
+    except FileNotFoundError:
+        return []
+    found = []
+    for entry in entries:
+        parts = entry.name.split("-")
+        if len(parts) == 3 and parts[0] == scope and parts[1].isdigit():
+            found.append((entry, int(parts[1])))
+    return found
+
+
+def _remove_gone_servers(root: Path) -> None:
+    """Remove the directories of this scope's servers whose process is gone (or is another now)."""
+    live = live_server_directories(root)
+    for entry, _ in _scope_directories(root, _scope()):
+        if entry not in live:
             shutil.rmtree(entry, ignore_errors=True)

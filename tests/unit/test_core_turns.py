@@ -130,3 +130,34 @@ def test_a_restarted_prefill_instances_new_file_is_read(tmp_path):
     clock.now += 2.0
     again.begin()
     assert turns.wait() > 0, "the new instance's pass is waited for"
+
+
+def test_a_pd_pair_on_one_host_takes_turns_as_one_server(tmp_path):
+    """The prefill server marks its passes while the decode server beside it (a live server
+    of this host, on the same cores) holds sequences, and that decode waits for them; a
+    gone server's files count for nothing."""
+    import os
+
+    from pdchat.ensemble.seal import server_id
+
+    stage = tmp_path / "stage"
+    prefill_server, decode_server = stage / server_id(os.getpid()), stage / server_id(os.getppid())
+    gone_server = stage / f"{server_id(os.getpid()).split('-')[0]}-999999999-1"
+    for directory in (prefill_server, decode_server, gone_server):
+        directory.mkdir(parents=True)
+    clock = Clock()
+
+    def sleep(seconds: float) -> None:
+        clock.now += seconds
+
+    LoadSlot(gone_server, "decode_0_0", 4096).set(5)
+    marks = PassMarks(prefill_server, "prefill_0_0", clock=clock)
+    assert marks.begin() is False, "no live decode holds a sequence"
+    load = LoadSlot(decode_server, "decode_0_0", 4096)
+    load.set(2)
+    clock.now += 2.0  # past the rescan interval
+    assert marks.begin() is True
+    turns = PassTurns(decode_server, clock=clock, sleep=sleep)
+    assert turns.wait() >= MAX_TURN_S, "the decode server waits for the prefill server's pass"
+    assert [path.parent for path in turns._maps] == [prefill_server]
+    turns.close()
