@@ -12,7 +12,9 @@ than MAX_TURN_S, so a prefill that died mid-pass stalls no stream.
 Each prefill instance marks its passes in a file of its own, `prefill-pass.<instance>` in
 the server's directory (pdchat.ensemble.seal.server_directory): the passes it began and the
 running pass's deadline on CLOCK_MONOTONIC (the same clock in every process of the host),
-16 bytes, mapped. Decode reads them all before each step.
+16 bytes, mapped. Decode reads them all before each step, and says it does with a file of
+its own, `decode-turns.<instance>`: a decode that does not wait (the setting off on its
+server, or decode_cpus) has no cores to give, and no pass is marked for it.
 
 The turns span the servers that share cores (SharedCores): a P/D pair on one host takes
 turns as one server does, its prefill server's passes marked while the decode server holds
@@ -32,6 +34,7 @@ from pdchat.ensemble.decode_load import DecodeLoad
 from pdchat.ensemble.seal import live_server_directories
 
 FILE_PREFIX = "prefill-pass."
+WAITER_PREFIX = "decode-turns."
 _PASS = struct.Struct("<qd")  # passes begun, the running pass's deadline (0.0: none runs)
 MAX_TURN_S = 0.25  # the longest decode waits for one pass
 _POLL_S = 0.0005  # how often a waiting decode looks again
@@ -91,10 +94,10 @@ class PassMarks:
 
     def begin(self) -> bool:
         """Mark a pass while a decode on these cores (this server's or a SharedCores one's)
-        holds sequences, as its load files (pdchat.ensemble.decode_load) say; whether it did.
-        NOTE: idle decodes, or none, have no cores to give: the pass takes the cores
-        prefill's idle heuristics find."""
-        if not any(DecodeLoad(directory).held() for directory in self._sharing.directories()):
+        that waits for marks holds sequences, as its load files (pdchat.ensemble.decode_load)
+        say; whether it did. NOTE: idle decodes, decodes that do not wait, or none, have no
+        cores to give: the pass takes the cores prefill's idle heuristics find."""
+        if not any(_waits(directory) and DecodeLoad(directory).held() for directory in self._sharing.directories()):
             return False
         self._begun += 1
         _PASS.pack_into(self._map, 0, self._begun, self._clock() + MAX_TURN_S)
@@ -116,10 +119,13 @@ class PassTurns:
     def __init__(
         self,
         directory: Path,
+        instance: str,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ):
         self._sharing, self._clock, self._sleep = SharedCores(directory, clock), clock, sleep
+        self._waiter = directory / f"{WAITER_PREFIX}{instance}"
+        self._waiter.touch(mode=0o600)
         self._maps: dict[Path, mmap.mmap] = {}
         self._waited: dict[Path, tuple[int, float]] = {}  # per file, the pass last waited for
         self._scanned_at = float("-inf")
@@ -144,7 +150,7 @@ class PassTurns:
         """Map the instances' files anew. NOTE: all of them, not only new names: a prefill
         instance that restarted wrote a new file under its old name."""
         self._scanned_at = now
-        self.close()
+        self._unmap()
         paths = [path for directory in self._sharing.directories() for path in directory.glob(f"{FILE_PREFIX}*")]
         for path in paths:
             try:
@@ -154,6 +160,16 @@ class PassTurns:
         self._waited = {path: mark for path, mark in self._waited.items() if path in self._maps}
 
     def close(self) -> None:
+        """Wait no more: no pass is marked for this decode from now on."""
+        self._waiter.unlink(missing_ok=True)
+        self._unmap()
+
+    def _unmap(self) -> None:
         for marks in self._maps.values():
             marks.close()
         self._maps.clear()
+
+
+def _waits(directory: Path) -> bool:
+    """Whether a decode of the server in `directory` waits for marked passes."""
+    return any(directory.glob(f"{WAITER_PREFIX}*"))

@@ -25,7 +25,7 @@ def turns_and_marks(tmp_path, on_poll=None):
 
     LoadSlot(tmp_path, "decode_0_0", 4096).set(3)  # a decode serves three sequences beside it
     marks = PassMarks(tmp_path, "prefill_0_0", clock=clock)
-    return PassTurns(tmp_path, clock=clock, sleep=sleep), marks, clock, polls
+    return PassTurns(tmp_path, "decode_0_0", clock=clock, sleep=sleep), marks, clock, polls
 
 
 def test_with_no_pass_running_a_step_does_not_wait(tmp_path):
@@ -111,15 +111,18 @@ def test_a_pass_takes_the_cores_once_the_passes_before_it_say_it_takes_prefill_t
     assert marks == ["began", "ended"]
 
 
-def test_a_prefill_without_a_busy_decode_on_its_server_marks_no_pass(tmp_path):
-    """No decode (a P/D prefill server) or an idle one: nothing to take turns with, and the
-    host's other servers may be busy (prefill's idle heuristics see them)."""
+def test_a_prefill_without_a_busy_decode_that_waits_marks_no_pass(tmp_path):
+    """No decode, an idle one, or one that does not wait for marks (prefill_takes_cores_ms
+    off on its server, decode_cpus): nothing to take turns with."""
     marks = PassMarks(tmp_path, "prefill_0_0")
     assert marks.begin() is False
     load = LoadSlot(tmp_path, "decode_0_0", 4096)
+    turns = PassTurns(tmp_path, "decode_0_0")
     assert marks.begin() is False
     load.set(1)
     assert marks.begin() is True
+    turns.close()
+    assert marks.begin() is False, "a decode that no longer waits has no cores to give"
 
 
 def test_a_restarted_prefill_instances_new_file_is_read(tmp_path):
@@ -151,13 +154,15 @@ def test_a_pd_pair_on_one_host_takes_turns_as_one_server(tmp_path):
         clock.now += seconds
 
     LoadSlot(gone_server, "decode_0_0", 4096).set(5)
+    (gone_server / "decode-turns.decode_0_0").touch()  # it waited, once
     marks = PassMarks(prefill_server, "prefill_0_0", clock=clock)
     assert marks.begin() is False, "no live decode holds a sequence"
     load = LoadSlot(decode_server, "decode_0_0", 4096)
     load.set(2)
     clock.now += 2.0  # past the rescan interval
+    assert marks.begin() is False, "the decode server's decode does not wait for marks"
+    turns = PassTurns(decode_server, "decode_0_0", clock=clock, sleep=sleep)
     assert marks.begin() is True
-    turns = PassTurns(decode_server, clock=clock, sleep=sleep)
     assert turns.wait() >= MAX_TURN_S, "the decode server waits for the prefill server's pass"
     assert [path.parent for path in turns._maps] == [prefill_server]
     turns.close()

@@ -194,7 +194,8 @@ class EngineHooks:
     when it can serve no more (vLLM's engine core died). Taking turns on the server's cores
     (setting prefill_takes_cores_ms, pdchat's engine): a prefill engine calls `pass_began()`
     (True where a decode waits for the pass) and `pass_ended()` around a long prompt pass, a
-    decode engine `before_step()` before each step, which returns when the step may run."""
+    decode engine `before_step()` before each step, which returns when the step may run
+    (a decode whose scheduler has a CPU of its own, decode_cpus, is given none)."""
 
     on_state: Callable[[EngineState], None] | None = None
     on_load: Callable[[int, int], None] | None = None

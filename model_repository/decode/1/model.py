@@ -66,8 +66,11 @@ class TritonPythonModel:
         self.load = LoadSlot(server_directory(os.getppid()), instance, self.engine.kv_capacity_tokens)
         self.streams = DecodeStreams(transport, self.metrics, self.feeds, self.engine.cancel, self.outbox.unwatch)
         flush = functools.partial(self.outbox.call, self.feeds.flush)
-        # With prefill_takes_cores_ms, each step waits for a prompt pass prefill marks on this server.
-        self.turns = PassTurns(server_directory(os.getppid())) if PREFILL_TAKES_CORES_MS.get(parameters) else None
+        # With prefill_takes_cores_ms, each step waits for a prompt pass a prefill on these cores
+        # marks (ensemble.core_turns); not with decode_cpus: the scheduler has a CPU of its own.
+        self.turns = None
+        if PREFILL_TAKES_CORES_MS.get(parameters) and cpus is None:
+            self.turns = PassTurns(server_directory(os.getppid()), instance)
         self.engine.start(
             EngineHooks(
                 on_state=self._on_state,

@@ -103,8 +103,7 @@ class PdchatEngine:
             on_emitted=hooks.on_emitted,
             cpus=self._cpus and self._cpus.decode,
             pass_threads=lone_prompt_threads,
-            # With decode_cpus its scheduler has a CPU of its own, none to give a pass.
-            before_step=hooks.before_step if self._cpus is None else None,
+            before_step=hooks.before_step,
         )
         if self._cpus is not None:
             log.info("%s: %s (setting decode_cpus)", self.name, self._cpus.describe())
