@@ -120,8 +120,10 @@ def test_vllms_cpu_kv_cache_is_whole_gib_of_at_least_one():
 
 
 def test_a_setting_vllms_engine_would_not_apply_is_refused_at_load_by_name():
-    """Set by parameter or variable, for the role that reads it; unset ones pass."""
+    """Set by parameter or variable to other than its default, for the role that reads it;
+    unset ones, and ones set to their default (an environment shared with pdchat's engine), pass."""
     refuse_unapplied_settings("decode", {}, environ={})
+    refuse_unapplied_settings("decode", {"torch_threads": "auto"}, environ={"PDCHAT_DECODE_CPUS": "none"})
     refuse_unapplied_settings("prefill", {}, environ={"PDCHAT_DECODE_KV_SHARE": "0.25"})  # a decode setting
     with pytest.raises(ModelUnavailable) as info:
         refuse_unapplied_settings("decode", {"queue_timeout_s": "5"}, environ={"PDCHAT_DECODE_KV_SHARE": "0.25"})

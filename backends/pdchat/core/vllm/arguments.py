@@ -66,10 +66,14 @@ def refuse_unapplied_settings(
     role: str, parameters: Mapping[str, str], environ: Mapping[str, str] | None = None
 ) -> None:
     """ModelUnavailable naming each setting of NOT_APPLIED that a `role` instance reads and
-    its config or environment sets: vLLM's engine would not apply it, and an operator who
-    set it must not believe it holds."""
+    its config or environment sets to other than its default: vLLM's engine would not apply
+    it, and an operator who set it must not believe it holds."""
     unapplied: list[Setting] = [
-        setting for setting in NOT_APPLIED if role in setting.applies_to and setting.set_by(parameters, environ)
+        setting
+        for setting in NOT_APPLIED
+        if role in setting.applies_to
+        and setting.set_by(parameters, environ)
+        and setting.get(parameters, environ) != setting.default_value
     ]
     if unapplied:
         named = ", ".join(f"{setting.name} ({setting.set_by(parameters, environ)})" for setting in unapplied)
