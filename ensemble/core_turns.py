@@ -9,12 +9,14 @@ the cores between prompts and rows. Each running row then waits at most one pass
 (decode steps once between two passes of a long prompt), and no pass is waited for longer
 than MAX_TURN_S, so a prefill that died mid-pass stalls no stream.
 
-Each prefill instance marks its passes in a file of its own, `prefill-pass.<instance>` in
+Each prefill instance marks its passes in a file of its own, `prefill-pass.<pid>` in
 the server's directory (pdchat.ensemble.seal.server_directory): the passes it began and the
 running pass's deadline on CLOCK_MONOTONIC (the same clock in every process of the host),
-16 bytes, mapped. Decode reads them all before each step, and says it does with a file of
-its own, `decode-turns.<instance>`: a decode that does not wait (the setting off on its
-server, or decode_cpus) has no cores to give, and no pass is marked for it.
+16 bytes, mapped. Decode reads them all before each step, and says it does with a file
+of its own, `decode-turns.<pid>`: a decode that does not wait (the setting off on its
+server, decode_cpus, vLLM's engine) has no cores to give, and no pass is marked for it.
+NOTE: both files are named by their process, so a stub that died, or an instance a reload
+replaced, stops counting with its process.
 
 The turns span the servers that share cores (SharedCores): a P/D pair on one host takes
 turns as one server does, its prefill server's passes marked while the decode server holds
@@ -30,6 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pdchat.core import procfs
 from pdchat.ensemble.decode_load import DecodeLoad
 from pdchat.ensemble.seal import live_server_directories
 
@@ -86,8 +89,8 @@ class PassMarks:
     """One prefill instance's passes, marked by its scheduler thread (begin before a pass,
     end after it). NOTE: one writer per file; a reader may see a mark one write old."""
 
-    def __init__(self, directory: Path, instance: str, clock: Callable[[], float] = time.monotonic):
-        self.path = directory / f"{FILE_PREFIX}{instance}"
+    def __init__(self, directory: Path, clock: Callable[[], float] = time.monotonic):
+        self.path = directory / f"{FILE_PREFIX}{os.getpid()}"
         self._map, self._clock, self._begun = _mapped(self.path, create=True), clock, 0
         self._sharing = SharedCores(directory, clock)
         _PASS.pack_into(self._map, 0, 0, 0.0)
@@ -113,19 +116,18 @@ class PassMarks:
 
 class PassTurns:
     """Decode's side: before each step, `wait()` while a prefill pass it has not yet waited
-    for runs on its server or on one sharing its cores (SharedCores), each at most until
-    its deadline."""
+    for runs on its server or on one sharing its cores (SharedCores): at most MAX_TURN_S in
+    all, and no pass past its deadline."""
 
     def __init__(
         self,
         directory: Path,
-        instance: str,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ):
         self._sharing, self._clock, self._sleep = SharedCores(directory, clock), clock, sleep
-        self._waiter = directory / f"{WAITER_PREFIX}{instance}"
-        self._waiter.touch(mode=0o600)
+        self._waiter = directory / f"{WAITER_PREFIX}{os.getpid()}"
+        os.close(os.open(self._waiter, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
         self._maps: dict[Path, mmap.mmap] = {}
         self._waited: dict[Path, tuple[int, float]] = {}  # per file, the pass last waited for
         self._scanned_at = float("-inf")
@@ -137,7 +139,7 @@ class PassTurns:
             self._rescan(now)
         for path, marks in self._maps.items():
             mark = _PASS.unpack_from(marks, 0)  # (passes begun, deadline)
-            deadline = mark[1]
+            deadline = min(mark[1], started + MAX_TURN_S)  # NOTE: several prefills' passes, one bound
             if deadline <= now or self._waited.get(path) == mark:
                 continue
             self._waited[path] = mark
@@ -147,12 +149,11 @@ class PassTurns:
         return now - started
 
     def _rescan(self, now: float) -> None:
-        """Map the instances' files anew. NOTE: all of them, not only new names: a prefill
-        instance that restarted wrote a new file under its old name."""
+        """Map the live instances' files anew. NOTE: all of them, not only new names: a file
+        may be a new one under an old name (a process's id reused)."""
         self._scanned_at = now
         self._unmap()
-        paths = [path for directory in self._sharing.directories() for path in directory.glob(f"{FILE_PREFIX}*")]
-        for path in paths:
+        for path in (path for directory in self._sharing.directories() for path in _live(directory, FILE_PREFIX)):
             try:
                 self._maps[path] = _mapped(path, create=False)
             except (OSError, ValueError):  # gone meanwhile, or not yet its full size
@@ -171,5 +172,16 @@ class PassTurns:
 
 
 def _waits(directory: Path) -> bool:
-    """Whether a decode of the server in `directory` waits for marked passes."""
-    return any(directory.glob(f"{WAITER_PREFIX}*"))
+    """Whether a live decode of the server in `directory` waits for marked passes."""
+    return bool(_live(directory, WAITER_PREFIX))
+
+
+def _live(directory: Path, prefix: str) -> list[Path]:
+    """The files `<prefix><pid>` in `directory` whose process runs; none once the directory
+    is gone (a server's is removed once its process is)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    pids = (name.removeprefix(prefix) for name in names if name.startswith(prefix))
+    return [directory / f"{prefix}{pid}" for pid in pids if pid.isdigit() and procfs.alive(int(pid))]

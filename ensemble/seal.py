@@ -296,7 +296,7 @@ def live_server_directories(root: Path) -> dict[Path, int]:
     scope, live = _scope(), {}
     for entry, pid in _scope_directories(root, scope):
         try:
-            alive = server_id(pid) == entry.name
+            alive = procfs.alive(pid) and server_id(pid) == entry.name  # a zombie is gone
         except ModelUnavailable:
             alive = False
         if alive:

@@ -24,8 +24,8 @@ def turns_and_marks(tmp_path, on_poll=None):
             on_poll(len(polls))
 
     LoadSlot(tmp_path, "decode_0_0", 4096).set(3)  # a decode serves three sequences beside it
-    marks = PassMarks(tmp_path, "prefill_0_0", clock=clock)
-    return PassTurns(tmp_path, "decode_0_0", clock=clock, sleep=sleep), marks, clock, polls
+    marks = PassMarks(tmp_path, clock=clock)
+    return PassTurns(tmp_path, clock=clock, sleep=sleep), marks, clock, polls
 
 
 def test_with_no_pass_running_a_step_does_not_wait(tmp_path):
@@ -114,10 +114,10 @@ def test_a_pass_takes_the_cores_once_the_passes_before_it_say_it_takes_prefill_t
 def test_a_prefill_without_a_busy_decode_that_waits_marks_no_pass(tmp_path):
     """No decode, an idle one, or one that does not wait for marks (prefill_takes_cores_ms
     off on its server, decode_cpus): nothing to take turns with."""
-    marks = PassMarks(tmp_path, "prefill_0_0")
+    marks = PassMarks(tmp_path)
     assert marks.begin() is False
     load = LoadSlot(tmp_path, "decode_0_0", 4096)
-    turns = PassTurns(tmp_path, "decode_0_0")
+    turns = PassTurns(tmp_path)
     assert marks.begin() is False
     load.set(1)
     assert marks.begin() is True
@@ -129,7 +129,7 @@ def test_a_restarted_prefill_instances_new_file_is_read(tmp_path):
     turns, marks, clock, _ = turns_and_marks(tmp_path)
     turns.wait()
     marks.close()
-    again = PassMarks(tmp_path, "prefill_0_0", clock=clock)  # the same name, a new file
+    again = PassMarks(tmp_path, clock=clock)  # the same name, a new file
     clock.now += 2.0
     again.begin()
     assert turns.wait() > 0, "the new instance's pass is waited for"
@@ -154,15 +154,59 @@ def test_a_pd_pair_on_one_host_takes_turns_as_one_server(tmp_path):
         clock.now += seconds
 
     LoadSlot(gone_server, "decode_0_0", 4096).set(5)
-    (gone_server / "decode-turns.decode_0_0").touch()  # it waited, once
-    marks = PassMarks(prefill_server, "prefill_0_0", clock=clock)
+    (gone_server / f"decode-turns.{os.getpid()}").touch()  # it waited, once
+    marks = PassMarks(prefill_server, clock=clock)
     assert marks.begin() is False, "no live decode holds a sequence"
     load = LoadSlot(decode_server, "decode_0_0", 4096)
     load.set(2)
     clock.now += 2.0  # past the rescan interval
     assert marks.begin() is False, "the decode server's decode does not wait for marks"
-    turns = PassTurns(decode_server, "decode_0_0", clock=clock, sleep=sleep)
+    turns = PassTurns(decode_server, clock=clock, sleep=sleep)
     assert marks.begin() is True
     assert turns.wait() >= MAX_TURN_S, "the decode server waits for the prefill server's pass"
     assert [path.parent for path in turns._maps] == [prefill_server]
+    turns.close()
+
+
+def test_one_step_waits_at_most_max_turn_s_for_all_the_prefills_on_its_cores(tmp_path):
+    """Three prefill instances' passes that never end (each file is named by its process: here
+    made by hand), one wait: MAX_TURN_S in all, not one per prefill."""
+    import struct
+    import subprocess
+
+    clock = Clock()
+
+    def sleep(seconds: float) -> None:
+        clock.now += seconds
+
+    children = [subprocess.Popen(["sleep", "30"]) for _ in range(3)]
+    try:
+        for child in children:
+            (tmp_path / f"prefill-pass.{child.pid}").write_bytes(struct.pack("<qd", 1, clock.now + MAX_TURN_S))
+        turns = PassTurns(tmp_path, clock=clock, sleep=sleep)
+        assert MAX_TURN_S <= turns.wait() < MAX_TURN_S + 0.01
+        turns.close()
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+
+
+def test_a_dead_processs_files_count_for_nothing(tmp_path):
+    """A decode stub killed with kill -9 leaves its decode-turns file and a busy load: no
+    pass is marked for it; a prefill killed mid-pass leaves its mark: no decode waits for it."""
+    import struct
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / f"decode-turns.{gone.pid}").touch()
+    LoadSlot(tmp_path, "decode_0_0", 4096).set(3)
+    marks = PassMarks(tmp_path)
+    assert marks.begin() is False
+    marks.close()
+    clock = Clock()
+    (tmp_path / f"prefill-pass.{gone.pid}").write_bytes(struct.pack("<qd", 1, clock.now + MAX_TURN_S))
+    turns = PassTurns(tmp_path, clock=clock, sleep=lambda seconds: None)
+    assert turns.wait() == 0.0 and turns._maps == {}
     turns.close()

@@ -336,6 +336,12 @@ PREFILL_TAKES_CORES_MS = Setting(
 )
 
 
+def cores_in_turns(parameters: Mapping[str, str], environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a prefill or decode model takes the cores in turns (setting prefill_takes_cores_ms
+    above 0, on pdchat's engine: vLLM's schedules by its own rules)."""
+    return PREFILL_TAKES_CORES_MS.get(parameters, environ) > 0 and ENGINE.get(parameters, environ) == "pdchat"
+
+
 def _cpus(text: str) -> frozenset[int] | str:
     return text if text in ("auto", "none") else parse_cpus(text)
 

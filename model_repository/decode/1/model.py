@@ -26,7 +26,7 @@ from pdchat.core.kv.base import engine_transfer_params
 from pdchat.core.kv.connector import Connectors, KVHandover
 from pdchat.core.output.decode_streams import DecodeStreams
 from pdchat.core.output.feeds import DecodeFeeds
-from pdchat.core.settings import PREFILL_TAKES_CORES_MS, batching_options, keep_off_decode_cpus, kv_options
+from pdchat.core.settings import batching_options, cores_in_turns, keep_off_decode_cpus, kv_options
 from pdchat.ensemble.core_turns import PassTurns
 from pdchat.ensemble.decode_load import LoadSlot
 from pdchat.ensemble.seal import StageSeal, server_directory
@@ -69,8 +69,8 @@ class TritonPythonModel:
         # With prefill_takes_cores_ms, each step waits for a prompt pass a prefill on these cores
         # marks (ensemble.core_turns); not with decode_cpus: the scheduler has a CPU of its own.
         self.turns = None
-        if PREFILL_TAKES_CORES_MS.get(parameters) and cpus is None:
-            self.turns = PassTurns(server_directory(os.getppid()), instance)
+        if cores_in_turns(parameters) and cpus is None:
+            self.turns = PassTurns(server_directory(os.getppid()))
         self.engine.start(
             EngineHooks(
                 on_state=self._on_state,

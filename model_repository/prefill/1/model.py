@@ -24,7 +24,7 @@ from pdchat.core.engine_api import PREFILL, EngineHooks, PrefillRequest
 from pdchat.core.engines import open_engine
 from pdchat.core.kv.base import engine_kv_handle
 from pdchat.core.kv.connector import Connectors
-from pdchat.core.settings import PREFILL_TAKES_CORES_MS, keep_off_decode_cpus, kv_options
+from pdchat.core.settings import cores_in_turns, keep_off_decode_cpus, kv_options
 from pdchat.ensemble.core_turns import PassMarks
 from pdchat.ensemble.seal import StageSeal, server_directory
 from pdchat.models import resolve_model
@@ -57,11 +57,11 @@ class TritonPythonModel:
         self.kv_ttl_s = options["ttl_s"]
         self.connectors = Connectors(on_sweep=self._on_sweep, **options)
         self.outbox = Outbox("pdchat-prefill-outbox")
-        # With prefill_takes_cores_ms, decode on this server waits for the passes it marks.
+        # With prefill_takes_cores_ms, the decodes on these cores wait for the passes it marks.
         self.pass_marks = None
         turns = {}
-        if PREFILL_TAKES_CORES_MS.get(parameters):
-            self.pass_marks = PassMarks(server_directory(os.getppid()), args["model_instance_name"])
+        if cores_in_turns(parameters):
+            self.pass_marks = PassMarks(server_directory(os.getppid()))
             turns = {"pass_began": self.pass_marks.begin, "pass_ended": self.pass_marks.end}
         self.engine.start(EngineHooks(on_dead=leave_soon, **turns))
 
