@@ -1,9 +1,16 @@
-"""Prefill's scheduler: prompts take turns by chunk, so a short one finishes before a long
-one sent first; a failing prompt fails alone and gives its blocks back."""
+"""Prefill's scheduler: each pass to the prompt with the fewest chunks left, so a short one
+finishes before a long one sent first, and equal ones finish one after another; a failing
+prompt fails alone and gives its blocks back."""
 
 import threading
 
-from pdchat.core.generation.prefill_scheduler import PrefillLimits, PrefillScheduler, PrefillTask
+from pdchat.core.generation.prefill_scheduler import (
+    STARVE_PASSES,
+    PrefillLimits,
+    PrefillScheduler,
+    PrefillTask,
+    next_turn,
+)
 
 
 class Chunks:
@@ -11,6 +18,10 @@ class Chunks:
 
     def __init__(self, name, chunks, log, fail_at=None):
         self.name, self.left, self.log, self.fail_at, self.abandoned = name, chunks, log, fail_at, False
+
+    @property
+    def remaining_tokens(self):
+        return self.left * 100
 
     def step(self):
         self.left -= 1
@@ -47,8 +58,28 @@ def test_a_short_prompt_finishes_first_and_a_failing_one_fails_alone():
     long, broken, short = Chunks("long", 6, log), Chunks("broken", 4, log, fail_at=2), Chunks("short", 1, log)
     ended = run([long, broken, short], log)
     assert ended == ["short:done", "broken broke", "long:done"]
-    assert log[:3] == ["long", "broken", "short"], "one chunk each, in turn"
+    assert log == ["short", "broken", "broken"] + ["long"] * 6, "fewest chunks left first"
     assert broken.abandoned and not long.abandoned and not short.abandoned
+
+
+def test_equal_prompts_sent_at_once_finish_one_after_another_oldest_first():
+    """Not all near the end, as taking turns by chunk finished them: the first one's first
+    token comes after its own two chunks."""
+    log = []
+    ended = run([Chunks(name, 2, log) for name in "abc"], log)
+    assert ended == ["a:done", "b:done", "c:done"] and log == ["a", "a", "b", "b", "c", "c"]
+
+
+def test_a_prompt_passed_over_starve_passes_times_goes_next():
+    assert next_turn([900, 100, 100], [0, 0, 0]) == 1, "fewest tokens left, the oldest among equals"
+    assert next_turn([900, 100], [STARVE_PASSES, 0]) == 0
+    assert next_turn([900, 800, 100], [STARVE_PASSES + 2, STARVE_PASSES, 0]) == 0, "the oldest starved first"
+    remaining, passed_over, served = [5000, 100], [0, 0], []
+    for _ in range(3 * (STARVE_PASSES + 1)):  # short prompts arrive without end
+        turn = next_turn(remaining, passed_over)
+        served.append(turn)
+        passed_over = [0 if index == turn else passes + 1 for index, passes in enumerate(passed_over)]
+    assert served.count(0) == 3, "the long prompt gets one pass in every STARVE_PASSES + 1"
 
 
 def test_a_prompt_refused_at_start_does_not_stop_the_others():

@@ -33,12 +33,12 @@ class VllmMetric:
 RUNNING = VllmMetric(
     "vllm:num_requests_running",
     "gauge",
-    "Requests in this engine's batch (decode: running and prefilling; prefill: taking turns by chunk)",
+    "Requests in this engine's batch (decode: running and prefilling; prefill: in progress, a pass at a time)",
 )
 WAITING = VllmMetric(
     "vllm:num_requests_waiting",
     "gauge",
-    "Requests queued for this engine (decode: at max_running or the KV budget; prefill: none, all take turns)",
+    "Requests queued for this engine (decode: at max_running or the KV budget; prefill: waiting for KV room)",
 )
 KV_USAGE = VllmMetric(
     "vllm:kv_cache_usage_perc", "gauge", "Fraction of the engine's KV blocks held by running sequences (1 = full)"

@@ -7,7 +7,7 @@ and only its handle goes back, carrying the first token and its logprobs. Asked 
 (TextModel.first_output), for chat to send before decode starts.
 
 One instance and one KV pool per server, so the prefix cache serves every request: the
-engine (core.engine_api; pdchat's takes the prompts in turns by chunk on its scheduler's
+engine (core.engine_api; pdchat's computes the prompts a pass at a time on its scheduler's
 thread) computes, and execute() only validates and queues. Each answer goes out through the
 response sender (one response per request, as a non-decoupled model may) from the outbox thread.
 """

@@ -43,6 +43,11 @@ class PrefillJob:
         prefix is not yet known)."""
         return min(self._prompt.remaining, self._prompt.chunk)
 
+    @property
+    def remaining_tokens(self) -> int:
+        """The prompt tokens left to compute (before the first chunk, its cached prefix too)."""
+        return self._prompt.remaining
+
     def step(self) -> Prefilled | None:
         """One chunk; the result once the prompt is complete (the sequence then released)."""
         last = self._prompt.step(self._chooser.greedy)

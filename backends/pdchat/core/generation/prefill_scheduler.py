@@ -1,11 +1,15 @@
-"""Prefill's scheduler: one thread computes every prompt, a chunk at a time, in turn.
+"""Prefill's scheduler: one thread computes every prompt, a chunk at a time.
 
 One prefill instance per server holds one KV pool, so its prefix cache serves every
-request the server gets (two instances would each cache half the conversations). The
-prompts in progress take turns by chunk (a prefill engine's chunk is `prefill_pass_tokens`,
-2,048 tokens), oldest first: a prompt within one chunk is computed whole, in one pass, before
-the next starts, and a short prompt that arrives while a long one prefills waits for at most
-one chunk of it, not its whole.
+request the server gets (two instances would each cache half the conversations). A prompt
+within one chunk (a prefill engine's chunk is `prefill_pass_tokens`, 2,048 tokens) is
+computed whole, in one pass. Each pass goes to the prompt with the fewest tokens left, the
+oldest among equals (`next_turn`): a burst of equal prompts is served one after another,
+oldest first (each one's first token comes a pass after the one before it, not all near the
+end), a prompt's last short chunk goes before another prompt's long one, and a short prompt
+that arrives while a long one prefills waits for at most one chunk of it. A prompt passed
+over STARVE_PASSES passes in a row goes next, so short prompts arriving without end still
+leave a long one a pass in every STARVE_PASSES + 1.
 
 Admission, as decode's: a prompt starts once its blocks fit beside those the prompts in
 progress reserve (`PrefillLimits`); until then it waits, in order, up to `max_wait_s`, then
@@ -40,6 +44,12 @@ class Prefilling(Protocol):
         """The prompt tokens its next pass computes at most (its cached prefix is found then)."""
         ...
 
+    @property
+    def remaining_tokens(self) -> int:
+        """The prompt tokens it has left to compute (at most: its cached prefix is found at its
+        first pass)."""
+        ...
+
     def step(self) -> Any | None: ...
 
     def abandon(self) -> None: ...
@@ -52,6 +62,26 @@ class PrefillTask:
     fail: Callable[[Exception], None]
     tokens: int = 0  # the prompt's: what its KV takes of the pool
     queued_at: float = field(default=0.0, init=False)
+
+
+STARVE_PASSES = 8  # a prompt passed over this many passes in a row goes next
+
+
+def next_turn(remaining_tokens: list[int], passed_over: list[int]) -> int:
+    """Which of the prompts in progress (oldest first; each one's tokens left and the passes
+    it was passed over in a row) the next pass computes: the oldest passed over
+    STARVE_PASSES times, else the one with the fewest tokens left, the oldest among equals."""
+    starved = [turn for turn, passes in enumerate(passed_over) if passes >= STARVE_PASSES]
+    if starved:
+        return starved[0]
+    return min(range(len(remaining_tokens)), key=remaining_tokens.__getitem__)
+
+
+@dataclass
+class _Turn:
+    task: PrefillTask
+    job: Prefilling
+    passed_over: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,7 +111,7 @@ class PrefillScheduler:
         self._limits, self._clock = limits, clock
         self._incoming: queue.SimpleQueue[PrefillTask | None] = queue.SimpleQueue()
         self._waiting: deque[PrefillTask] = deque()  # submitted, not started: no room yet
-        self._turns: deque[tuple[PrefillTask, Prefilling]] = deque()
+        self._turns: list[_Turn] = []  # the prompts in progress, oldest first
         self._reserved = 0  # blocks the prompts in progress reserve
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -99,25 +129,24 @@ class PrefillScheduler:
             self._admit()
             if not self._turns:
                 continue
-            task, job = self._turns.popleft()
+            turn = self._next()
+            task, job = turn.task, turn.job
             try:
                 if self._before_pass is not None:
                     self._before_pass(job.next_pass_tokens)
                 result = job.step()
             except Exception as exc:  # noqa: BLE001 - every failure must reach its client
                 job.abandon()
-                self._end(task, task.fail, exc)
+                self._end(turn, task.fail, exc)
                 continue
             finally:
                 if self._after_pass is not None:
                     self._after_pass()
-            if result is None:
-                self._turns.append((task, job))  # its next chunk after the others' turns
-            else:
-                self._end(task, task.done, result)
-        for task, job in self._turns:
-            job.abandon()
-            task.fail(RuntimeError("prefill is shutting down"))
+            if result is not None:
+                self._end(turn, task.done, result)
+        for turn in self._turns:
+            turn.job.abandon()
+            turn.task.fail(RuntimeError("prefill is shutting down"))
         for task in self._waiting:
             task.fail(RuntimeError("prefill is shutting down"))
 
@@ -161,7 +190,7 @@ class PrefillScheduler:
                 task.fail(exc)
                 continue
             self._reserved += wanted
-            self._turns.append((task, job))
+            self._turns.append(_Turn(task, job))
 
     def _expire(self) -> None:
         limits, now = self._limits, self._clock()
@@ -173,6 +202,15 @@ class PrefillScheduler:
                 )
             )
 
-    def _end(self, task: PrefillTask, report: Callable[[Any], None], outcome: Any) -> None:
-        self._reserved -= self._limits.blocks(task.tokens)
+    def _next(self) -> _Turn:
+        """The prompt in progress the next pass computes (next_turn); the others passed over."""
+        turns = self._turns
+        chosen = turns[next_turn([t.job.remaining_tokens for t in turns], [t.passed_over for t in turns])]
+        for turn in turns:
+            turn.passed_over = 0 if turn is chosen else turn.passed_over + 1
+        return chosen
+
+    def _end(self, turn: _Turn, report: Callable[[Any], None], outcome: Any) -> None:
+        self._turns.remove(turn)
+        self._reserved -= self._limits.blocks(turn.task.tokens)
         report(outcome)

@@ -1,7 +1,8 @@
 """pdchat's own engine behind the seam (core.engine_api.Engine): a TextModel and its scheduler.
 
-A prefill engine runs one PrefillScheduler (prompts take turns by pass, oldest first; a pass takes more
-torch threads while the process's cores sit idle); a decode engine runs one DecodeScheduler
+A prefill engine runs one PrefillScheduler (each pass to the prompt with the fewest tokens
+left, oldest first among equals; a pass takes more torch threads while the process's cores
+sit idle); a decode engine runs one DecodeScheduler
 over a DecodeBatch (continuous batching; with `decode_cpus`, its thread on cores of its own).
 A request waits for its output grammar to compile (the grammar worker) before it is queued,
 so no compile runs on the scheduler's thread; a grammar that does not compile fails it. A
