@@ -40,10 +40,25 @@ class Stat:
 
 def test_idle_cores_are_the_share_of_idle_ticks_since_the_last_look():
     busier = STAT.replace("cpu0 50 0 50", "cpu0 250 0 50").format(idle0=500, idle1=400)
-    idle = IdleCores([0, 1], Stat(stat(400, 300), stat(500, 400), busier))
+    idle = IdleCores([0, 1], Stat(stat(400, 300), stat(500, 400), busier), own=lambda: 0)
     assert idle.since_last() == 0.0  # nothing before the first look
     assert idle.since_last() == pytest.approx(2.0)  # 100 + 100 ticks passed, all idle
     assert idle.since_last() == pytest.approx(0.0)  # 200 passed, cpu0 busy throughout
+
+
+def test_a_core_this_process_ran_on_beyond_its_base_counts_as_free():
+    """A burst's pass on both cores left none idle: the next pass must not fall back to
+    `base` for it (every other pass of a burst ran on half the cores)."""
+
+    def busy(user: int) -> str:  # both cores busy `user` ticks, none idle since the first look
+        return STAT.replace("cpu0 50 0 50", f"cpu0 {user} 0 50").replace("cpu1 50 0 50", f"cpu1 {user} 0 50")
+
+    own = iter([0, 200, 300])  # 200 ticks: both cores ours; then 100: one ours, one another process's
+    texts = Stat(stat(400, 300), busy(150).format(idle0=400, idle1=300), busy(250).format(idle0=400, idle1=300))
+    idle = IdleCores([0, 1], texts, own=own.__next__, own_base=1)
+    idle.since_last()
+    assert idle.since_last() == pytest.approx(1.0), "both cores ours: the one beyond base is free"
+    assert idle.since_last() == pytest.approx(0.0), "our base core ours, the other busy"
 
 
 def test_no_proc_stat_means_nothing_idle():

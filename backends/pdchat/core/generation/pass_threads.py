@@ -1,13 +1,17 @@
-"""How many torch threads a prompt's pass takes: more while the host's other cores sit idle.
+"""How many torch threads a prompt's pass takes: more while no other process uses the cores.
 
 A stage model runs on `torch_threads` threads (TORCH_THREADS: half the cores by default), so
 that prefill and decode, sharing a server's cores, do not spin their OpenMP threads against
 each other. But a lone prompt (a quiet server, concurrency 1) leaves the other cores idle
 while its pass runs, and that pass is most of its first token's time. So before each pass
-prefill looks at how busy its cores were since the pass before (`/proc/stat`) and takes one
-more thread per core that sat idle, up to `most` (IDLE_CORE of a core counts as one: at
-concurrency 1 decode streams the answer before on the other core meanwhile). Under load
-the cores are busy and a pass keeps its threads. Decode prefills a lone prompt itself only
+prefill looks at how much of its cores sat free since the pass before: idle (`/proc/stat`),
+or running its own threads beyond its `base` cores (`/proc/self/stat`), and takes one more
+thread per free core, up to `most` (IDLE_CORE of a core counts as one: at concurrency 1
+decode streams the answer before on the other core meanwhile). Under load the other
+processes (decode) keep the cores busy and a pass keeps its threads; a burst of prompts
+beside an idle decode keeps every core, pass after pass. NOTE: its own ticks count: a pass
+that took every core left none idle, and counting idle ticks alone gave the next pass
+`base` threads, every other pass of a burst on half the cores. Decode prefills a lone prompt itself only
 while the server is idle (local_prefill_when_idle): its chunks take `most` while no row
 runs, without looking (`watch_cores=False`), and its steps keep `base`.
 
@@ -37,6 +41,14 @@ def read_proc_stat(path: str = "/proc/stat") -> str:
         return stat.read()
 
 
+def own_ticks() -> int:
+    """This process's CPU time so far (user and system), in /proc/stat's clock ticks."""
+    from pdchat.core import procfs
+
+    fields = procfs.stat_fields(os.getpid())
+    return int(fields[11]) + int(fields[12]) if fields is not None else 0  # utime, stime (proc(5) 14, 15)
+
+
 def cpu_times(stat: str, cpus: Iterable[int]) -> tuple[int, int]:
     """(idle, total) clock ticks summed over `cpus` from /proc/stat's text; (0, 0) if none is listed."""
     wanted = {f"cpu{cpu}" for cpu in cpus}
@@ -51,24 +63,34 @@ def cpu_times(stat: str, cpus: Iterable[int]) -> tuple[int, int]:
 
 
 class IdleCores:
-    """How many of `cpus` sat idle, on average, since the last `since_last()`.
+    """How many of `cpus` sat free, on average, since the last `since_last()`: idle, or
+    running this process beyond `own_base` cores (`own`: its CPU ticks so far).
 
-    NOTE: the first call has no window before it and says 0 (nothing known to be idle), as
+    NOTE: the first call has no window before it and says 0 (nothing known to be free), as
     does a host without /proc/stat."""
 
-    def __init__(self, cpus: Iterable[int], read: Callable[[], str] = read_proc_stat):
-        self._cpus, self._read = frozenset(cpus), read
-        self._last: tuple[int, int] | None = None
+    def __init__(
+        self,
+        cpus: Iterable[int],
+        read: Callable[[], str] = read_proc_stat,
+        own: Callable[[], int] = own_ticks,
+        own_base: int = 0,
+    ):
+        self._cpus, self._read, self._own, self._own_base = frozenset(cpus), read, own, own_base
+        self._last: tuple[int, int, int] | None = None
 
     def since_last(self) -> float:
         try:
-            now = cpu_times(self._read(), self._cpus)
+            idle, total = cpu_times(self._read(), self._cpus)
+            now = (idle, total, self._own())
         except (OSError, ValueError):
             return 0.0
         last, self._last = self._last, now
         if last is None or now[1] <= last[1]:
             return 0.0
-        return len(self._cpus) * (now[0] - last[0]) / (now[1] - last[1])
+        cores, ticks = len(self._cpus), now[1] - last[1]
+        idle, own = cores * (now[0] - last[0]) / ticks, cores * (now[2] - last[2]) / ticks
+        return min(float(cores), idle + max(0.0, own - self._own_base))
 
 
 class _AllIdle:
@@ -92,7 +114,7 @@ def idle_whole_cores(cores: float) -> int:
 
 
 class PassThreads:
-    """The torch threads for each pass: `base`, plus one per core idle since the pass before
+    """The torch threads for each pass: `base`, plus one per core free since the pass before
     (IdleCores; IDLE_CORE of a core counts as one), at most `most`; set through
     `set_threads` (the engine's: torch's and its C kernels') on the thread that runs the
     passes, only when it changes.
@@ -126,7 +148,7 @@ class PassThreads:
         base = torch.get_num_threads()
         most = most if engine.device == "cpu" else base
         cpus = os.sched_getaffinity(0)
-        idle = IdleCores(cpus) if watch_cores else _AllIdle(len(cpus))
+        idle = IdleCores(cpus, own_base=base) if watch_cores else _AllIdle(len(cpus))
         return cls(base, most, idle, engine.set_threads)
 
     def before_pass(self) -> int:
