@@ -122,7 +122,7 @@ def test_the_scheduler_asks_before_every_pass():
     class TwoChunks:
         steps = 0
         next_pass_tokens = 512
-        remaining_tokens = 1024
+        passes_left = 2
 
         def step(self):
             self.steps += 1

@@ -1,4 +1,4 @@
-"""Prefill's scheduler: each pass to the prompt with the fewest chunks left, so a short one
+"""Prefill's scheduler: each pass to the prompt with the fewest passes left, so a short one
 finishes before a long one sent first, and equal ones finish one after another; a failing
 prompt fails alone and gives its blocks back."""
 
@@ -20,8 +20,8 @@ class Chunks:
         self.name, self.left, self.log, self.fail_at, self.abandoned = name, chunks, log, fail_at, False
 
     @property
-    def remaining_tokens(self):
-        return self.left * 100
+    def passes_left(self):
+        return self.left
 
     def step(self):
         self.left -= 1
@@ -71,10 +71,10 @@ def test_equal_prompts_sent_at_once_finish_one_after_another_oldest_first():
 
 
 def test_a_prompt_passed_over_starve_passes_times_goes_next():
-    assert next_turn([900, 100, 100], [0, 0, 0]) == 1, "fewest tokens left, the oldest among equals"
-    assert next_turn([900, 100], [STARVE_PASSES, 0]) == 0
-    assert next_turn([900, 800, 100], [STARVE_PASSES + 2, STARVE_PASSES, 0]) == 0, "the oldest starved first"
-    remaining, passed_over, served = [5000, 100], [0, 0], []
+    assert next_turn([9, 1, 1], [0, 0, 0]) == 1, "fewest passes left, the oldest among equals"
+    assert next_turn([9, 1], [STARVE_PASSES, 0]) == 0
+    assert next_turn([9, 8, 1], [STARVE_PASSES + 2, STARVE_PASSES, 0]) == 0, "the oldest starved first"
+    remaining, passed_over, served = [50, 1], [0, 0], []
     for _ in range(3 * (STARVE_PASSES + 1)):  # short prompts arrive without end
         turn = next_turn(remaining, passed_over)
         served.append(turn)

@@ -407,7 +407,7 @@ STAGE_LANES = Setting(
     INTEGER,
     ("chat",),
     "Blocking calls chat makes to renderer and prefill at once. Prefill gives each pass to the prompt with the "
-    "fewest tokens left, so a short prompt sent beside long ones is answered first when it has a lane of its own.",
+    "fewest passes left, so a short prompt sent beside long ones is answered first when it has a lane of its own.",
 )
 STAGE_STALL_TIMEOUT_S = Setting(
     "stage_stall_timeout_s",
@@ -612,7 +612,7 @@ PREFILL_PASS_TOKENS = Setting(
     ("prefill",),
     "Prompt tokens prefill computes in one pass: a prompt up to this long is computed whole before the next starts "
     "(its first token after its own work alone); a longer one in passes of this many. Each pass goes to the prompt "
-    "in progress with the fewest tokens left, the oldest among equals, so a prompt behind a long one waits for at "
+    "in progress with the fewest passes left, the oldest among equals, so a prompt behind a long one waits for at "
     "most one pass of it. One pass "
     "costs less than the same tokens in smaller chunks, which each read the prompt so far back from the pool.",
 )

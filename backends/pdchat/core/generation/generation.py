@@ -44,9 +44,9 @@ class PrefillJob:
         return min(self._prompt.remaining, self._prompt.chunk)
 
     @property
-    def remaining_tokens(self) -> int:
-        """The prompt tokens left to compute (before the first chunk, its cached prefix too)."""
-        return self._prompt.remaining
+    def passes_left(self) -> int:
+        """The chunks left to compute (before the first, its cached prefix counts too)."""
+        return -(-self._prompt.remaining // self._prompt.chunk)
 
     def step(self) -> Prefilled | None:
         """One chunk; the result once the prompt is complete (the sequence then released)."""

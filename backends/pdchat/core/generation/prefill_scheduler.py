@@ -3,11 +3,13 @@
 One prefill instance per server holds one KV pool, so its prefix cache serves every
 request the server gets (two instances would each cache half the conversations). A prompt
 within one chunk (a prefill engine's chunk is `prefill_pass_tokens`, 2,048 tokens) is
-computed whole, in one pass. Each pass goes to the prompt with the fewest tokens left, the
-oldest among equals (`next_turn`): a burst of equal prompts is served one after another,
-oldest first (each one's first token comes a pass after the one before it, not all near the
-end), a prompt's last short chunk goes before another prompt's long one, and a short prompt
-that arrives while a long one prefills waits for at most one chunk of it. A prompt passed
+computed whole, in one pass. Each pass goes to the prompt with the fewest passes left, the
+oldest among equals (`next_turn`): prompts of one pass each are served oldest first, a
+burst of long ones one after another (each one's first token comes after its own passes,
+not all near the end), a prompt's last pass goes before another prompt's first, and a short
+prompt that arrives while a long one prefills waits for at most one chunk of it. NOTE:
+passes, not tokens: by tokens, prompts of one pass each went shortest first, and one a few
+tokens longer than those arriving after it waited up to STARVE_PASSES passes. A prompt passed
 over STARVE_PASSES passes in a row goes next, so short prompts arriving without end still
 leave a long one a pass in every STARVE_PASSES + 1.
 
@@ -45,9 +47,8 @@ class Prefilling(Protocol):
         ...
 
     @property
-    def remaining_tokens(self) -> int:
-        """The prompt tokens it has left to compute (at most: its cached prefix is found at its
-        first pass)."""
+    def passes_left(self) -> int:
+        """The passes it has left (at most: its cached prefix is found at its first pass)."""
         ...
 
     def step(self) -> Any | None: ...
@@ -67,14 +68,14 @@ class PrefillTask:
 STARVE_PASSES = 8  # a prompt passed over this many passes in a row goes next
 
 
-def next_turn(remaining_tokens: list[int], passed_over: list[int]) -> int:
-    """Which of the prompts in progress (oldest first; each one's tokens left and the passes
+def next_turn(passes_left: list[int], passed_over: list[int]) -> int:
+    """Which of the prompts in progress (oldest first; each one's passes left and the passes
     it was passed over in a row) the next pass computes: the oldest passed over
-    STARVE_PASSES times, else the one with the fewest tokens left, the oldest among equals."""
+    STARVE_PASSES times, else the one with the fewest passes left, the oldest among equals."""
     starved = [turn for turn, passes in enumerate(passed_over) if passes >= STARVE_PASSES]
     if starved:
         return starved[0]
-    return min(range(len(remaining_tokens)), key=remaining_tokens.__getitem__)
+    return min(range(len(passes_left)), key=passes_left.__getitem__)
 
 
 @dataclass
@@ -205,7 +206,7 @@ class PrefillScheduler:
     def _next(self) -> _Turn:
         """The prompt in progress the next pass computes (next_turn); the others passed over."""
         turns = self._turns
-        chosen = turns[next_turn([t.job.remaining_tokens for t in turns], [t.passed_over for t in turns])]
+        chosen = turns[next_turn([t.job.passes_left for t in turns], [t.passed_over for t in turns])]
         for turn in turns:
             turn.passed_over = 0 if turn is chosen else turn.passed_over + 1
         return chosen

@@ -1,6 +1,6 @@
 """pdchat's own engine behind the seam (core.engine_api.Engine): a TextModel and its scheduler.
 
-A prefill engine runs one PrefillScheduler (each pass to the prompt with the fewest tokens
+A prefill engine runs one PrefillScheduler (each pass to the prompt with the fewest passes
 left, oldest first among equals; a pass takes more torch threads while the process's cores
 sit idle); a decode engine runs one DecodeScheduler
 over a DecodeBatch (continuous batching; with `decode_cpus`, its thread on cores of its own).
