@@ -19,8 +19,8 @@ NOTE: both files are named by their process, so a stub that died, or an instance
 replaced, stops counting with its process.
 
 The turns span the servers that share cores (SharedCores): a P/D pair on one host takes
-turns as one server does, its prefill server's passes marked while the decode server holds
-sequences. No Triton import here.
+turns as one server does, the decode server waiting for the prefill server's passes. No
+Triton import here.
 """
 
 from __future__ import annotations
@@ -96,11 +96,23 @@ class PassMarks:
         _PASS.pack_into(self._map, 0, 0, 0.0)
 
     def begin(self) -> bool:
-        """Mark a pass while a decode on these cores (this server's or a SharedCores one's)
-        that waits for marks holds sequences, as its load files (pdchat.ensemble.decode_load)
-        say; whether it did. NOTE: idle decodes, decodes that do not wait, or none, have no
-        cores to give: the pass takes the cores prefill's idle heuristics find."""
-        if not any(_waits(directory) and DecodeLoad(directory).held() for directory in self._sharing.directories()):
+        """Mark a pass where a decode on these cores (this server's or a SharedCores one's)
+        waits for marks, and none that does not wait holds sequences (their load files,
+        pdchat.ensemble.decode_load, say so); whether it did: the pass may take every core.
+
+        NOTE: a decode that waits is counted idle or not: one that holds nothing when the
+        pass begins may be handed a request during it (in P/D, right after the pass before
+        it), and stepping beside a pass on every core slows both (marking only while decode
+        held sequences left most passes of a P/D pair unmarked at 2k-token prompts,
+        concurrency 4). A busy decode that does not wait (decode_cpus, the setting at 0 on
+        its server, vLLM's engine) keeps its cores: no pass is marked."""
+        waiting = False
+        for directory in self._sharing.directories():
+            if _waits(directory):
+                waiting = True
+            elif DecodeLoad(directory).held():
+                return False
+        if not waiting:
             return False
         self._begun += 1
         _PASS.pack_into(self._map, 0, self._begun, self._clock() + MAX_TURN_S)

@@ -111,18 +111,22 @@ def test_a_pass_takes_the_cores_once_the_passes_before_it_say_it_takes_prefill_t
     assert marks == ["began", "ended"]
 
 
-def test_a_prefill_without_a_busy_decode_that_waits_marks_no_pass(tmp_path):
-    """No decode, an idle one, or one that does not wait for marks (prefill_takes_cores_ms
-    off on its server, decode_cpus): nothing to take turns with."""
+def test_a_pass_is_marked_where_a_decode_waits_and_none_that_does_not_is_busy(tmp_path):
+    """No decode, or a busy one that does not wait for marks (prefill_takes_cores_ms off on
+    its server, decode_cpus): no mark. One that waits: marked, idle or not (it may be handed
+    a request during the pass)."""
     marks = PassMarks(tmp_path)
-    assert marks.begin() is False
+    assert marks.begin() is False, "no decode"
     load = LoadSlot(tmp_path, "decode_0_0", 4096)
-    turns = PassTurns(tmp_path)
-    assert marks.begin() is False
     load.set(1)
+    assert marks.begin() is False, "a busy decode that does not wait keeps its cores"
+    turns = PassTurns(tmp_path)
     assert marks.begin() is True
+    load.set(0)
+    assert marks.begin() is True, "an idle decode that waits"
     turns.close()
-    assert marks.begin() is False, "a decode that no longer waits has no cores to give"
+    load.set(1)
+    assert marks.begin() is False, "a decode that no longer waits"
 
 
 def test_a_restarted_prefill_instances_new_file_is_read(tmp_path):
@@ -136,8 +140,8 @@ def test_a_restarted_prefill_instances_new_file_is_read(tmp_path):
 
 
 def test_a_pd_pair_on_one_host_takes_turns_as_one_server(tmp_path):
-    """The prefill server marks its passes while the decode server beside it (a live server
-    of this host, on the same cores) holds sequences, and that decode waits for them; a
+    """The prefill server marks its passes for the decode server beside it (a live server of
+    this host, on the same cores) once that decode waits for marks, and it waits for them; a
     gone server's files count for nothing."""
     import os
 
@@ -156,7 +160,7 @@ def test_a_pd_pair_on_one_host_takes_turns_as_one_server(tmp_path):
     LoadSlot(gone_server, "decode_0_0", 4096).set(5)
     (gone_server / f"decode-turns.{os.getpid()}").touch()  # it waited, once
     marks = PassMarks(prefill_server, clock=clock)
-    assert marks.begin() is False, "no live decode holds a sequence"
+    assert marks.begin() is False, "no live decode waits"
     load = LoadSlot(decode_server, "decode_0_0", 4096)
     load.set(2)
     clock.now += 2.0  # past the rescan interval

@@ -331,8 +331,8 @@ PREFILL_TAKES_CORES_MS = Setting(
     "server's on the same host: a P/D pair) wait for it before their next step (at most 0.25 s, and stepping once "
     "between two passes of a long prompt), so first tokens come sooner under load, each running row waiting up "
     "to one pass. Shorter passes run beside decode's steps on torch_threads. A decode with a CPU of its own "
-    "(decode_cpus), or with this setting at 0, does not wait, and no pass takes its cores. 0: never "
-    "(docs/batching.md#prefill).",
+    "(decode_cpus), or with this setting at 0, does not wait, and while it holds sequences no pass takes the "
+    "cores. 0: never (docs/batching.md#prefill).",
 )
 
 
