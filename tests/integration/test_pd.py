@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import time
 import urllib.error
 import urllib.request
@@ -15,6 +16,7 @@ import pytest
 from benchmarks import load
 from pdchat.clients.chat import GrpcChat, chat_inputs, collect
 from pdchat.core.kv.shm import SHM_PREFIX, ShmConnector, expired_files, kv_directory
+from pdchat.ensemble.seal import server_directory
 from pdchat.launcher import PDStack
 from tests.conversations import PARITY_CASES, PICK_TOOL, SAMPLING_CASES
 from tests.integration import soak
@@ -203,6 +205,24 @@ def test_decode_never_renders_and_prefill_never_decodes(stack):
     assert (chat_renders(stack.decode), executions(stack.prefill, "decode")) == before
     assert metric(stack.decode, "pdchat_kv_pulls_total", outcome="pulled") == pulled + 2
     assert held_kv(stack) == 0
+
+
+def test_a_pd_pair_on_one_host_takes_turns_on_its_cores(stack):
+    """The prefill server marks its long passes for the decode server beside it (the decode
+    server's decode waits for marks), so that decode steps between them instead of beside
+    them: prefill_takes_cores_ms across the host's servers (pdchat.ensemble.core_turns)."""
+    decode_directory = server_directory(stack.decode.process.pid, create=False)
+    prefill_directory = server_directory(stack.prefill.process.pid, create=False)
+    assert list(decode_directory.glob("decode-turns.*")), "the decode server's decode waits for marks"
+
+    def marked() -> int:
+        return sum(struct.unpack_from("<q", path.read_bytes())[0] for path in prefill_directory.glob("prefill-pass.*"))
+
+    before = marked()
+    long_prompt = {"messages": [{"role": "user", "content": "Summarize: " + "the quick brown fox " * 500}]}
+    for _ in range(3):  # the first pass has no rate measured yet; the ones after it are expected long
+        router_answer(stack, {"max_tokens": 2, "temperature": 0, **long_prompt})
+    assert marked() > before, "no pass of the prefill server was marked for the decode server"
 
 
 def test_openai_client_streams_a_tool_call_through_the_router(stack):
