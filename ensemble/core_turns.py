@@ -42,6 +42,7 @@ _PASS = struct.Struct("<qd")  # passes begun, the running pass's deadline (0.0: 
 MAX_TURN_S = 0.25  # the longest decode waits for one pass
 _POLL_S = 0.0005  # how often a waiting decode looks again
 _RESCAN_S = 1.0  # how often decode looks for prefill instances that came or went
+IN_USE_S = 10.0  # a decode that waits counts while it holds sequences or held some this recently
 
 
 def _mapped(path: Path, create: bool) -> mmap.mmap:
@@ -96,21 +97,24 @@ class PassMarks:
         _PASS.pack_into(self._map, 0, 0, 0.0)
 
     def begin(self) -> bool:
-        """Mark a pass where a decode on these cores (this server's or a SharedCores one's)
-        waits for marks, and none that does not wait holds sequences (their load files,
-        pdchat.ensemble.decode_load, say so); whether it did: the pass may take every core.
+        """Mark a pass where a decode in use on these cores (this server's or a SharedCores
+        one's) waits for marks, and none that does not wait holds sequences (their load
+        files, pdchat.ensemble.decode_load, say so); whether it did: the pass may take every
+        core.
 
-        NOTE: a decode that waits is counted idle or not: one that holds nothing when the
-        pass begins may be handed a request during it (in P/D, right after the pass before
-        it), and stepping beside a pass on every core slows both (marking only while decode
-        held sequences left most passes of a P/D pair unmarked at 2k-token prompts,
-        concurrency 4). A busy decode that does not wait (decode_cpus, the setting at 0 on
-        its server, vLLM's engine) keeps its cores: no pass is marked."""
-        waiting = False
+        NOTE: in use is holding sequences or having held some in the last IN_USE_S: one that
+        holds nothing when the pass begins may be handed a request during it (in P/D, right
+        after the pass before it), and stepping beside a pass on every core slows both
+        (marking only while decode held sequences left most passes of a P/D pair unmarked
+        at 2k-token prompts, concurrency 4). A decode never used (a P/D prefill server's
+        own) gives nothing to wait for. A busy decode that does not wait (decode_cpus, the
+        setting at 0 on its server, vLLM's engine) keeps its cores: no pass is marked."""
+        waiting, now = False, self._clock()
         for directory in self._sharing.directories():
+            load = DecodeLoad(directory)
             if _waits(directory):
-                waiting = True
-            elif DecodeLoad(directory).held():
+                waiting = waiting or load.held_within(IN_USE_S, now)
+            elif load.held():
                 return False
         if not waiting:
             return False

@@ -58,7 +58,10 @@ def stack(request, tmp_path_factory, tiny_model_dir):
     instance = PDStack(
         model="tiny",
         connector=request.param,
-        env={"PDCHAT_KV_TTL_S": str(KV_TTL_S), **TEST_POOLS},
+        # Every prompt pass takes the cores in turns (not only those of 40 ms or more on this
+        # host): the pair runs its tests so, and test_a_pd_pair_on_one_host_takes_turns_on_its_cores
+        # holds on any host.
+        env={"PDCHAT_KV_TTL_S": str(KV_TTL_S), "PDCHAT_PREFILL_TAKES_CORES_MS": "1", **TEST_POOLS},
         log_dir=tmp_path_factory.mktemp(f"pd-logs-{request.param}"),
     )
     instance.start()
@@ -208,9 +211,11 @@ def test_decode_never_renders_and_prefill_never_decodes(stack):
 
 
 def test_a_pd_pair_on_one_host_takes_turns_on_its_cores(stack):
-    """The prefill server marks its long passes for the decode server beside it (the decode
-    server's decode waits for marks), so that decode steps between them instead of beside
-    them: prefill_takes_cores_ms across the host's servers (pdchat.ensemble.core_turns)."""
+    """The prefill server marks its passes for the decode server beside it (the decode
+    server's decode waits for marks and is in use), so that decode steps between them
+    instead of beside them: prefill_takes_cores_ms across the host's servers
+    (pdchat.ensemble.core_turns). NOTE: the prefill server's own decode, never used, gives
+    it nothing to mark for: a mark here is the decode server's."""
     decode_directory = server_directory(stack.decode.process.pid, create=False)
     prefill_directory = server_directory(stack.prefill.process.pid, create=False)
     assert list(decode_directory.glob("decode-turns.*")), "the decode server's decode waits for marks"
@@ -219,9 +224,9 @@ def test_a_pd_pair_on_one_host_takes_turns_on_its_cores(stack):
         return sum(struct.unpack_from("<q", path.read_bytes())[0] for path in prefill_directory.glob("prefill-pass.*"))
 
     before = marked()
-    long_prompt = {"messages": [{"role": "user", "content": "Summarize: " + "the quick brown fox " * 500}]}
-    for _ in range(3):  # the first pass has no rate measured yet; the ones after it are expected long
-        router_answer(stack, {"max_tokens": 2, "temperature": 0, **long_prompt})
+    for turn in range(3):  # new prompts (no cached prefix); the first pass of a stack has no rate measured yet
+        prompt = {"messages": [{"role": "user", "content": f"{turn} Summarize: " + "the quick brown fox " * 200}]}
+        router_answer(stack, {"max_tokens": 2, "temperature": 0, **prompt})
     assert marked() > before, "no pass of the prefill server was marked for the decode server"
 
 

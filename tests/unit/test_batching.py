@@ -120,7 +120,9 @@ def test_prompts_admitted_together_share_the_prefix_the_first_of_them_computes(t
     system, first_turn, second_turn = prompts_of((200, 30, 20), engine.vocab_size, seed=2)
     first = PromptPrefill(engine, system + first_turn, None, chunk=512)
     second = PromptPrefill(engine, system + second_turn, None, chunk=512)
+    assert second.remaining == 220, "nothing cached yet"
     assert first.step() is not None and first.cached_tokens == 0
+    assert second.remaining == 220 - 192, "what its first chunk will compute, the scheduler's order by it"
     computed = engine.pool.computed_prompt_tokens
     logits, _ = second.step()
     assert second.cached_tokens == 192, "the system prompt's full blocks"

@@ -1,7 +1,7 @@
 """Prefill's prompt passes and decode's steps take turns on one server's cores
 (pdchat.ensemble.core_turns): decode waits for a marked pass once, never past its deadline."""
 
-from pdchat.ensemble.core_turns import MAX_TURN_S, PassMarks, PassTurns
+from pdchat.ensemble.core_turns import IN_USE_S, MAX_TURN_S, PassMarks, PassTurns
 from pdchat.ensemble.decode_load import LoadSlot
 
 
@@ -92,6 +92,9 @@ def test_a_pass_takes_the_cores_once_the_passes_before_it_say_it_takes_prefill_t
             taken.append("most")
             return 2
 
+        def after_most(self):
+            taken.append("after most")
+
     hooks = EngineHooks(pass_began=lambda: marks.append("began") or True, pass_ended=lambda: marks.append("ended"))
     turns = _PassTurns(Threads(), hooks, from_ms=40, clock=clock)
 
@@ -103,7 +106,7 @@ def test_a_pass_takes_the_cores_once_the_passes_before_it_say_it_takes_prefill_t
     one_pass(100, 0.1)  # unknown rate: beside decode; 1 ms of a core per token
     one_pass(256, 0.128)
     one_pass(32, 0.016)
-    assert taken == ["idle cores", "most", "idle cores"] and marks == ["began", "ended"]
+    assert taken == ["idle cores", "most", "after most", "idle cores"] and marks == ["began", "ended"]
     off = _PassTurns(Threads(), hooks, from_ms=0, clock=clock)
     for _ in range(2):
         off.before(4096)
@@ -111,22 +114,28 @@ def test_a_pass_takes_the_cores_once_the_passes_before_it_say_it_takes_prefill_t
     assert marks == ["began", "ended"]
 
 
-def test_a_pass_is_marked_where_a_decode_waits_and_none_that_does_not_is_busy(tmp_path):
+def test_a_pass_is_marked_where_a_decode_in_use_waits_and_none_that_does_not_is_busy(tmp_path):
     """No decode, or a busy one that does not wait for marks (prefill_takes_cores_ms off on
-    its server, decode_cpus): no mark. One that waits: marked, idle or not (it may be handed
-    a request during the pass)."""
-    marks = PassMarks(tmp_path)
+    its server, decode_cpus): no mark. One that waits: marked while it holds sequences or held
+    some in the last IN_USE_S (it may be handed a request during the pass); one never used (a
+    P/D prefill server's own) or long idle: no mark."""
+    clock = Clock()
+    marks = PassMarks(tmp_path, clock=clock)
     assert marks.begin() is False, "no decode"
-    load = LoadSlot(tmp_path, "decode_0_0", 4096)
+    load = LoadSlot(tmp_path, "decode_0_0", 4096, clock=clock)
+    turns = PassTurns(tmp_path, clock=clock)
+    assert marks.begin() is False, "a decode that waits, never used"
     load.set(1)
-    assert marks.begin() is False, "a busy decode that does not wait keeps its cores"
-    turns = PassTurns(tmp_path)
     assert marks.begin() is True
+    clock.now += 1.0
     load.set(0)
-    assert marks.begin() is True, "an idle decode that waits"
+    clock.now += IN_USE_S - 0.1
+    assert marks.begin() is True, "idle, in use a moment ago"
+    clock.now += 0.2
+    assert marks.begin() is False, "idle for IN_USE_S"
     turns.close()
     load.set(1)
-    assert marks.begin() is False, "a decode that no longer waits"
+    assert marks.begin() is False, "a busy decode that does not wait keeps its cores"
 
 
 def test_a_restarted_prefill_instances_new_file_is_read(tmp_path):

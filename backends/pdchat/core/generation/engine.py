@@ -396,6 +396,7 @@ class PromptPrefill:
         self.engine, self.prompt_token_ids, self.chunk = engine, prompt_token_ids, chunk
         self.sequence = engine.sequence(cache_salt)
         self._done: int | None = None  # prompt tokens in the sequence; None before the first chunk
+        self._prefix_keys: list[int] | None = None  # before the first chunk, once asked for
 
     @property
     def cached_tokens(self) -> int:
@@ -404,15 +405,21 @@ class PromptPrefill:
 
     @property
     def remaining(self) -> int:
-        """Prompt tokens still to compute (the whole prompt before the first chunk's lookup)."""
-        return len(self.prompt_token_ids) - (self._done or 0)
+        """Prompt tokens still to compute; before the first chunk, after the prefix the pool
+        caches now (the first chunk takes it, or what of it is still cached then)."""
+        if self._done is not None:
+            return len(self.prompt_token_ids) - self._done
+        if self._prefix_keys is None:
+            self._prefix_keys = self.sequence.prefix_keys(self.prompt_token_ids)
+        pool = self.engine.pool
+        return len(self.prompt_token_ids) - pool.cached_run(self._prefix_keys) * pool.block_tokens
 
     def step(self, greedy: bool = False) -> tuple[torch.Tensor | None, int | None] | None:
         """Compute the next chunk; None until the prompt is complete, then the logits after
         it and, if `greedy`, their argmax (CausalLM.prefill_chunk_choosing's pair). A
         failure releases the sequence."""
         if self._done is None:
-            self._done = self.sequence.reuse_prefix(self.prompt_token_ids)
+            self._done = self.sequence.reuse_prefix(self.prompt_token_ids, self._prefix_keys)
         end = min(len(self.prompt_token_ids), self._done + self.chunk)
         chunk = self.prompt_token_ids[self._done : end]
         last = end == len(self.prompt_token_ids)

@@ -39,13 +39,13 @@ class PrefillJob:
 
     @property
     def next_pass_tokens(self) -> int:
-        """The prompt tokens its next chunk computes at most (before the first, its cached
-        prefix is not yet known)."""
+        """The prompt tokens its next chunk computes at most (before the first, after the
+        prefix the pool caches now)."""
         return min(self._prompt.remaining, self._prompt.chunk)
 
     @property
     def passes_left(self) -> int:
-        """The chunks left to compute (before the first, its cached prefix counts too)."""
+        """The chunks left to compute (before the first, after the prefix the pool caches now)."""
         return -(-self._prompt.remaining // self._prompt.chunk)
 
     def step(self) -> Prefilled | None:

@@ -168,6 +168,17 @@ class BlockPool:
                 else:
                     self._free.append(block)
 
+    def cached_run(self, keys: list[int]) -> int:
+        """How many of `keys`, from the first, the pool caches now (lookup's count, nothing taken)."""
+        if not self.prefix_caching:
+            return 0
+        count = 0
+        for key in keys:
+            if key not in self._block_of:
+                break
+            count += 1
+        return count
+
     def lookup(self, keys: list[int]) -> list[int]:
         """The cached blocks of the longest run of `keys` from the first, each with a
         reference taken (and out of the eviction order)."""
@@ -233,12 +244,18 @@ class Sequence:
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    def reuse_prefix(self, prompt_token_ids: list[int]) -> int:
-        """Take the cached blocks the prompt starts with, leaving at least its last token to
-        compute (its logits are wanted); how many tokens they hold."""
+    def prefix_keys(self, prompt_token_ids: list[int]) -> list[int]:
+        """The keys of the prompt's blocks a cached prefix may hold: its full blocks but the
+        one its last token is in (its logits are wanted)."""
+        size = self.pool.block_tokens
+        return self._chain(prompt_token_ids[: (len(prompt_token_ids) - 1) // size * size])
+
+    def reuse_prefix(self, prompt_token_ids: list[int], keys: list[int] | None = None) -> int:
+        """Take the cached blocks the prompt starts with (`keys`: its prefix_keys, if known),
+        leaving at least its last token to compute; how many tokens they hold."""
         assert not self.blocks, "a prefix is reused only by a new sequence"
         size = self.pool.block_tokens
-        keys = self._chain(prompt_token_ids[: (len(prompt_token_ids) - 1) // size * size])
+        keys = self.prefix_keys(prompt_token_ids) if keys is None else keys
         blocks = self.pool.lookup(keys)
         self.blocks, self._keys = blocks, keys[: len(blocks)]
         self.token_ids = list(prompt_token_ids[: len(blocks) * size])

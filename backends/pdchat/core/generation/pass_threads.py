@@ -164,8 +164,16 @@ class PassThreads:
 
     def take_most(self) -> int:
         """`most` threads for the next pass, whatever the cores did (a pass that decode waits
-        for: setting prefill_takes_cores_ms); set now if they changed."""
+        for: setting prefill_takes_cores_ms); set now if they changed. The caller calls
+        `after_most()` once the pass ended."""
         return self._take(self.most)
+
+    def after_most(self) -> None:
+        """A pass on `most` threads ended: the next window starts now. NOTE: the pass's own
+        ticks are not free cores: a short pass after it, not waited for, would take `most`
+        beside decode's steps."""
+        self._idle.since_last()
+        self._decided_at = None
 
     def at_base(self) -> None:
         """Back to `base` threads (set now if the last pass took more)."""

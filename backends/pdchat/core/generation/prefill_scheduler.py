@@ -11,7 +11,10 @@ prompt that arrives while a long one prefills waits for at most one chunk of it.
 passes, not tokens: by tokens, prompts of one pass each went shortest first, and one a few
 tokens longer than those arriving after it waited up to STARVE_PASSES passes. A prompt passed
 over STARVE_PASSES passes in a row goes next, so short prompts arriving without end still
-leave a long one a pass in every STARVE_PASSES + 1.
+leave a long one a pass in every STARVE_PASSES + 1 (and a new prompt waits a pass of each
+prompt so starved: with many long ones in progress, the passes go oldest first). Before its
+first pass a prompt counts what the pool does not cache of it now (a conversation's next
+turn, mostly cached, counts as the short prompt it is).
 
 Admission, as decode's: a prompt starts once its blocks fit beside those the prompts in
 progress reserve (`PrefillLimits`); until then it waits, in order, up to `max_wait_s`, then

@@ -265,8 +265,10 @@ class _PassTurns:
             average = self._core_s_per_token
             self._core_s_per_token = measured if average is None else 0.8 * average + 0.2 * measured
             self._pass = None
-        if self._marked and self._hooks.pass_ended is not None:
-            self._hooks.pass_ended()
+        if self._marked:
+            self._threads.after_most()
+            if self._hooks.pass_ended is not None:
+                self._hooks.pass_ended()
 
     def _expected_long(self, tokens: int) -> bool:
         if self._from_s <= 0.0 or self._core_s_per_token is None:
