@@ -93,3 +93,17 @@ def test_a_producer_faster_than_the_outbox_waits_instead_of_piling_up():
     producer.join(5)
     outbox.close()
     assert produced == list(range(5))
+
+
+def test_post_never_waits_for_room_and_keeps_the_order():
+    """execute() posts: blocked on a full outbox while the outbox thread sends, a decode stub
+    deadlocked. Posted calls queue past max_pending, in order with the calls around them."""
+    outbox = Outbox("test-outbox", max_pending=1)
+    release, ran = threading.Event(), []
+    outbox.call(release.wait)  # holds the thread
+    outbox.call(lambda: ran.append("called"))  # the queue is full now
+    for index in range(3):
+        outbox.post(lambda index=index: ran.append(index))  # returns at once
+    release.set()
+    outbox.close()
+    assert ran == ["called", 0, 1, 2]

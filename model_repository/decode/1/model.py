@@ -82,23 +82,24 @@ class TritonPythonModel:
         )
 
     def execute(self, requests):
+        # NOTE: execute() hands the outbox its calls with post(), which never waits.
         for request in requests:
             sender = request.get_response_sender()
             try:
                 feed = io.feed_opened(request)
                 if feed is not None:
                     self.seal.check_feed(feed, io.input_text(request, tensors.STAGE_SEAL))
-                    self.outbox.call(functools.partial(self._open_feed, feed, sender))
+                    self.outbox.post(functools.partial(self._open_feed, feed, sender))
                     continue
                 cancel = io.input_text(request, tensors.CANCEL_REQUEST_ID)
                 if cancel is not None:
                     self.seal.check_cancel(cancel, io.input_text(request, tensors.STAGE_SEAL))
                     self.engine.cancel(cancel)
-                    self.outbox.call(functools.partial(sender.send, flags=FINAL))
+                    self.outbox.post(functools.partial(sender.send, flags=FINAL))
                     continue
                 self._decode(request, sender)
             except Exception as exc:  # noqa: BLE001
-                self.outbox.call(functools.partial(sender.send, io.error_response(exc), flags=FINAL))
+                self.outbox.post(functools.partial(sender.send, io.error_response(exc), flags=FINAL))
         return None
 
     def finalize(self):
@@ -137,7 +138,7 @@ class TritonPythonModel:
         first_sent = first is not None and bool(io.input_scalar(request, tensors.FIRST_OUTPUT_SENT))
         assembler = engine.assembler(ids, params, first_output_sent=first_sent)
         stream = io.decode_stream(request, sender, params.request_id, assembler, given_first=first is not None, kv=kv)
-        self.outbox.call(functools.partial(self.metrics.arrived, stream.key, time.monotonic()))
+        self.outbox.post(functools.partial(self.metrics.arrived, stream.key, time.monotonic()))
         self.outbox.watch(stream, sender.is_cancelled, functools.partial(self.engine.cancel, stream.key))
         source = {} if kv is None else kv.decode_source(stream.key, functools.partial(self._post, self.metrics.kv_pull))
         if handle is not None and handle.connector == ENGINE_KV:

@@ -66,6 +66,7 @@ class TritonPythonModel:
         self.engine.start(EngineHooks(on_dead=leave_soon, **turns))
 
     def execute(self, requests):
+        # NOTE: execute() hands the outbox its calls with post(), which never waits.
         for request in requests:
             sender = request.get_response_sender()
             try:
@@ -73,9 +74,9 @@ class TritonPythonModel:
                 stage = io.stage_input(request, self.seal, engine.context_length, engine.vocab_size)
                 destination = io.input_text(request, tensors.KV_DESTINATION) or SHM
             except Exception as exc:  # noqa: BLE001
-                self.outbox.call(functools.partial(sender.send, io.error_response(exc), flags=FINAL))
+                self.outbox.post(functools.partial(sender.send, io.error_response(exc), flags=FINAL))
                 continue
-            self.outbox.call(functools.partial(self._arrived, stage.params.request_id, time.monotonic()))
+            self.outbox.post(functools.partial(self._arrived, stage.params.request_id, time.monotonic()))
             self.engine.prefill(
                 PrefillRequest(stage.prompt_token_ids, stage.params),
                 done=functools.partial(
