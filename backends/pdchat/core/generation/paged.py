@@ -182,17 +182,11 @@ class BlockPool:
     def lookup(self, keys: list[int]) -> list[int]:
         """The cached blocks of the longest run of `keys` from the first, each with a
         reference taken (and out of the eviction order)."""
-        blocks = []
-        if not self.prefix_caching:
-            return blocks
-        for key in keys:
-            block = self._block_of.get(key)
-            if block is None:
-                break
+        blocks = [self._block_of[key] for key in keys[: self.cached_run(keys)]]
+        for block in blocks:
             if self._refs[block] == 0:
                 del self._evictable[block]
             self._refs[block] += 1
-            blocks.append(block)
         return blocks
 
     def key(

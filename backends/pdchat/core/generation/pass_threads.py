@@ -11,9 +11,11 @@ decode streams the answer before on the other core meanwhile). Under load the ot
 processes (decode) keep the cores busy and a pass keeps its threads; a burst of prompts
 beside an idle decode keeps every core, pass after pass. NOTE: its own ticks count: a pass
 that took every core left none idle, and counting idle ticks alone gave the next pass
-`base` threads, every other pass of a burst on half the cores. Decode prefills a lone prompt itself only
-while the server is idle (local_prefill_when_idle): its chunks take `most` while no row
-runs, without looking (`watch_cores=False`), and its steps keep `base`.
+`base` threads, every other pass of a burst on half the cores.
+
+Decode prefills a lone prompt itself only while the server is idle
+(local_prefill_when_idle): its chunks take `most` while no row runs, without looking
+(`watch_cores=False`), and its steps keep `base`.
 
 The pass's numbers do not change with its threads: oneDNN's GEMMs and torch's attention
 split their work by rows and heads, never a sum (tests/unit/test_pass_threads.py checks the
@@ -26,6 +28,8 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
+
+from pdchat.core import procfs
 
 if TYPE_CHECKING:
     from pdchat.core.generation.engine import CausalLM
@@ -43,8 +47,6 @@ def read_proc_stat(path: str = "/proc/stat") -> str:
 
 def own_ticks() -> int:
     """This process's CPU time so far (user and system), in /proc/stat's clock ticks."""
-    from pdchat.core import procfs
-
     fields = procfs.stat_fields(os.getpid())
     return int(fields[11]) + int(fields[12]) if fields is not None else 0  # utime, stime (proc(5) 14, 15)
 
