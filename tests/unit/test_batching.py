@@ -133,6 +133,56 @@ def test_prompts_admitted_together_share_the_prefix_the_first_of_them_computes(t
         sequence.release()
 
 
+@pytest.mark.parametrize("c_kernels", [False, True])
+def test_prompts_computed_in_one_pass_give_what_each_gives_alone(tiny_model_dir, c_kernels):
+    """A pass of several prompts' chunks (prefill's batched pass): one fresh, one after a
+    cached prefix, a one-token chunk, a middle chunk, each with the logits, greedy token and
+    KV it gets in a pass of its own."""
+    if c_kernels and cpu_kernels.load(cpu_kernels.library_dir()) is None:
+        pytest.skip("no C kernels on this host")
+    engine = CausalLM(tiny_model_dir, "cpu", pool=KVPoolOptions(8 * MIB, 16, True))
+    if not c_kernels:
+        engine._runner.kernels = None  # the torch path's attention
+    assert engine.batches_prompts
+    system, *tails = prompts_of((64, 40, 33, 1, 50), engine.vocab_size, seed=3)
+    prompts = [system + tails[0], tails[1], tails[2], tails[3]]
+
+    def warm_cache():
+        engine.pool.clear_cache()
+        _, held = engine.prefill(system + [7])
+        held.release()
+
+    def chunks_of(prefills):
+        chunks = [prefill.next_chunk(greedy=index % 2 == 0) for index, prefill in enumerate(prefills)]
+        return chunks, engine.prefill_chunks(chunks)
+
+    warm_cache()
+    alone = []
+    for prompt in prompts:
+        prefill = PromptPrefill(engine, prompt, None, chunk=30)  # the last prompt in two chunks
+        while (last := prefill.step()) is None:
+            pass
+        alone.append((last[0], prefill.cached_tokens, engine.export_kv(prefill.sequence)))
+        prefill.release()
+    warm_cache()
+    together = [PromptPrefill(engine, prompt, None, chunk=4096 if i < 3 else 30) for i, prompt in enumerate(prompts)]
+    first = together[3].next_chunk()  # its first chunk alone: the pass below takes its middle one
+    together[3].finish_chunk(engine.prefill_chunks([first])[0])
+    chunks, computed = chunks_of(together)
+    assert [len(ids) for _, ids, _ in chunks] == [40, 33, 1, 20]
+    for index, (prefill, pair, (logits, cached, kv)) in enumerate(zip(together, computed, alone, strict=True)):
+        last = prefill.finish_chunk(pair)
+        assert last is not None, "each prompt's last chunk"
+        assert prefill.cached_tokens == cached
+        torch.testing.assert_close(engine.export_kv(prefill.sequence), kv, rtol=1e-4, atol=1e-5)
+        if index % 2 == 0:
+            assert last[1] == int(logits.argmax()), f"prompt {index}'s greedy token"
+        if last[0] is not None:
+            torch.testing.assert_close(last[0], logits, rtol=1e-4, atol=1e-4)
+    for prefill in together:
+        prefill.release()
+
+
 def test_eviction_under_a_small_pool_keeps_outputs_right_and_too_big_a_prompt_is_refused(tiny_model_dir, reference):
     per_block = 16 * CausalLM(tiny_model_dir, "cpu", pool=KVPoolOptions(MIB, 16)).kv_bytes_per_token()
     engine = CausalLM(tiny_model_dir, "cpu", pool=KVPoolOptions(30 * per_block, 16, True))

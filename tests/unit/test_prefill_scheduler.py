@@ -1,6 +1,7 @@
 """Prefill's scheduler: each pass to the prompt with the fewest passes left, so a short one
 finishes before a long one sent first, and equal ones finish one after another; a failing
-prompt fails alone and gives its blocks back."""
+prompt fails alone and gives its blocks back; a pass takes along the prompts it completes
+within its tokens, but not two that would compute the same first block."""
 
 import threading
 
@@ -9,6 +10,7 @@ from pdchat.core.generation.prefill_scheduler import (
     PrefillLimits,
     PrefillScheduler,
     PrefillTask,
+    fill_pass,
     next_turn,
 )
 
@@ -16,12 +18,17 @@ from pdchat.core.generation.prefill_scheduler import (
 class Chunks:
     """A prompt of `chunks` chunks; `log` records each chunk computed."""
 
-    def __init__(self, name, chunks, log, fail_at=None):
+    def __init__(self, name, chunks, log, fail_at=None, tokens=100, block=None):
         self.name, self.left, self.log, self.fail_at, self.abandoned = name, chunks, log, fail_at, False
+        self.next_pass_tokens, self.block = tokens, block
 
     @property
     def passes_left(self):
         return self.left
+
+    @property
+    def uncached_block(self):
+        return self.block
 
     def step(self):
         self.left -= 1
@@ -160,3 +167,50 @@ def test_a_prompt_larger_than_the_pool_fails_at_once_and_one_that_waits_too_long
     scheduler.close()
     assert ended[0].startswith("prefill's KV pool stayed full for 0.05 s") and "(prefill_kv_mb)" in ended[0]
     assert ended[1] == "long:done" and "late" not in log
+
+
+def test_a_pass_takes_along_the_prompts_it_completes_within_its_tokens():
+    # chosen: the fewest passes left; then, oldest first, one-pass prompts that fit
+    assert fill_pass(2, [3, 1, 1, 1, 1], [100, 300, 100, 200, 50], [None] * 5, 400) == [2, 1]
+    assert fill_pass(2, [3, 1, 1, 1, 1], [100, 350, 100, 200, 50], [None] * 5, 400) == [2, 3, 4]
+    assert fill_pass(0, [3, 1, 2], [100, 100, 100], [None] * 3, 1000) == [0, 1], "the last needs two passes"
+    assert fill_pass(0, [1, 1], [500, 1], [None] * 2, 500) == [0], "no room left"
+    # one whose first block the pass already computes waits: the next pass finds it cached
+    assert fill_pass(0, [1, 1, 1, 1], [100] * 4, [7, 7, None, 8], 1000) == [0, 2, 3]
+    assert fill_pass(1, [1, 1, 1], [100] * 3, [5, 9, 9], 1000) == [1, 0]
+
+
+def test_prompts_sent_together_are_computed_in_passes_of_several_and_a_failed_pass_fails_its_prompts():
+    passes, ended, all_done = [], [], threading.Event()
+    jobs = [
+        Chunks("a", 1, [], tokens=300, block=1),
+        Chunks("a2", 1, [], tokens=50, block=1),  # a's prefix: waits for the pass computing it
+        Chunks("b", 1, [], tokens=50),
+        Chunks("long", 3, [], tokens=400),
+        Chunks("c", 1, [], tokens=60, fail_at=0),
+        Chunks("d", 1, [], tokens=60),
+    ]
+
+    def compute(members):
+        passes.append([job.name for job in members])
+        if any(job.fail_at == 0 for job in members):
+            raise RuntimeError("the pass broke")
+        return [job.step() for job in members]
+
+    def record(outcome):
+        ended.append(outcome)
+        if len(ended) == len(jobs):
+            all_done.set()
+
+    scheduler = PrefillScheduler(compute=compute, pass_tokens=400)
+    gate = threading.Event()
+    first = Chunks("z", 1, [], tokens=400)  # a pass of its own, while the others queue
+    scheduler.submit(PrefillTask(start=lambda: (gate.wait(), first)[1], done=lambda r: None, fail=print))
+    for job in jobs:
+        scheduler.submit(PrefillTask(start=lambda job=job: job, done=record, fail=lambda exc: record(str(exc))))
+    gate.set()
+    assert all_done.wait(10)
+    scheduler.close()
+    assert passes == [["z"], ["a", "b"], ["a2", "c", "d"], ["long"], ["long"], ["long"]]
+    assert ended == ["a:done", "b:done", "the pass broke", "the pass broke", "the pass broke", "long:done"]
+    assert [job.abandoned for job in jobs] == [False, True, False, False, True, True]

@@ -610,11 +610,22 @@ PREFILL_PASS_TOKENS = Setting(
     "2048",
     INTEGER,
     ("prefill",),
-    "Prompt tokens prefill computes in one pass: a prompt up to this long is computed whole before the next starts "
-    "(its first token after its own work alone); a longer one in passes of this many. Each pass goes to the prompt "
-    "in progress with the fewest passes left, the oldest among equals, so a prompt behind a long one waits for at "
-    "most one pass of it. One pass "
+    "Prompt tokens prefill computes in one pass: a prompt up to this long is computed whole (its first token after "
+    "its own work); a longer one in passes of this many. Each pass goes to the prompt in progress with the fewest "
+    "passes left, the oldest among equals, so a prompt behind a long one waits for at most one pass of it. One pass "
     "costs less than the same tokens in smaller chunks, which each read the prompt so far back from the pool.",
+)
+PREFILL_BATCH_TOKENS = Setting(
+    "prefill_batch_tokens",
+    "prefill_batch_tokens",
+    "PDCHAT_PREFILL_BATCH_TOKENS",
+    "512",
+    COUNT,
+    ("prefill",),
+    "On pdchat's own forward, a prefill pass takes along the other prompts in progress it completes while its tokens "
+    "stay within this many, in one forward pass: a burst of short prompts (a conversation's next turns, "
+    "mostly cached) costs one pass, not one each. A pass of more prompts' tokens would hold the first of them "
+    "back for the others' work. 0: one prompt per pass (docs/batching.md#prefill).",
 )
 PREFILL_CHUNK = Setting(
     "prefill_chunk",
@@ -961,12 +972,14 @@ class BatchingOptions:
     queue_timeout_s: float  # longest wait for room, then UNAVAILABLE
     prefill_chunk: int  # prompt tokens per local prefill chunk, between decode steps
     prefill_pass_tokens: int  # prompt tokens per pass in prefill
+    prefill_batch_tokens: int  # tokens of a prefill pass that computes several prompts; 0: one per pass
     prefill_takes_cores_ms: int  # a prefill pass expected this long or longer takes the cores in turns; 0: none
 
 
 def batching_options(parameters: dict[str, str], environ: os._Environ | dict | None = None) -> BatchingOptions:
-    """The stages' limits: MAX_RUNNING, DECODE_KV_SHARE, QUEUE_TIMEOUT_S, PREFILL_CHUNK and
-    PREFILL_PASS_TOKENS (their KV pools: kv_pool_options); ValueError for a share outside (0, 1]."""
+    """The stages' limits: MAX_RUNNING, DECODE_KV_SHARE, QUEUE_TIMEOUT_S, PREFILL_CHUNK,
+    PREFILL_PASS_TOKENS and PREFILL_BATCH_TOKENS (their KV pools: kv_pool_options); ValueError for a
+    share outside (0, 1]."""
     share = DECODE_KV_SHARE.get(parameters, environ)
     if not 0 < share <= 1:
         raise ValueError(f"setting {DECODE_KV_SHARE.name} must be in (0, 1], got {share}")
@@ -976,6 +989,7 @@ def batching_options(parameters: dict[str, str], environ: os._Environ | dict | N
         queue_timeout_s=QUEUE_TIMEOUT_S.get(parameters, environ),
         prefill_chunk=PREFILL_CHUNK.get(parameters, environ),
         prefill_pass_tokens=PREFILL_PASS_TOKENS.get(parameters, environ),
+        prefill_batch_tokens=PREFILL_BATCH_TOKENS.get(parameters, environ),
         prefill_takes_cores_ms=PREFILL_TAKES_CORES_MS.get(parameters, environ),
     )
 

@@ -20,7 +20,15 @@ import torch
 from pdchat.core.engine_api import OWN_LLAMA, TRANSFORMERS, ExecutionPath, KVSource
 from pdchat.core.errors import InvalidRequest, Unavailable
 from pdchat.core.generation import cpu_kernels, llama, runners
-from pdchat.core.generation.paged import NULL_BLOCK, PAGED_ATTENTION, BlockPool, PagedForward, Sequence, root_hash
+from pdchat.core.generation.paged import (
+    NULL_BLOCK,
+    PAGED_ATTENTION,
+    BlockPool,
+    PagedForward,
+    PromptSegments,
+    Sequence,
+    root_hash,
+)
 from pdchat.core.generation.projection import RowGemm
 from pdchat.core.kv.base import KV_TOKEN_AXIS, KV_WIRE_TYPES, kv_dtype_name
 from pdchat.core.settings import DEFAULT_KV_POOL, DTYPE, KVPoolOptions
@@ -223,6 +231,36 @@ class CausalLM:
         self.pool.computed_prompt_tokens += len(token_ids)
         return rows[0], chosen[0]
 
+    @property
+    def batches_prompts(self) -> bool:
+        """Whether prefill_chunks computes several chunks in one pass (pdchat's own forward)
+        rather than one after another."""
+        return self._own_forward is not None
+
+    @torch.inference_mode()
+    def prefill_chunks(
+        self, chunks: list[tuple[Sequence, list[int], bool]]
+    ) -> list[tuple[torch.Tensor | None, int | None]]:
+        """prefill_chunk_choosing() of each (sequence, token ids, greedy), in one pass where
+        the engine `batches_prompts`: row-wise work over all the chunks' tokens at once, each
+        chunk attending over its own sequence. Its results are each chunk's alone, to rounding
+        (the same greedy tokens). NOTE: the sequences must differ."""
+        if len(chunks) == 1 or not self.batches_prompts:
+            return [self.prefill_chunk_choosing(*chunk) for chunk in chunks]
+        parts = []
+        for sequence, token_ids, _ in chunks:
+            start = len(sequence)
+            sequence.extend(token_ids)
+            read = self._read_slots([sequence])
+            positions = torch.arange(start, len(sequence), device=self.device).view(1, -1)
+            parts.append(self._paged(read[0, start:], read, positions, causal=start == 0))
+        input_ids = torch.tensor([[t for _, token_ids, _ in chunks for t in token_ids]], device=self.device)
+        rows, chosen = self._runner.project_last(input_ids, PromptSegments(parts), [greedy for *_, greedy in chunks])
+        for sequence, token_ids, _ in chunks:
+            sequence.written()
+            self.pool.computed_prompt_tokens += len(token_ids)
+        return list(zip(rows, chosen, strict=True))
+
     @torch.inference_mode()
     def step(self, sequences: list[Sequence], token_ids: list[int]) -> torch.Tensor:
         """Feed one token to each sequence, all in one pass; the next token's logits, [rows, vocab]."""
@@ -414,23 +452,45 @@ class PromptPrefill:
         pool = self.engine.pool
         return len(self.prompt_token_ids) - pool.cached_run(self._prefix_keys) * pool.block_tokens
 
-    def step(self, greedy: bool = False) -> tuple[torch.Tensor | None, int | None] | None:
-        """Compute the next chunk; None until the prompt is complete, then the logits after
-        it and, if `greedy`, their argmax (CausalLM.prefill_chunk_choosing's pair). A
-        failure releases the sequence."""
+    @property
+    def uncached_block(self) -> int | None:
+        """Before the first chunk, the prefix-cache key of the first block it would compute
+        (None when it computes no full block, or after the first chunk): two prompts whose
+        first chunks compute the same block compute it twice if they share a pass."""
+        if self._done is not None:
+            return None
+        keys = self._prefix_keys = self._prefix_keys or self.sequence.prefix_keys(self.prompt_token_ids)
+        cached = self.engine.pool.cached_run(keys)
+        return keys[cached] if cached < len(keys) else None
+
+    def next_chunk(self, greedy: bool = False) -> tuple[Sequence, list[int], bool]:
+        """The next chunk, as CausalLM.prefill_chunks takes it (the cached prefix is taken at
+        the first); `finish_chunk` after computing it."""
         if self._done is None:
             self._done = self.sequence.reuse_prefix(self.prompt_token_ids, self._prefix_keys)
         end = min(len(self.prompt_token_ids), self._done + self.chunk)
-        chunk = self.prompt_token_ids[self._done : end]
         last = end == len(self.prompt_token_ids)
+        # Only the last chunk's head is used: the ones before it take no greedy screen.
+        return self.sequence, self.prompt_token_ids[self._done : end], greedy and last
+
+    def finish_chunk(
+        self, computed: tuple[torch.Tensor | None, int | None]
+    ) -> tuple[torch.Tensor | None, int | None] | None:
+        """After the chunk `next_chunk` gave was computed (`computed`, its pair): None until
+        the prompt is complete, then the logits after it and their argmax if greedy."""
+        self._done = len(self.sequence)
+        return computed if self._done == len(self.prompt_token_ids) else None
+
+    def step(self, greedy: bool = False) -> tuple[torch.Tensor | None, int | None] | None:
+        """Compute the next chunk alone; None until the prompt is complete, then the logits
+        after it and, if `greedy`, their argmax (CausalLM.prefill_chunk_choosing's pair). A
+        failure releases the sequence."""
         try:
-            # Only the last chunk's head is used: the ones before it take no greedy screen.
-            logits, token = self.engine.prefill_chunk_choosing(self.sequence, chunk, greedy=greedy and last)
+            chunk = self.next_chunk(greedy)
+            return self.finish_chunk(self.engine.prefill_chunk_choosing(*chunk))
         except BaseException:
             self.release()
             raise
-        self._done = end
-        return (logits, token) if last else None
 
     def release(self) -> None:
         self.sequence.release()

@@ -48,9 +48,34 @@ class PrefillJob:
         """The chunks left to compute (before the first, after the prefix the pool caches now)."""
         return -(-self._prompt.remaining // self._prompt.chunk)
 
+    @property
+    def uncached_block(self) -> int | None:
+        """PromptPrefill.uncached_block: a prompt sharing it waits for the pass that computes it."""
+        return self._prompt.uncached_block
+
     def step(self) -> Prefilled | None:
-        """One chunk; the result once the prompt is complete (the sequence then released)."""
-        last = self._prompt.step(self._chooser.greedy)
+        """One chunk, alone; the result once the prompt is complete (the sequence then
+        released). A failure releases the sequence."""
+        try:
+            return PrefillJob.compute_pass([self])[0]
+        except BaseException:
+            self.abandon()
+            raise
+
+    @staticmethod
+    def compute_pass(jobs: list[PrefillJob]) -> list[Prefilled | None]:
+        """One pass of prefill: each job's next chunk, in one forward pass where the engine
+        batches prompts (CausalLM.prefill_chunks); per job its result once its prompt is
+        complete, else None. NOTE: a failure fails the pass: the caller abandons its jobs."""
+        chunks = [job._prompt.next_chunk(job._chooser.greedy) for job in jobs]
+        computed = jobs[0]._engine.prefill_chunks(chunks)
+        return [job._finish(pair) for job, pair in zip(jobs, computed, strict=True)]
+
+    def abandon(self) -> None:
+        self._prompt.release()
+
+    def _finish(self, computed: tuple[torch.Tensor | None, int | None]) -> Prefilled | None:
+        last = self._prompt.finish_chunk(computed)
         if last is None:
             return None
         try:
@@ -59,9 +84,6 @@ class PrefillJob:
             )
         finally:
             self._prompt.release()
-
-    def abandon(self) -> None:
-        self._prompt.release()
 
 
 class TextModel(Answers):

@@ -36,7 +36,7 @@ import torch
 from torch.nn import functional
 
 from pdchat.core.generation.cpu_kernels import DecodeKernels
-from pdchat.core.generation.paged import PagedForward, paged_attention, read_slots
+from pdchat.core.generation.paged import PagedForward, PromptSegments, paged_attention, read_slots
 from pdchat.core.generation.projection import RowGemm
 
 # Rope types whose table does not depend on the sequence length (no dynamic scaling).
@@ -141,18 +141,20 @@ class LlamaForward:
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [positions, head_dim]
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, paged: PagedForward, last_only: bool) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, paged: PagedForward | PromptSegments, last_only: bool) -> torch.Tensor:
         """The final hidden states of `input_ids` [rows, queries] at `paged.query_positions`,
         their KV written to the pool: [rows, queries, hidden], or [rows, 1, hidden] of each
-        row's last query when `last_only`."""
+        row's last query when `last_only`. With PromptSegments, `input_ids` is [1, tokens],
+        the chunks one after another, and only `last_only` is served: [chunks, 1, hidden],
+        each chunk's last token's."""
         rows, queries = input_ids.shape
         kernels = paged.decode_kernels  # prompts take the row-wise ones (norms, SwiGLU, rotary and KV store)
-        if kernels is None:
-            attend = self._attention_on_torch(paged, rows, queries)
-        elif queries == 1:
-            attend = self._attention_in_c(paged, kernels, rows)
+        if isinstance(paged, PromptSegments):
+            if not last_only:
+                raise ValueError("a pass of several prompts' chunks gives each chunk's last hidden state only")
+            attend = self._segments_attention(paged, kernels)
         else:
-            attend = self._prompt_attention(paged, kernels, rows, queries)
+            attend = self._attention(paged, kernels, rows, queries)
         hidden = functional.embedding(input_ids.reshape(-1), self.embedding)  # the residual stream, added into
         normed = self._rms_norm(kernels, hidden, self.layers[0].input_norm)
         prompt = queries > 1  # its GEMMs' rows bucketed (RowGemm): few shapes for all prompt lengths
@@ -164,8 +166,30 @@ class LlamaForward:
             activated = self._swiglu(kernels, layer.gate_up(normed, bucket_rows=prompt))
             delta = layer.down(activated, bucket_rows=prompt)
             normed = self._add_rms_norm(kernels, hidden, delta, self._norm_after(index), normed)
+        if isinstance(paged, PromptSegments):
+            return normed[[end - 1 for _, end in paged.bounds()]].unsqueeze(1)
         out = normed.view(rows, queries, -1)
         return out[:, -1:] if last_only else out
+
+    def _attention(self, paged: PagedForward, kernels: DecodeKernels | None, rows: int, queries: int) -> Callable:
+        """The pass's attention per layer, qkv [rows * queries, ...] -> [rows * queries, q_heads * head_dim]."""
+        if kernels is None:
+            return self._attention_on_torch(paged, rows, queries)
+        if queries == 1:
+            return self._attention_in_c(paged, kernels, rows)
+        return self._prompt_attention(paged, kernels, rows, queries)
+
+    def _segments_attention(self, segments: PromptSegments, kernels: DecodeKernels | None) -> Callable:
+        """Each chunk's attention over its own sequence, on its own tokens' q, k and v."""
+        parts = [
+            (start, end, self._attention(part, kernels, 1, end - start))
+            for (start, end), part in zip(segments.bounds(), segments.parts, strict=True)
+        ]
+
+        def attend(layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
+            return torch.cat([chunk(layer, qkv[start:end]) for start, end, chunk in parts])
+
+        return attend
 
     def _attention_on_torch(self, paged: PagedForward, rows: int, queries: int) -> Callable:
         """Rotary on torch's ops, then the pool's attention (its KV store, SDPA), per layer."""

@@ -365,6 +365,25 @@ class PagedForward:
         return allowed.unsqueeze(1)
 
 
+@dataclass
+class PromptSegments:
+    """Several prompts' chunks in one pass: their tokens one after another in a single row
+    of input ids, `parts[i]` the paged view of chunk i alone (one row, its `write`, `read`
+    and `query_positions`). Everything but attention is row-wise, so the pass computes it
+    over all the tokens at once; each chunk attends over its own sequence only."""
+
+    parts: list[PagedForward]
+
+    @property
+    def decode_kernels(self) -> DecodeKernels | None:
+        return self.parts[0].decode_kernels
+
+    def bounds(self) -> list[tuple[int, int]]:
+        """Each chunk's [start, end) in the pass's tokens."""
+        ends = np.cumsum([part.query_positions.shape[1] for part in self.parts]).tolist()
+        return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
 def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

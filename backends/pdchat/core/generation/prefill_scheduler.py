@@ -4,7 +4,12 @@ One prefill instance per server holds one KV pool, so its prefix cache serves ev
 request the server gets (two instances would each cache half the conversations). A prompt
 within one chunk (a prefill engine's chunk is `prefill_pass_tokens`, 2,048 tokens) is
 computed whole, in one pass. Each pass goes to the prompt with the fewest passes left, the
-oldest among equals (`next_turn`): prompts of one pass each are served oldest first, a
+oldest among equals (`next_turn`), and takes along, oldest first, the other prompts it can
+complete while the pass's tokens stay within `pass_tokens` (`prefill_batch_tokens`, 512, on
+an engine that batches prompts; `fill_pass`), computed in the same forward pass: a burst of
+short prompts, or of one prefix's short suffixes, is one pass, not one each. A prompt whose
+first pass would compute the same first block as one in the pass waits for the next, where
+that block is cached. Prompts of one pass each are served oldest first, a
 burst of long ones one after another (each one's first token comes after its own passes,
 not all near the end), a prompt's last pass goes before another prompt's first, and a short
 prompt that arrives while a long one prefills waits for at most one chunk of it. NOTE:
@@ -54,9 +59,22 @@ class Prefilling(Protocol):
         """The passes it has left (at most: its cached prefix is found at its first pass)."""
         ...
 
-    def step(self) -> Any | None: ...
+    @property
+    def uncached_block(self) -> int | None:
+        """Before its first pass, the prefix-cache key of the first block that pass would
+        compute (None: none, or after its first pass)."""
+        ...
+
+    def step(self) -> Any | None:
+        """Its next pass, alone: its result once its prompt is complete, else None."""
+        ...
 
     def abandon(self) -> None: ...
+
+
+def step_each(jobs: list[Prefilling]) -> list[Any | None]:
+    """A pass of several prompts as one pass each (an engine that batches none)."""
+    return [job.step() for job in jobs]
 
 
 @dataclass
@@ -81,7 +99,26 @@ def next_turn(passes_left: list[int], passed_over: list[int]) -> int:
     return min(range(len(passes_left)), key=passes_left.__getitem__)
 
 
-@dataclass
+def fill_pass(
+    chosen: int, passes_left: list[int], tokens: list[int], blocks: list[int | None], budget: int
+) -> list[int]:
+    """The prompts in progress (oldest first: each one's passes left, its next pass's tokens
+    and its uncached_block) a pass computes: `chosen`, then, oldest first, each prompt this
+    pass completes (one pass left) while the pass's tokens stay within `budget`, but one
+    whose first block is a member's (it would compute that block again)."""
+    members, left = [chosen], budget - tokens[chosen]
+    taken = {blocks[chosen]} - {None}
+    for turn in range(len(passes_left)):
+        if turn == chosen or passes_left[turn] != 1 or tokens[turn] > left or blocks[turn] in taken:
+            continue
+        members.append(turn)
+        left -= tokens[turn]
+        if blocks[turn] is not None:
+            taken.add(blocks[turn])
+    return members
+
+
+@dataclass(eq=False)
 class _Turn:
     task: PrefillTask
     job: Prefilling
@@ -101,7 +138,10 @@ class PrefillLimits:
 class PrefillScheduler:
     """`before_pass(tokens)` and `after_pass()`: called on the scheduler thread around each
     pass, `tokens` the most it computes (the torch threads it takes, PassThreads; the marks
-    of a pass that takes the server's cores in turns with decode, EngineHooks)."""
+    of a pass that takes the server's cores in turns with decode, EngineHooks).
+    `compute(jobs)` computes a pass of those jobs (one each: `step_each`; the engine's batched
+    pass: core.generation.generation.PrefillJob.compute_pass); `pass_tokens` bounds the tokens of a pass
+    of several (0: one prompt per pass)."""
 
     def __init__(
         self,
@@ -110,8 +150,11 @@ class PrefillScheduler:
         limits: PrefillLimits = PrefillLimits(),
         clock: Callable[[], float] = time.monotonic,
         after_pass: Callable[[], object] | None = None,
+        compute: Callable[[list[Any]], list[Any | None]] = step_each,
+        pass_tokens: int = 0,
     ):
         self._before_pass, self._after_pass = before_pass, after_pass
+        self._compute, self._pass_tokens = compute, pass_tokens
         self._limits, self._clock = limits, clock
         self._incoming: queue.SimpleQueue[PrefillTask | None] = queue.SimpleQueue()
         self._waiting: deque[PrefillTask] = deque()  # submitted, not started: no room yet
@@ -133,21 +176,22 @@ class PrefillScheduler:
             self._admit()
             if not self._turns:
                 continue
-            turn = self._next()
-            task, job = turn.task, turn.job
+            members = self._next()
             try:
                 if self._before_pass is not None:
-                    self._before_pass(job.next_pass_tokens)
-                result = job.step()
+                    self._before_pass(sum(turn.job.next_pass_tokens for turn in members))
+                results = self._compute([turn.job for turn in members])
             except Exception as exc:  # noqa: BLE001 - every failure must reach its client
-                job.abandon()
-                self._end(turn, task.fail, exc)
+                for turn in members:
+                    turn.job.abandon()
+                    self._end(turn, turn.task.fail, exc)
                 continue
             finally:
                 if self._after_pass is not None:
                     self._after_pass()
-            if result is not None:
-                self._end(turn, task.done, result)
+            for turn, result in zip(members, results, strict=True):
+                if result is not None:
+                    self._end(turn, turn.task.done, result)
         for turn in self._turns:
             turn.job.abandon()
             turn.task.fail(RuntimeError("prefill is shutting down"))
@@ -206,13 +250,23 @@ class PrefillScheduler:
                 )
             )
 
-    def _next(self) -> _Turn:
-        """The prompt in progress the next pass computes (next_turn); the others passed over."""
+    def _next(self) -> list[_Turn]:
+        """The prompts in progress the next pass computes (next_turn, fill_pass); the others passed over."""
         turns = self._turns
-        chosen = turns[next_turn([t.job.passes_left for t in turns], [t.passed_over for t in turns])]
+        passes_left = [t.job.passes_left for t in turns]
+        chosen = next_turn(passes_left, [t.passed_over for t in turns])
+        if self._pass_tokens:
+            tokens = [t.job.next_pass_tokens for t in turns]
+            blocks = [
+                t.job.uncached_block if passes == 1 or index == chosen else None  # the others join no pass
+                for index, (t, passes) in enumerate(zip(turns, passes_left, strict=True))
+            ]
+            members = [turns[turn] for turn in fill_pass(chosen, passes_left, tokens, blocks, self._pass_tokens)]
+        else:
+            members = [turns[chosen]]
         for turn in turns:
-            turn.passed_over = 0 if turn is chosen else turn.passed_over + 1
-        return chosen
+            turn.passed_over = 0 if turn in members else turn.passed_over + 1
+        return members
 
     def _end(self, turn: _Turn, report: Callable[[Any], None], outcome: Any) -> None:
         self._turns.remove(turn)

@@ -81,7 +81,13 @@ class PdchatEngine:
             limits = PrefillLimits(engine.pool.total_blocks, engine.pool.block_tokens, self._options.queue_timeout_s)
             threads = PassThreads.for_engine(engine, most)
             turns = _PassTurns(threads, hooks, self._options.prefill_takes_cores_ms)
-            self._prefill = PrefillScheduler(before_pass=turns.before, limits=limits, after_pass=turns.after)
+            self._prefill = PrefillScheduler(
+                before_pass=turns.before,
+                limits=limits,
+                after_pass=turns.after,
+                compute=PrefillJob.compute_pass,
+                pass_tokens=self._options.prefill_batch_tokens if engine.batches_prompts else 0,
+            )
             return
         limits = Limits(
             max_running=self._options.max_running,
