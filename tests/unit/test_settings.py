@@ -39,8 +39,8 @@ def test_a_kind_gpu_instance_runs_on_the_gpu_triton_gave_it(tiny_model_dir):
         on_cpu.on_instance("GPU", 0)
 
 
-def test_chats_stage_lanes_come_from_the_parameter_then_the_environment_else_four():
-    assert stage_lanes({}, {}) == 4
+def test_chats_stage_lanes_come_from_the_parameter_then_the_environment_else_sixteen():
+    assert stage_lanes({}, {}) == 16
     assert stage_lanes({"stage_lanes": "4"}, {"PDCHAT_STAGE_LANES": "8"}) == 4
     assert stage_lanes({}, {"PDCHAT_STAGE_LANES": "8"}) == 8
     with pytest.raises(ModelUnavailable, match="stage_lanes must be positive"):

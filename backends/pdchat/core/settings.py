@@ -403,11 +403,13 @@ STAGE_LANES = Setting(
     "stage_lanes",
     "stage_lanes",
     "PDCHAT_STAGE_LANES",
-    "4",
+    "16",
     INTEGER,
     ("chat",),
-    "Blocking calls chat makes to renderer and prefill at once. Prefill gives each pass to the prompt with the "
-    "fewest passes left, so a short prompt sent beside long ones is answered first when it has a lane of its own.",
+    "Blocking calls chat makes to renderer and prefill at once (a thread each). Prefill gives each pass to the "
+    "prompt with the fewest passes left and computes a burst's short prompts in one pass, so the prompts of a "
+    "burst are answered soonest when each has a lane of its own: with fewer lanes than the burst, the rest reach "
+    "prefill only as the first ones finish.",
 )
 STAGE_STALL_TIMEOUT_S = Setting(
     "stage_stall_timeout_s",
