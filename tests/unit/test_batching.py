@@ -183,6 +183,18 @@ def test_prompts_computed_in_one_pass_give_what_each_gives_alone(tiny_model_dir,
         prefill.release()
 
 
+def test_without_a_prefix_cache_no_prompt_waits_for_a_block_to_be_cached(tiny_model_dir):
+    """uncached_block names the first block a prompt's first pass computes, for prefill to
+    keep two prompts that share it out of one pass; with no prefix cache no later pass would
+    find it cached, so there is none."""
+    prompt = prompts_of((40,), 512, seed=4)[0]
+    for caching, expected_blocks in ((True, 1), (False, 0)):
+        engine = CausalLM(tiny_model_dir, "cpu", pool=KVPoolOptions(8 * MIB, 16, caching))
+        prefill = PromptPrefill(engine, prompt, None, chunk=64)
+        assert (prefill.uncached_block is not None) == bool(expected_blocks)
+        prefill.release()
+
+
 def test_eviction_under_a_small_pool_keeps_outputs_right_and_too_big_a_prompt_is_refused(tiny_model_dir, reference):
     per_block = 16 * CausalLM(tiny_model_dir, "cpu", pool=KVPoolOptions(MIB, 16)).kv_bytes_per_token()
     engine = CausalLM(tiny_model_dir, "cpu", pool=KVPoolOptions(30 * per_block, 16, True))

@@ -214,3 +214,30 @@ def test_prompts_sent_together_are_computed_in_passes_of_several_and_a_failed_pa
     assert passes == [["z"], ["a", "b"], ["a2", "c", "d"], ["long"], ["long"], ["long"]]
     assert ended == ["a:done", "b:done", "the pass broke", "the pass broke", "the pass broke", "long:done"]
     assert [job.abandoned for job in jobs] == [False, True, False, False, True, True]
+
+
+def test_a_prompt_that_fails_after_its_pass_fails_alone():
+    """compute() gives an exception as one member's outcome (its first token's choice, its
+    KV's export failed): that prompt fails; the others of its pass end as they would."""
+    ended, all_done = [], threading.Event()
+    jobs = [Chunks(name, 1, [], tokens=50) for name in ("a", "b", "c")]
+
+    def compute(members):
+        return [ValueError(f"{job.name}'s KV") if job.name == "b" else job.step() for job in members]
+
+    def record(outcome):
+        ended.append(outcome if isinstance(outcome, str) else str(outcome))
+        if len(ended) == len(jobs):
+            all_done.set()
+
+    scheduler = PrefillScheduler(compute=compute, pass_tokens=400)
+    gate = threading.Event()
+    first = Chunks("z", 1, [], tokens=400)
+    scheduler.submit(PrefillTask(start=lambda: (gate.wait(), first)[1], done=lambda r: None, fail=print))
+    for job in jobs:
+        scheduler.submit(PrefillTask(start=lambda job=job: job, done=record, fail=record))
+    gate.set()
+    assert all_done.wait(10)
+    scheduler.close()
+    assert ended == ["a:done", "b's KV", "c:done"]
+    assert [job.abandoned for job in jobs] == [False, True, False]

@@ -243,8 +243,9 @@ class CausalLM:
     ) -> list[tuple[torch.Tensor | None, int | None]]:
         """prefill_chunk_choosing() of each (sequence, token ids, greedy), in one pass where
         the engine `batches_prompts`: row-wise work over all the chunks' tokens at once, each
-        chunk attending over its own sequence. Its results are each chunk's alone, to rounding
-        (the same greedy tokens). NOTE: the sequences must differ."""
+        chunk attending over its own sequence. Its results are each chunk's alone to rounding
+        (the GEMMs run at another row count), as a batch's rows are. NOTE: the sequences must
+        differ."""
         if len(chunks) == 1 or not self.batches_prompts:
             return [self.prefill_chunk_choosing(*chunk) for chunk in chunks]
         parts = []
@@ -457,8 +458,8 @@ class PromptPrefill:
         """Before the first chunk, the prefix-cache key of the first block it would compute
         (None when it computes no full block, or after the first chunk): two prompts whose
         first chunks compute the same block compute it twice if they share a pass."""
-        if self._done is not None:
-            return None
+        if self._done is not None or not self.engine.pool.prefix_caching:
+            return None  # without a prefix cache, no pass after this one finds the block cached
         keys = self._prefix_keys = self._prefix_keys or self.sequence.prefix_keys(self.prompt_token_ids)
         cached = self.engine.pool.cached_run(keys)
         return keys[cached] if cached < len(keys) else None

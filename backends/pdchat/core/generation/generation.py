@@ -57,19 +57,29 @@ class PrefillJob:
         """One chunk, alone; the result once the prompt is complete (the sequence then
         released). A failure releases the sequence."""
         try:
-            return PrefillJob.compute_pass([self])[0]
+            outcome = PrefillJob.compute_pass([self])[0]
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
         except BaseException:
             self.abandon()
             raise
 
     @staticmethod
-    def compute_pass(jobs: list[PrefillJob]) -> list[Prefilled | None]:
+    def compute_pass(jobs: list[PrefillJob]) -> list[Prefilled | Exception | None]:
         """One pass of prefill: each job's next chunk, in one forward pass where the engine
         batches prompts (CausalLM.prefill_chunks); per job its result once its prompt is
-        complete, else None. NOTE: a failure fails the pass: the caller abandons its jobs."""
+        complete, the exception that failed that job alone (its first token's choice, its KV's
+        export), else None. NOTE: a failure of the pass itself raises: the caller abandons
+        every job of it."""
         chunks = [job._prompt.next_chunk(job._chooser.greedy) for job in jobs]
-        computed = jobs[0]._engine.prefill_chunks(chunks)
-        return [job._finish(pair) for job, pair in zip(jobs, computed, strict=True)]
+        outcomes: list[Prefilled | Exception | None] = []
+        for job, pair in zip(jobs, jobs[0]._engine.prefill_chunks(chunks), strict=True):
+            try:
+                outcomes.append(job._finish(pair))
+            except Exception as exc:  # noqa: BLE001 - this job's failure, not its pass's
+                outcomes.append(exc)
+        return outcomes
 
     def abandon(self) -> None:
         self._prompt.release()

@@ -139,7 +139,8 @@ class PrefillScheduler:
     """`before_pass(tokens)` and `after_pass()`: called on the scheduler thread around each
     pass, `tokens` the most it computes (the torch threads it takes, PassThreads; the marks
     of a pass that takes the server's cores in turns with decode, EngineHooks).
-    `compute(jobs)` computes a pass of those jobs (one each: `step_each`; the engine's batched
+    `compute(jobs)` computes a pass of those jobs, per job its result, None, or the exception
+    that failed it alone, and raises where the pass failed (one each: `step_each`; the engine's batched
     pass: core.generation.generation.PrefillJob.compute_pass); `pass_tokens` bounds the tokens of a pass
     of several (0: one prompt per pass)."""
 
@@ -190,7 +191,10 @@ class PrefillScheduler:
                 if self._after_pass is not None:
                     self._after_pass()
             for turn, result in zip(members, results, strict=True):
-                if result is not None:
+                if isinstance(result, Exception):  # that prompt's alone
+                    turn.job.abandon()
+                    self._end(turn, turn.task.fail, result)
+                elif result is not None:
                     self._end(turn, turn.task.done, result)
         for turn in self._turns:
             turn.job.abandon()

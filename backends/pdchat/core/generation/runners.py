@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from pdchat.core.generation.cpu_kernels import DecodeKernels, GreedyHead
-from pdchat.core.generation.paged import PagedForward
+from pdchat.core.generation.paged import PagedForward, PromptSegments
 
 if TYPE_CHECKING:
     from pdchat.core.generation.llama import LlamaForward
@@ -86,6 +86,30 @@ class OwnForwardRunner(TransformersRunner):
         hidden = self.forward(input_ids, paged, last_only=True)
         return self.projection(hidden)[:, -1].float()
 
+    def project_last(
+        self, input_ids: torch.Tensor, paged: PagedForward | PromptSegments, greedy: list[bool]
+    ) -> tuple[list[torch.Tensor | None], list[int | None]]:
+        """TransformersRunner.project_last, also for a pass of several prompts' chunks
+        (PromptSegments: a row per chunk). NOTE: those rows are decided one at a time, as a
+        prompt's alone: the vocabulary projection's blocked layout and the GreedyHead's
+        timings by row count (each W's size, or a pass's time) are for decode's batches, and a
+        prefill process never builds them."""
+        hidden = self.forward(input_ids, paged, last_only=True)[:, -1]
+        if not isinstance(paged, PromptSegments):
+            return self._decide(hidden, greedy)
+        rows: list[torch.Tensor | None] = []
+        chosen: list[int | None] = []
+        for row, wanted in enumerate(greedy):
+            logits, token = self._decide(hidden[row : row + 1], [wanted])
+            rows += logits
+            chosen += token
+        return rows, chosen
+
+    def _decide(self, hidden: torch.Tensor, greedy: list[bool]) -> tuple[list[torch.Tensor | None], list[int | None]]:
+        """project_last's pair from the rows' final hidden states [rows, hidden]."""
+        logits = self.projection(hidden).float()
+        return list(logits), self.argmax(logits) if any(greedy) else [None] * len(greedy)
+
 
 class GreedyHeadRunner(OwnForwardRunner):
     """The own forward; a pass with greedy rows decides their tokens by `head` from the hidden
@@ -96,12 +120,9 @@ class GreedyHeadRunner(OwnForwardRunner):
         super().__init__(model, kernels, forward)
         self.head = head
 
-    def project_last(
-        self, input_ids: torch.Tensor, paged: PagedForward, greedy: list[bool]
-    ) -> tuple[list[torch.Tensor | None], list[int | None]]:
+    def _decide(self, hidden: torch.Tensor, greedy: list[bool]) -> tuple[list[torch.Tensor | None], list[int | None]]:
         if not any(greedy):
-            return super().project_last(input_ids, paged, greedy)
-        hidden = self.forward(input_ids, paged, last_only=True)[:, -1]
+            return super()._decide(hidden, greedy)
         chosen: list[int | None] = [None] * len(greedy)
         rows: list[torch.Tensor | None] = [None] * len(greedy)
         greedy_rows = [row for row, wanted in enumerate(greedy) if wanted]
