@@ -39,7 +39,9 @@ from pdchat.ensemble.seal import live_server_directories
 FILE_PREFIX = "prefill-pass."
 WAITER_PREFIX = "decode-turns."
 _PASS = struct.Struct("<qd")  # passes begun, the running pass's deadline (0.0: none runs)
-MAX_TURN_S = 0.25  # the longest decode waits for one pass
+MAX_TURN_S = 1.0  # the longest decode waits for one pass, whatever its prefill expects
+MIN_TURN_S = 0.25  # the shortest deadline a pass gets, whatever its prefill expects
+_TURN_SLACK = 1.5  # a longer pass's deadline: this many times its expected duration after it began
 _POLL_S = 0.0005  # how often a waiting decode looks again
 _RESCAN_S = 1.0  # how often decode looks for prefill instances that came or went
 IN_USE_S = 10.0  # a decode that waits counts while it holds sequences or held some this recently
@@ -96,11 +98,16 @@ class PassMarks:
         self._sharing = SharedCores(directory, clock)
         _PASS.pack_into(self._map, 0, 0, 0.0)
 
-    def begin(self) -> bool:
+    def begin(self, expected_s: float = MAX_TURN_S) -> bool:
         """Mark a pass where a decode in use on these cores (this server's or a SharedCores
         one's) waits for marks, and none that does not wait holds sequences (their load
         files, pdchat.ensemble.decode_load, say so); whether it did: the pass may take every
-        core.
+        core. Its deadline is `_TURN_SLACK` times `expected_s` (what prefill expects the
+        pass to take) after it began, within [MIN_TURN_S, MAX_TURN_S]: decode waits for the
+        whole pass, as a step beside a pass on every core slows both (SmolLM2's passes of
+        0.33 s outlasted a fixed 0.25 s bound, decode stepped beside the end of each, and
+        its P/D TTFT p50 ran from 1.0 to 3.9 s over runs), while a pass that runs late keeps
+        the bound it had (an expectation is a moving average).
 
         NOTE: in use is holding sequences or having held some in the last IN_USE_S: one that
         holds nothing when the pass begins may be handed a request during it (in P/D, right
@@ -119,7 +126,8 @@ class PassMarks:
         if not waiting:
             return False
         self._begun += 1
-        _PASS.pack_into(self._map, 0, self._begun, self._clock() + MAX_TURN_S)
+        turn = min(MAX_TURN_S, max(MIN_TURN_S, _TURN_SLACK * expected_s))
+        _PASS.pack_into(self._map, 0, self._begun, self._clock() + turn)
         return True
 
     def end(self) -> None:

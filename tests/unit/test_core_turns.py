@@ -1,7 +1,7 @@
 """Prefill's prompt passes and decode's steps take turns on one server's cores
 (pdchat.ensemble.core_turns): decode waits for a marked pass once, never past its deadline."""
 
-from pdchat.ensemble.core_turns import IN_USE_S, MAX_TURN_S, PassMarks, PassTurns
+from pdchat.ensemble.core_turns import IN_USE_S, MAX_TURN_S, MIN_TURN_S, PassMarks, PassTurns
 from pdchat.ensemble.decode_load import LoadSlot
 
 
@@ -62,6 +62,22 @@ def test_a_pass_is_never_waited_for_past_its_deadline(tmp_path):
     assert turns.wait() == 0.0
 
 
+def test_a_pass_is_waited_for_about_as_long_as_its_prefill_expects_it_to_take(tmp_path):
+    """Its deadline is _TURN_SLACK times the expected duration, at least MIN_TURN_S: a pass
+    that runs late past it is stepped beside; one expected to outlast MAX_TURN_S is waited
+    for MAX_TURN_S."""
+    turns, marks, clock, _ = turns_and_marks(tmp_path)
+    for expected_s, waited_s in ((0.4, 0.6), (0.05, MIN_TURN_S)):
+        marks.begin(expected_s=expected_s)  # and never ends
+        started = clock.now
+        turns.wait()
+        assert waited_s <= clock.now - started < waited_s + 0.01
+    marks.begin(expected_s=30.0)
+    started = clock.now
+    turns.wait()
+    assert MAX_TURN_S <= clock.now - started < MAX_TURN_S + 0.01
+
+
 def test_a_prefill_instance_that_left_is_forgotten(tmp_path):
     turns, marks, clock, _ = turns_and_marks(tmp_path)
     turns.wait()
@@ -95,7 +111,10 @@ def test_a_pass_takes_the_cores_once_the_passes_before_it_say_it_takes_prefill_t
         def after_most(self):
             taken.append("after most")
 
-    hooks = EngineHooks(pass_began=lambda: marks.append("began") or True, pass_ended=lambda: marks.append("ended"))
+    hooks = EngineHooks(
+        pass_began=lambda expected_s: marks.append(f"began {expected_s:.3f}") or True,
+        pass_ended=lambda: marks.append("ended"),
+    )
     turns = _PassTurns(Threads(), hooks, from_ms=40, clock=clock)
 
     def one_pass(tokens: int, seconds: float) -> None:
@@ -106,12 +125,13 @@ def test_a_pass_takes_the_cores_once_the_passes_before_it_say_it_takes_prefill_t
     one_pass(100, 0.1)  # unknown rate: beside decode; 1 ms of a core per token
     one_pass(256, 0.128)
     one_pass(32, 0.016)
-    assert taken == ["idle cores", "most", "after most", "idle cores"] and marks == ["began", "ended"]
+    assert taken == ["idle cores", "most", "after most", "idle cores"]
+    assert marks == ["began 0.128", "ended"], "256 tokens at 1 ms of a core each, on 2 cores"
     off = _PassTurns(Threads(), hooks, from_ms=0, clock=clock)
     for _ in range(2):
         off.before(4096)
         off.after()
-    assert marks == ["began", "ended"]
+    assert marks == ["began 0.128", "ended"]
 
 
 def test_a_pass_is_marked_where_a_decode_in_use_waits_and_none_that_does_not_is_busy(tmp_path):

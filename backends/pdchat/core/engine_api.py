@@ -192,8 +192,9 @@ class EngineHooks:
     `on_load(held, queued)` (the requests it holds and those waiting for room, every pass)
     and `on_emitted()` (a step's deltas all handed out); any engine's `on_dead()`, once,
     when it can serve no more (vLLM's engine core died). Taking turns on the server's cores
-    (setting prefill_takes_cores_ms, pdchat's engine): a prefill engine calls `pass_began()`
-    (True where a decode waits for the pass) and `pass_ended()` around a long prompt pass, a
+    (setting prefill_takes_cores_ms, pdchat's engine): a prefill engine calls
+    `pass_began(expected_s)` (the seconds it expects the pass to take; True where a decode
+    waits for the pass) and `pass_ended()` around a long prompt pass, a
     decode engine `before_step()` before each step, which returns when the step may run
     (a decode whose scheduler has a CPU of its own, decode_cpus, is given none)."""
 
@@ -201,7 +202,7 @@ class EngineHooks:
     on_load: Callable[[int, int], None] | None = None
     on_emitted: Callable[[], None] | None = None
     on_dead: Callable[[], None] | None = None
-    pass_began: Callable[[], bool] | None = None
+    pass_began: Callable[[float], bool] | None = None
     pass_ended: Callable[[], None] | None = None
     before_step: Callable[[], object] | None = None
 

@@ -260,7 +260,8 @@ class _PassTurns:
         self._marked = False
 
     def before(self, tokens: int) -> None:
-        self._marked = self._expected_long(tokens) and bool(self._hooks.pass_began())
+        expected_s = self._expected_s(tokens)
+        self._marked = expected_s >= self._from_s > 0.0 and bool(self._hooks.pass_began(expected_s))
         threads = self._threads.take_most() if self._marked else self._threads.before_pass()
         self._pass = (self._clock(), tokens, threads)
 
@@ -276,7 +277,8 @@ class _PassTurns:
             if self._hooks.pass_ended is not None:
                 self._hooks.pass_ended()
 
-    def _expected_long(self, tokens: int) -> bool:
-        if self._from_s <= 0.0 or self._core_s_per_token is None:
-            return False
-        return tokens * self._core_s_per_token / self._threads.most >= self._from_s
+    def _expected_s(self, tokens: int) -> float:
+        """The pass's expected seconds on every core; 0.0 before a pass was measured."""
+        if self._core_s_per_token is None:
+            return 0.0
+        return tokens * self._core_s_per_token / self._threads.most
