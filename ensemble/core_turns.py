@@ -104,10 +104,8 @@ class PassMarks:
         files, pdchat.ensemble.decode_load, say so); whether it did: the pass may take every
         core. Its deadline is `_TURN_SLACK` times `expected_s` (what prefill expects the
         pass to take) after it began, within [MIN_TURN_S, MAX_TURN_S]: decode waits for the
-        whole pass, as a step beside a pass on every core slows both (SmolLM2's passes of
-        0.33 s outlasted a fixed 0.25 s bound, decode stepped beside the end of each, and
-        its P/D TTFT p50 ran from 1.0 to 3.9 s over runs), while a pass that runs late keeps
-        the bound it had (an expectation is a moving average).
+        whole of a long pass, as a step beside a pass on every core slows both, and a short
+        pass that runs late past its expectation (a moving average) still gets MIN_TURN_S.
 
         NOTE: in use is holding sequences or having held some in the last IN_USE_S: one that
         holds nothing when the pass begins may be handed a request during it (in P/D, right

@@ -177,10 +177,10 @@ class PrefillScheduler:
             self._admit()
             if not self._turns:
                 continue
-            members = self._next()
+            members, tokens = self._next()
             try:
                 if self._before_pass is not None:
-                    self._before_pass(sum(turn.job.next_pass_tokens for turn in members))
+                    self._before_pass(tokens)
                 results = self._compute([turn.job for turn in members])
             except Exception as exc:  # noqa: BLE001 - every failure must reach its client
                 for turn in members:
@@ -254,8 +254,9 @@ class PrefillScheduler:
                 )
             )
 
-    def _next(self) -> list[_Turn]:
-        """The prompts in progress the next pass computes (next_turn, fill_pass); the others passed over."""
+    def _next(self) -> tuple[list[_Turn], int]:
+        """The prompts in progress the next pass computes (next_turn, fill_pass), and the most
+        tokens it computes; the others passed over."""
         turns = self._turns
         passes_left = [t.job.passes_left for t in turns]
         chosen = next_turn(passes_left, [t.passed_over for t in turns])
@@ -265,12 +266,13 @@ class PrefillScheduler:
                 t.job.uncached_block if passes == 1 or index == chosen else None  # the others join no pass
                 for index, (t, passes) in enumerate(zip(turns, passes_left, strict=True))
             ]
-            members = [turns[turn] for turn in fill_pass(chosen, passes_left, tokens, blocks, self._pass_tokens)]
+            indices = fill_pass(chosen, passes_left, tokens, blocks, self._pass_tokens)
+            members, pass_tokens = [turns[i] for i in indices], sum(tokens[i] for i in indices)
         else:
-            members = [turns[chosen]]
+            members, pass_tokens = [turns[chosen]], turns[chosen].job.next_pass_tokens
         for turn in turns:
             turn.passed_over = 0 if turn in members else turn.passed_over + 1
-        return members
+        return members, pass_tokens
 
     def _end(self, turn: _Turn, report: Callable[[Any], None], outcome: Any) -> None:
         self._turns.remove(turn)

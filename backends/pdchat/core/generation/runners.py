@@ -63,7 +63,10 @@ class TransformersRunner:
         """One pass over `input_ids` [rows, queries]; per row, the logits after its last query
         (None where a greedy row's token was decided without them) and, for rows marked
         `greedy`, the greedy token (None for the others)."""
-        logits = self.last_logits(input_ids, paged)
+        return self._pair(self.last_logits(input_ids, paged), greedy)
+
+    def _pair(self, logits: torch.Tensor, greedy: list[bool]) -> tuple[list[torch.Tensor | None], list[int | None]]:
+        """project_last's pair from the rows' logits [rows, vocab]."""
         chosen: list[int | None] = self.argmax(logits) if any(greedy) else [None] * len(greedy)
         return list(logits), chosen
 
@@ -107,8 +110,7 @@ class OwnForwardRunner(TransformersRunner):
 
     def _decide(self, hidden: torch.Tensor, greedy: list[bool]) -> tuple[list[torch.Tensor | None], list[int | None]]:
         """project_last's pair from the rows' final hidden states [rows, hidden]."""
-        logits = self.projection(hidden).float()
-        return list(logits), self.argmax(logits) if any(greedy) else [None] * len(greedy)
+        return self._pair(self.projection(hidden).float(), greedy)
 
 
 class GreedyHeadRunner(OwnForwardRunner):
