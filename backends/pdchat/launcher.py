@@ -355,7 +355,13 @@ class TritonServer:
         return f"http://{self.http_url}/v2/health/ready"
 
     def wait_ready(self, timeout: float) -> None:
+        """Until the server is ready and its metrics endpoint answers: tritonserver starts
+        the metrics service last, tens of milliseconds after it reports ready, and the
+        callers (the supervisor, the tests, the benchmarks) read it from the start."""
+        deadline = time.monotonic() + timeout
         wait_healthy(self.process, self.ready_url, timeout, "tritonserver", self.log_path)
+        left = max(deadline - time.monotonic(), 1.0)
+        wait_healthy(self.process, self.metrics_url, left, "tritonserver's metrics endpoint", self.log_path)
         self.stubs = python_stubs(self.process.pid)
 
     def is_ready(self) -> bool:
