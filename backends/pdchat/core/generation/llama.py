@@ -228,17 +228,14 @@ class LlamaForward:
         return attend
 
     def _prompt_attention(self, paged: PagedForward, kernels: DecodeKernels, rows: int, queries: int) -> Callable:
-        """A prompt's queries: rotary with the KV store in C (as a decode step's), then the
-        kernels' prompt attention over the pool's slots for one prompt's chunk (AVX-512; its
-        positions follow on from the columns before them), else SDPA over this pass's own
-        keys and values where they are all the row attends over (`paged.causal`: no cached
-        prefix), else over the pool's slots with the pass's mask.
+        """A prompt's queries: rotary with the KV store in C (as a decode step's), then SDPA
+        over this pass's own keys and values where they are all the row attends over
+        (`paged.causal`: no cached prefix), else over the pool's slots with the pass's mask.
 
-        NOTE: the pool holds exactly the keys and values the C store wrote, so every kind of
-        pass attends over the same numbers."""
+        NOTE: the pool holds exactly the keys and values the C store wrote, so both kinds of
+        pass attend over the same numbers."""
         positions, write = paged.query_positions.reshape(-1), paged.write.reshape(-1)
         q_size, kv_size = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
-        in_c = self._chunk_columns(paged, kernels, rows, queries)
 
         def heads(flat: torch.Tensor, count: int) -> torch.Tensor:
             """[rows * queries, count * head_dim] -> [rows, count, queries, head_dim], a view."""
@@ -247,9 +244,6 @@ class LlamaForward:
         def attend(layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
             keys, values = paged.pool.keys[layer.module.layer_idx], paged.pool.values[layer.module.layer_idx]
             kernels.rope_store(qkv, self.cos, self.sin, positions, write, keys, values, self.q_heads)
-            if in_c is not None:
-                query = qkv[:, :q_size].view(queries, self.q_heads, self.head_dim)
-                return kernels.prompt_attention(query, keys, values, in_c, self.scaling).view(queries, -1)
             query = heads(qkv[:, :q_size], self.q_heads)
             if paged.causal:
                 key, value = (
@@ -262,19 +256,6 @@ class LlamaForward:
             return attended.transpose(1, 2).reshape(rows * queries, -1)
 
         return attend
-
-    def _chunk_columns(
-        self, paged: PagedForward, kernels: DecodeKernels, rows: int, queries: int
-    ) -> torch.Tensor | None:
-        """The pool slots of every position one prompt's chunk attends over, when the
-        kernels' prompt attention takes it: one row whose queries are the positions right
-        after the columns before them (a chunk, after a cached prefix or not). None: SDPA."""
-        if rows != 1 or not kernels.takes_prompt_attention(self.head_dim):
-            return None
-        first, last = int(paged.query_positions[0, 0]), int(paged.query_positions[0, -1])
-        if last - first + 1 != queries or paged.read.shape[1] <= last:
-            return None
-        return paged.read[0, : last + 1].contiguous()
 
     def _head_normed(self, layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
         """q, k and v with each query and key head RMSNormed where the family does (Qwen3),
