@@ -243,9 +243,9 @@ class CausalLM:
     ) -> list[tuple[torch.Tensor | None, int | None]]:
         """prefill_chunk_choosing() of each (sequence, token ids, greedy), in one pass where
         the engine `batches_prompts`: row-wise work over all the chunks' tokens at once, each
-        chunk attending over its own sequence. Its results are each chunk's alone to rounding
-        (the GEMMs run at another row count), as a batch's rows are. NOTE: the sequences must
-        differ."""
+        chunk attending over its own sequence. Each chunk's results are the same bits as alone
+        where the GEMMs are blocked and the C prompt attention runs (batch invariance,
+        core.generation.projection), to rounding otherwise. NOTE: the sequences must differ."""
         if len(chunks) == 1 or not self.batches_prompts:
             return [self.prefill_chunk_choosing(*chunk) for chunk in chunks]
         parts = []
@@ -539,19 +539,18 @@ class DecodeBatch:
 
 
 def _project_vocab_by_rows(model: torch.nn.Module) -> None:
-    """Give a CPU model an output projection that picks its GEMM by row count
-    (core.generation.projection): MKL's fp32 GEMM in `nn.Linear`'s layout made the
-    projection most of a decode step. `bench batching --step-only` times the step with it
-    and with transformers' `nn.Linear` side by side."""
+    """Give a CPU model an output projection on RowGemm (core.generation.projection): MKL's
+    fp32 GEMM in `nn.Linear`'s layout made the projection most of a decode step. `bench
+    batching --step-only` times the step with it and with transformers' `nn.Linear` side by
+    side."""
     head = model.get_output_embeddings()
     if type(head) is torch.nn.Linear:
         model.set_output_embeddings(_VocabProjection(head))
 
 
 class _VocabProjection(torch.nn.Module):
-    """nn.Linear's result, by whichever GEMM is fastest for this many rows (the weight is
-    shared with tied input embeddings). Its blocked layout waits for a pass of more than one
-    row: prefill projects only each prompt's last token, and never needs it."""
+    """nn.Linear's result by RowGemm (the weight is shared with tied input embeddings): its
+    blocked layout made on the first pass, not at load."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()

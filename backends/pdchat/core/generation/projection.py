@@ -1,10 +1,18 @@
-"""`x @ W^T` on CPU by the GEMM that is fastest for x's number of rows.
+"""`x @ W^T` on CPU by oneDNN over the weight in its blocked layout, whatever x's rows.
 
 torch's fp32 GEMM multiplies by `nn.Linear`'s [out, in] weight transposed, and converts its
 layout on every call. oneDNN over the weight reordered once into its blocked layout (what
 vLLM's CPU backend does for its linear layers) skips that: at prefill's rows (a prompt's
 tokens) it runs 1.1-1.5x as fast, at a decode step's few rows up to 2x
-(docs/benchmarks.md#the-forward-pass). At one row torch's GEMM is the faster, so it keeps it.
+(docs/benchmarks.md#the-forward-pass), at one row about as fast (a vocabulary's tall
+projection faster, a small layer's some 10 us slower).
+
+NOTE: batch invariance. oneDNN's kernel for two rows or more reduces each output in one
+order, whatever the row count and the threads: a row's result is the same bits alone, in
+any batch and in any prompt chunk. Its one-row kernel (and torch's) sums differently, so a
+single row is computed as two. A seeded sampled draw then depends on its request alone;
+with results equal only to rounding, a draw near a boundary of the cumulative mass (a
+flat distribution's top_p edge) would differ between a request served alone and in a batch.
 
 oneDNN makes (and caches) a primitive per shape, about 0.7 ms for each new number of rows
 here, so a prompt of a length not seen before paid that for each of a layer's GEMMs. A
@@ -24,14 +32,14 @@ PROMPT_ROW_BUCKET = 16
 class RowGemm:
     """`x @ W^T + b` for x [..., in], W [out, in] and an optional bias b [out]: [..., out].
 
-    - one row: torch's GEMM on W, or on a stored W^T when `transposed_for_one_row` (MKL
-      multiplies a vector by [in, out] faster than by [out, in] transposed: the
-      vocabulary's tall projection; where oneDNN does not run, W^T serves every row);
-    - more rows, with `blocked`: oneDNN over its blocked layout of W, made here, or on the
-      first such pass when `lazy`. fp32 on CPU only: oneDNN's bf16 and fp16 paths need
-      AVX-512 or AVX-NE-CONVERT.
+    - `blocked` (fp32 on CPU; oneDNN's bf16 and fp16 paths need AVX-512 or AVX-NE-CONVERT):
+      oneDNN over its blocked layout of W, made here, or on the first pass when `lazy`;
+      every row's result the same bits whatever the rows beside it (the module's NOTE);
+    - otherwise torch's GEMM on W, or for one row on a stored W^T when
+      `transposed_for_one_row` (MKL multiplies a vector by [in, out] faster than by [out,
+      in] transposed: a vocabulary's tall projection).
 
-    NOTE: the blocked layout and W^T each cost W's size again. The results of the two GEMMs
+    NOTE: the blocked layout and W^T each cost W's size again. Their results and torch's
     agree to rounding (about 1e-5 relative), not bit for bit."""
 
     def __init__(
@@ -48,19 +56,21 @@ class RowGemm:
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         self.blocked = blocked and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32
-        self._transposed = self.weight.t().contiguous() if transposed_for_one_row else None
+        self._transposed = self.weight.t().contiguous() if transposed_for_one_row and not self.blocked else None
         self._layout = self._blocked_layout() if self.blocked and not lazy else None
 
     def __call__(self, x: torch.Tensor, *, bucket_rows: bool = False) -> torch.Tensor:
         """`bucket_rows`: pad x's rows for oneDNN to a multiple of PROMPT_ROW_BUCKET (a
-        prompt's pass); the padding's rows are computed and dropped."""
+        prompt's pass); the padding's rows are computed and dropped, as a single row's twin."""
         rows = x.numel() // x.shape[-1]
-        if rows > 1 and self.blocked:
+        if self.blocked:
             if self._layout is None:
                 self._layout = self._blocked_layout()
             flat = x.reshape(rows, -1)
-            padded = -(-rows // PROMPT_ROW_BUCKET) * PROMPT_ROW_BUCKET if bucket_rows else rows
-            if padded != rows:
+            if rows == 1:  # NOTE: two rows, for the batch invariance (module docstring)
+                flat = flat.expand(2, -1).contiguous()
+            elif bucket_rows and rows % PROMPT_ROW_BUCKET:
+                padded = -(-rows // PROMPT_ROW_BUCKET) * PROMPT_ROW_BUCKET
                 flat = torch.cat((flat, flat.new_zeros(padded - rows, flat.shape[1])))
             out = torch.ops.mkldnn._linear_pointwise(flat, self._layout, self.bias, "none", [None], "")[:rows]
         elif self._transposed is not None:

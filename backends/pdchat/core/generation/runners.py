@@ -94,9 +94,8 @@ class OwnForwardRunner(TransformersRunner):
     ) -> tuple[list[torch.Tensor | None], list[int | None]]:
         """TransformersRunner.project_last, also for a pass of several prompts' chunks
         (PromptSegments: a row per chunk). NOTE: those rows are decided one at a time, as a
-        prompt's alone: the vocabulary projection's blocked layout and the GreedyHead's
-        timings by row count (each W's size, or a pass's time) are for decode's batches, and a
-        prefill process never builds them."""
+        prompt's alone: the GreedyHead's timings by row count (a pass's time each) are for
+        decode's batches, and a prefill process never makes them."""
         hidden = self.forward(input_ids, paged, last_only=True)[:, -1]
         if not isinstance(paged, PromptSegments):
             return self._decide(hidden, greedy)
