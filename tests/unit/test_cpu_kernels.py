@@ -60,6 +60,69 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels):
         assert torch.equal(alone[0], batched[row])
 
 
+def _prompt_case(queries: int, columns: int, q_heads: int = Q_HEADS, dim: int = DIM, seed: int = 0):
+    """A chunk's queries (rows strided, as in a fused projection) and its columns' slots."""
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(SLOTS, KV_HEADS, dim, generator=generator)
+    values = torch.randn(SLOTS, KV_HEADS, dim, generator=generator)
+    read = torch.randperm(SLOTS, generator=generator)[:columns]
+    fused = torch.randn(queries, (q_heads + 2 * KV_HEADS) * dim, generator=generator)
+    return fused[:, : q_heads * dim].view(queries, q_heads, dim), keys, values, read
+
+
+@pytest.mark.parametrize(
+    "queries, columns",
+    [(1, 1), (7, 7), (16, 16), (37, 37), (300, 300), (5, 41), (40, 1064), (265, 1289), (1, 600)],
+)
+def test_prompt_attention_computes_what_causal_sdpa_over_the_gathered_slots_does(kernels, queries, columns):
+    """A fresh chunk (queries == columns), one after a cached prefix, and a lone query; the
+    block and tile edges (8 queries, 16 columns) on both sides."""
+    if not kernels.takes_prompt_attention(DIM):
+        pytest.skip("the prompt attention needs AVX-512")
+    query, keys, values, read = _prompt_case(queries, columns)
+    ours = kernels.prompt_attention(query, keys, values, read, DIM**-0.5)
+    first = columns - queries
+    allowed = torch.arange(columns).view(1, -1) <= torch.arange(first, columns).view(-1, 1)
+    theirs = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0),
+        keys[read].transpose(0, 1).unsqueeze(0),
+        values[read].transpose(0, 1).unsqueeze(0),
+        attn_mask=allowed,
+        scale=DIM**-0.5,
+        enable_gqa=True,
+    )[0].transpose(0, 1)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_prompt_attention_gives_the_same_numbers_on_any_number_of_threads(kernels):
+    if not kernels.takes_prompt_attention(DIM):
+        pytest.skip("the prompt attention needs AVX-512")
+    case = (*_prompt_case(70, 200), DIM**-0.5)
+    one = kernels.prompt_attention(*case)
+    kernels.set_threads(2)
+    try:
+        assert torch.equal(kernels.prompt_attention(*case), one)
+    finally:
+        kernels.set_threads(1)
+
+
+def test_tensors_prompt_attention_does_not_compute_are_refused_not_read(kernels):
+    if not kernels.takes_prompt_attention(DIM):
+        pytest.skip("the prompt attention needs AVX-512")
+    query, keys, values, read = _prompt_case(8, 20)
+    assert not kernels.takes_prompt_attention(72) and not kernels.takes_prompt_attention(512)
+    for bad in (
+        (query.double(), keys, values, read),  # another dtype
+        (query, keys, values, read.int()),  # int32 slots
+        (query[:, :5], keys, values, read),  # 5 query heads over 2 kv heads
+        (query, keys, values, read[:7]),  # more queries than columns
+        (query, keys, values, read + SLOTS),  # slots outside the pool
+        (query, keys, values, read.view(4, 5)),  # not one row's slots
+    ):
+        with pytest.raises(ValueError, match="decode kernel"):
+            kernels.prompt_attention(*bad, DIM**-0.5)
+
+
 def test_without_a_compiler_the_engine_takes_the_torch_path(tiny_model_dir, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PDCHAT_CACHE_DIR", str(tmp_path))

@@ -97,13 +97,17 @@ _SIGNATURES = {
     "argmax": ([_P, _N, _N, _P], None),
     "pack_head_bf16": ([_P, _N, _N, _P], None),
     "head_screens": ([], ctypes.c_int),
+    "prompt_attention_available": ([], ctypes.c_int),
     "set_threads": ([ctypes.c_int], None),
 }
 # Called through a GIL-releasing handle (see GreedyHead).
 _RELEASING_SIGNATURES = {
     "head_argmax": ([ctypes.c_int, _P, _N, _N] + [_P] * 6 + [_N, _F, _F, _N, _P, _P], ctypes.c_int),
     "decide_rows": ([_P, _N, _N, _P, _P, _N, _P, _F, _F, _N, _P], None),
+    "prompt_attention": ([_P, _N, _P, _P, _P] + [_N] * 5 + [_F, _P], ctypes.c_int),
 }
+# The largest head dim decode_kernels.c's prompt attention takes (MAX_DIM there).
+PROMPT_ATTENTION_MAX_DIM = 256
 # Row-count buckets the GreedyHead times its ways in, once each, on its first batch: a
 # batch takes its bucket's winner (the smallest bucket at least its size; the last beyond it).
 SCREEN_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -129,6 +133,7 @@ class DecodeKernels:
         screens = self._head_screens()
         self.head_screens = tuple(name for name, code in _HEAD_SCREENS.items() if screens & code)
         self.isa = instruction_set()  # what -march=native compiled them for, by name
+        self.prompt_attention_compiled = bool(self._prompt_attention_available())  # AVX-512
 
     def set_threads(self, threads: int) -> None:
         """Let the row kernels and the head's screen split their work over `threads` (the
@@ -189,6 +194,56 @@ class DecodeKernels:
         )
         if failed:
             raise MemoryError("decode attention could not allocate its scores")
+        return out
+
+    def takes_prompt_attention(self, dim: int) -> bool:
+        """Whether `prompt_attention` serves heads of `dim`: compiled (AVX-512), dim a
+        multiple of 16 and at most PROMPT_ATTENTION_MAX_DIM."""
+        return self.prompt_attention_compiled and dim % 16 == 0 and 0 < dim <= PROMPT_ATTENTION_MAX_DIM
+
+    def prompt_attention(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, read: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """One prompt chunk's causal attention: query [queries, q_heads, dim] (read in place
+        when only its rows are strided; copied otherwise), query i at position n - queries +
+        i of the n positions whose slots in one layer's pool (keys, values [slots, kv_heads,
+        dim]) `read` [n] int64 holds, each attending over the positions up to its own.
+        Returns [queries, q_heads, dim]. Releases the GIL while it runs (milliseconds)."""
+        queries, q_heads, dim = query.shape
+        kv_heads = keys.shape[1]
+        if not (query.stride(2) == 1 and query.stride(1) == dim and query.stride(0) >= q_heads * dim):
+            query = query.contiguous()
+        _check(
+            self.takes_prompt_attention(dim)
+            and _fp32_cpu(query, keys, values)
+            and _int64_cpu(read)
+            and _contiguous(keys, values, read)
+            and keys.dim() == 3
+            and keys.shape == values.shape
+            and keys.shape[2] == dim
+            and 0 < kv_heads <= q_heads
+            and q_heads % kv_heads == 0
+            and read.dim() == 1
+            and 0 < queries <= read.shape[0]
+            and _within(read, 0, keys.shape[0])
+        )
+        out = torch.empty(queries, q_heads, dim)
+        failed = self._prompt_attention(
+            query.data_ptr(),
+            query.stride(0),
+            keys.data_ptr(),
+            values.data_ptr(),
+            read.data_ptr(),
+            queries,
+            read.shape[0],
+            q_heads,
+            kv_heads,
+            dim,
+            scale,
+            out.data_ptr(),
+        )
+        if failed:
+            raise MemoryError("prompt attention could not allocate its packed keys and values")
         return out
 
     def rope_store(

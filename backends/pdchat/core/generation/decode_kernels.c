@@ -1,4 +1,5 @@
-/* A decode step's work between its GEMMs, fp32, one query token per row.
+/* A decode step's work between its GEMMs, fp32, one query token per row; and a prompt
+ * chunk's attention (AVX-512 only).
  *
  * Built and loaded by pdchat.core.generation.cpu_kernels, which checks every argument
  * (shapes, dtypes, contiguity) before calling here: these functions take them on trust.
@@ -15,12 +16,14 @@
  * over pdchat_set_threads' count, through OpenMP (torch's own runtime: the same libgomp is
  * loaded first), when there is work for more than one: a prompt's pass on a stage that took
  * more threads while its cores sat idle. Each row or block is still computed alone, so the
- * results do not depend on the threads.
+ * results do not depend on the threads. The prompt attention splits its (query head, block
+ * of queries) tasks the same way; each task is computed alone.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -96,6 +99,146 @@ int pdchat_decode_attention(const float *restrict q, int64_t q_stride, const flo
     free(scores);
     return 0;
 }
+
+#if defined(__AVX512F__)
+#define TILE 16       /* keys per tile: one zmm of scores per query */
+#define QUERY_BLOCK 8 /* queries per block: eight score accumulators */
+#define MAX_DIM 256
+
+/* e^x for x <= 0 (softmax's shifted scores), about 2 ulp: 2^(x log2 e) split into an
+ * integer power (scalef) and a degree-6 polynomial of the rest. -inf gives 0. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f)); /* |f| <= ln2/2 */
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Whether pdchat_prompt_attention was compiled (AVX-512). */
+int pdchat_prompt_attention_available(void) { return 1; }
+
+/* One head's block of `rows` queries (at most QUERY_BLOCK; row r at `position` + r, its q
+ * at q + r * q_stride) over its kv head's packed tiles (pdchat_prompt_attention), each
+ * tile's scores folded into the rows' running max, sum and weighted values (online
+ * softmax); row r of the result at out + r * out_stride. */
+static void attend_block(const float *restrict q, int64_t q_stride, const float *restrict packed, int64_t rows,
+                         int64_t position, int64_t dim, float scale, float *restrict out, int64_t out_stride) {
+    const int64_t tile_floats = TILE * dim, vectors = dim / 16;
+    float qs[QUERY_BLOCK][MAX_DIM] __attribute__((aligned(64)));
+    float acc[QUERY_BLOCK][MAX_DIM] __attribute__((aligned(64)));
+    float p[QUERY_BLOCK][TILE] __attribute__((aligned(64)));
+    float top[QUERY_BLOCK], total[QUERY_BLOCK];
+    for (int64_t r = 0; r < QUERY_BLOCK; r++) { /* rows past `rows` repeat the first: computed, never read */
+        const float *src = q + (r < rows ? r : 0) * q_stride;
+        for (int64_t d = 0; d < dim; d++) qs[r][d] = src[d] * scale;
+        memset(acc[r], 0, sizeof(float) * (size_t)dim);
+        top[r] = -INFINITY;
+        total[r] = 0.f;
+    }
+    for (int64_t tile = 0; tile * TILE <= position + rows - 1; tile++) {
+        const float *kt = packed + tile * 2 * tile_floats, *vt = kt + tile_floats;
+        __m512 s[QUERY_BLOCK];
+        for (int r = 0; r < QUERY_BLOCK; r++) s[r] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d++) {
+            const __m512 k = _mm512_load_ps(kt + d * TILE);
+            for (int r = 0; r < QUERY_BLOCK; r++) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r][d]), k, s[r]);
+        }
+        for (int r = 0; r < rows; r++) {
+            const int64_t seen = position + r - tile * TILE + 1; /* this tile's columns row r attends over */
+            const __mmask16 keep = seen >= TILE ? (__mmask16)0xFFFF : seen <= 0 ? (__mmask16)0 : (__mmask16)((1u << seen) - 1u);
+            const __m512 masked = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, s[r]);
+            const float tile_top = _mm512_reduce_max_ps(masked);
+            const float new_top = tile_top > top[r] ? tile_top : top[r];
+            const float fade = top[r] == -INFINITY ? 0.f : expf(top[r] - new_top);
+            const __m512 e = _mm512_maskz_mov_ps(keep, exp_nonpositive(_mm512_sub_ps(masked, _mm512_set1_ps(new_top))));
+            _mm512_store_ps(p[r], e);
+            total[r] = total[r] * fade + _mm512_reduce_add_ps(e);
+            top[r] = new_top;
+            if (fade != 1.f)
+                for (int64_t v = 0; v < vectors; v++)
+                    _mm512_store_ps(acc[r] + 16 * v, _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * v), _mm512_set1_ps(fade)));
+        }
+        for (int r = 0; r < rows; r += 2) { /* two rows' sums in registers per tile, one value load each */
+            const int second = r + 1 < rows ? r + 1 : r;
+            for (int64_t v = 0; v < vectors; v++) {
+                __m512 a0 = _mm512_load_ps(acc[r] + 16 * v), a1 = _mm512_load_ps(acc[second] + 16 * v);
+                for (int j = 0; j < TILE; j++) {
+                    const __m512 value = _mm512_load_ps(vt + j * dim + 16 * v);
+                    a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), value, a0);
+                    a1 = _mm512_fmadd_ps(_mm512_set1_ps(p[second][j]), value, a1);
+                }
+                if (second != r) _mm512_store_ps(acc[second] + 16 * v, a1);
+                _mm512_store_ps(acc[r] + 16 * v, a0);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const float inverse = 1.f / total[r];
+        for (int64_t d = 0; d < dim; d++) out[r * out_stride + d] = acc[r][d] * inverse;
+    }
+}
+
+/* out [queries, q_heads, dim]: causal softmax(q k^T * scale) v of one prompt's chunk, query
+ * i at position n - queries + i attending over columns 0..its position, whose keys and
+ * values lie in a layer's pool at slots read[0..n); q's rows `q_stride` floats apart; dim a
+ * multiple of 16, at most MAX_DIM. Flash-style: each kv head's keys and values are packed
+ * once into tiles of TILE columns (keys transposed), then each block of QUERY_BLOCK queries
+ * of its heads walks the tiles it sees (attend_block), so no score matrix is held and the
+ * tiles past a block's last position are skipped. Returns 1 when its scratch cannot be
+ * allocated. */
+int pdchat_prompt_attention(const float *restrict q, int64_t q_stride, const float *restrict keys,
+                            const float *restrict values, const int64_t *restrict read, int64_t queries, int64_t n,
+                            int64_t q_heads, int64_t kv_heads, int64_t dim, float scale, float *restrict out) {
+    const int64_t groups = q_heads / kv_heads, width = kv_heads * dim, tiles = (n + TILE - 1) / TILE;
+    const int64_t tile_floats = TILE * dim;
+    const int64_t blocks = (queries + QUERY_BLOCK - 1) / QUERY_BLOCK, first = n - queries;
+    /* One kv head's tiles at a time: its keys transposed ([dim][TILE]), then its values
+     * ([TILE][dim]); zero past n. */
+    float *packed = aligned_alloc(64, sizeof(float) * (size_t)(tiles * 2 * tile_floats));
+    if (packed == NULL) return 1;
+    for (int64_t h = 0; h < kv_heads; h++) {
+        PRAGMA(omp parallel for num_threads(pass_threads) schedule(static) if(pass_threads > 1 && tiles >= PARALLEL_ROWS))
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            float *kt = packed + tile * 2 * tile_floats, *vt = kt + tile_floats;
+            for (int64_t j = 0; j < TILE; j++) {
+                const int64_t col = tile * TILE + j;
+                const float *key = col < n ? keys + read[col] * width + h * dim : NULL;
+                const float *value = col < n ? values + read[col] * width + h * dim : NULL;
+                for (int64_t d = 0; d < dim; d++) {
+                    kt[d * TILE + j] = key ? key[d] : 0.f;
+                    vt[j * dim + d] = value ? value[d] : 0.f;
+                }
+            }
+        }
+        PRAGMA(omp parallel for num_threads(pass_threads) schedule(dynamic) if(pass_threads > 1 && groups * blocks >= PARALLEL_ROWS))
+        for (int64_t task = 0; task < groups * blocks; task++) {
+            const int64_t head = h * groups + task / blocks, i0 = (task % blocks) * QUERY_BLOCK;
+            const int64_t rows = queries - i0 < QUERY_BLOCK ? queries - i0 : QUERY_BLOCK;
+            attend_block(q + i0 * q_stride + head * dim, q_stride, packed, rows, first + i0, dim, scale,
+                         out + (i0 * q_heads + head) * dim, q_heads * dim);
+        }
+    }
+    free(packed);
+    return 0;
+}
+#else
+int pdchat_prompt_attention_available(void) { return 0; }
+int pdchat_prompt_attention(const float *q, int64_t q_stride, const float *keys, const float *values,
+                            const int64_t *read, int64_t queries, int64_t n, int64_t q_heads, int64_t kv_heads,
+                            int64_t dim, float scale, float *out) {
+    (void)q, (void)q_stride, (void)keys, (void)values, (void)read, (void)queries, (void)n;
+    (void)q_heads, (void)kv_heads, (void)dim, (void)scale, (void)out;
+    return 1; /* never called: pdchat_prompt_attention_available says 0 */
+}
+#endif
 
 static void norm_row(const float *restrict x, const float *restrict weight, int64_t width, float eps,
                      float *restrict out) {

@@ -16,16 +16,17 @@ evaluated at every position, and each op is the one transformers runs, in its or
 of a single token agrees to rounding only: there torch multiplies by a vector, and that
 kernel's sums depend on where the weight lies in memory (the loaded ones are not 64-byte
 aligned, the stacks are). The model's projection modules are rebound to views of the
-stacks, so memory is not doubled. With `blocked_gemms` on (the default), passes of more
-than one row (a prompt's tokens, a batch's rows) multiply by oneDNN's blocked layout of
-each weight, which holds it once more, and agree to rounding, with the same greedy tokens.
+stacks, so memory is not doubled. With `blocked_gemms` on (the default), every pass
+multiplies by oneDNN's blocked layout of each weight, which holds it once more, and agrees
+to rounding, with the same greedy tokens; each row's result is then the same bits in any
+batch (core.generation.projection's batch invariance).
 
 Decode's passes (one token per row) with the C kernels (`PagedForward.decode_kernels`,
 core.generation.cpu_kernels) run everything between the GEMMs in C: per layer four GEMMs
 and four kernel calls (RMSNorm with the residual add before it, rotary with the KV store,
 attention, SwiGLU) instead of some forty torch ops. Passes of a prompt's tokens with the
-kernels take the row-wise ones (the RMSNorms with their residual adds, SwiGLU); rotary and
-attention stay torch's. Equal to the torch path to rounding.
+kernels take the row-wise ones (the RMSNorms with their residual adds, SwiGLU), rotary with
+the KV store, and on AVX-512 their attention. Equal to the torch path to rounding.
 """
 
 from __future__ import annotations
@@ -228,14 +229,17 @@ class LlamaForward:
         return attend
 
     def _prompt_attention(self, paged: PagedForward, kernels: DecodeKernels, rows: int, queries: int) -> Callable:
-        """A prompt's queries: rotary with the KV store in C (as a decode step's), then SDPA
-        over this pass's own keys and values where they are all the row attends over
-        (`paged.causal`: no cached prefix), else over the pool's slots with the pass's mask.
+        """A prompt's queries: rotary with the KV store in C (as a decode step's), then the
+        kernels' prompt attention over the pool's slots for one prompt's chunk (AVX-512; its
+        positions follow on from the columns before them), else SDPA over this pass's own
+        keys and values where they are all the row attends over (`paged.causal`: no cached
+        prefix), else over the pool's slots with the pass's mask.
 
-        NOTE: the pool holds exactly the keys and values the C store wrote, so both kinds of
-        pass attend over the same numbers."""
+        NOTE: the pool holds exactly the keys and values the C store wrote, so every kind of
+        pass attends over the same numbers."""
         positions, write = paged.query_positions.reshape(-1), paged.write.reshape(-1)
         q_size, kv_size = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        in_c = self._chunk_columns(paged, kernels, rows, queries)
 
         def heads(flat: torch.Tensor, count: int) -> torch.Tensor:
             """[rows * queries, count * head_dim] -> [rows, count, queries, head_dim], a view."""
@@ -244,6 +248,9 @@ class LlamaForward:
         def attend(layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
             keys, values = paged.pool.keys[layer.module.layer_idx], paged.pool.values[layer.module.layer_idx]
             kernels.rope_store(qkv, self.cos, self.sin, positions, write, keys, values, self.q_heads)
+            if in_c is not None:
+                query = qkv[:, :q_size].view(queries, self.q_heads, self.head_dim)
+                return kernels.prompt_attention(query, keys, values, in_c, self.scaling).view(queries, -1)
             query = heads(qkv[:, :q_size], self.q_heads)
             if paged.causal:
                 key, value = (
@@ -256,6 +263,19 @@ class LlamaForward:
             return attended.transpose(1, 2).reshape(rows * queries, -1)
 
         return attend
+
+    def _chunk_columns(
+        self, paged: PagedForward, kernels: DecodeKernels, rows: int, queries: int
+    ) -> torch.Tensor | None:
+        """The pool slots of every position one prompt's chunk attends over, when the
+        kernels' prompt attention takes it: one row whose queries are the positions right
+        after the columns before them (a chunk, after a cached prefix or not). None: SDPA."""
+        if rows != 1 or not kernels.takes_prompt_attention(self.head_dim):
+            return None
+        first, last = int(paged.query_positions[0, 0]), int(paged.query_positions[0, -1])
+        if last - first + 1 != queries or paged.read.shape[1] <= last:
+            return None
+        return paged.read[0, : last + 1].contiguous()
 
     def _head_normed(self, layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
         """q, k and v with each query and key head RMSNormed where the family does (Qwen3),
