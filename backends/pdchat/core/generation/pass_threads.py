@@ -17,8 +17,8 @@ Decode prefills a lone prompt itself only while the server is idle
 (local_prefill_when_idle): its chunks take `most` while no row runs, without looking
 (`watch_cores=False`), and its steps keep `base`.
 
-The pass's numbers do not change with its threads: oneDNN's GEMMs and torch's attention
-split their work by rows and heads, never a sum (tests/unit/test_pass_threads.py checks the
+The pass's numbers do not change with its threads: oneDNN's GEMMs and the attention (the
+C kernels' or torch's) split their work by rows and heads, never a sum (tests/unit/test_pass_threads.py checks the
 logits bit for bit). No Triton import here: tested without a server.
 """
 
