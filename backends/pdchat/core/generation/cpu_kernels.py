@@ -156,19 +156,12 @@ class DecodeKernels:
         pool [slots, kv_heads, dim]; read [rows, cols] int64 slots; lengths [rows] int64:
         how many of a row's columns it attends over (the last `window` of them when a
         window is given). Returns [rows, q_heads, dim]."""
+        query = _attention_query(query, keys, values)
         rows, q_heads, dim = query.shape
         kv_heads = keys.shape[1]
-        if not (query.stride(2) == 1 and query.stride(1) == dim and query.stride(0) >= q_heads * dim):
-            query = query.contiguous()  # rows apart is all the C code can stride over
         _check(
-            _fp32_cpu(query, keys, values)
-            and _int64_cpu(read, lengths)
-            and _contiguous(keys, values, read, lengths)
-            and keys.dim() == 3
-            and keys.shape == values.shape
-            and keys.shape[2] == dim
-            and 0 < kv_heads <= q_heads
-            and q_heads % kv_heads == 0
+            _int64_cpu(read, lengths)
+            and _contiguous(read, lengths)
             and read.dim() == 2
             and lengths.shape == (rows,)
             and read.shape[0] == rows
@@ -209,20 +202,13 @@ class DecodeKernels:
         i of the n positions whose slots in one layer's pool (keys, values [slots, kv_heads,
         dim]) `read` [n] int64 holds, each attending over the positions up to its own.
         Returns [queries, q_heads, dim]. Releases the GIL while it runs (milliseconds)."""
+        query = _attention_query(query, keys, values)
         queries, q_heads, dim = query.shape
         kv_heads = keys.shape[1]
-        if not (query.stride(2) == 1 and query.stride(1) == dim and query.stride(0) >= q_heads * dim):
-            query = query.contiguous()
         _check(
             self.takes_prompt_attention(dim)
-            and _fp32_cpu(query, keys, values)
             and _int64_cpu(read)
-            and _contiguous(keys, values, read)
-            and keys.dim() == 3
-            and keys.shape == values.shape
-            and keys.shape[2] == dim
-            and 0 < kv_heads <= q_heads
-            and q_heads % kv_heads == 0
+            and _contiguous(read)
             and read.dim() == 1
             and 0 < queries <= read.shape[0]
             and _within(read, 0, keys.shape[0])
@@ -538,6 +524,27 @@ def _within(values: torch.Tensor, low: int, high: int) -> bool:
 
 def _contiguous(*tensors: torch.Tensor) -> bool:
     return all(t.is_contiguous() for t in tensors)
+
+
+def _attention_query(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`query` [rows, q_heads, dim] as the attention kernels read it: in place when only its
+    rows are strided (q's columns of a fused qkv projection are), a contiguous copy
+    otherwise. Checks what both kernels take of it and of one layer's pool, keys and values
+    [slots, kv_heads, dim] (fp32 CPU, kv heads dividing q heads)."""
+    _check(query.dim() == 3)
+    _, q_heads, dim = query.shape
+    if not (query.stride(2) == 1 and query.stride(1) == dim and query.stride(0) >= q_heads * dim):
+        query = query.contiguous()  # rows apart is all the C code can stride over
+    _check(
+        _fp32_cpu(query, keys, values)
+        and _contiguous(keys, values)
+        and keys.dim() == 3
+        and keys.shape == values.shape
+        and keys.shape[2] == dim
+        and 0 < keys.shape[1] <= q_heads
+        and q_heads % keys.shape[1] == 0
+    )
+    return query
 
 
 def _check(valid: bool) -> None:
