@@ -106,6 +106,19 @@ def test_prompt_attention_gives_the_same_numbers_on_any_number_of_threads(kernel
         kernels.set_threads(1)
 
 
+def test_prompt_attention_gives_a_query_the_same_bits_however_the_prompt_is_chunked(kernels):
+    """The batch invariance's half that is attention's: a query's result depends on its
+    position and the columns it sees, not on the chunk it is computed in (a whole prompt,
+    a chunk after a cached prefix, a lone last query)."""
+    if not kernels.takes_prompt_attention(DIM):
+        pytest.skip("the prompt attention needs AVX-512")
+    query, keys, values, read = _prompt_case(118, 118)
+    whole = kernels.prompt_attention(query, keys, values, read, DIM**-0.5)
+    for start, end in ((16, 86), (37, 118), (117, 118), (0, 9)):
+        chunk = kernels.prompt_attention(query[start:end], keys, values, read[:end].contiguous(), DIM**-0.5)
+        assert torch.equal(chunk, whole[start:end]), (start, end)
+
+
 def test_tensors_prompt_attention_does_not_compute_are_refused_not_read(kernels):
     if not kernels.takes_prompt_attention(DIM):
         pytest.skip("the prompt attention needs AVX-512")
