@@ -240,9 +240,10 @@ FORWARD = Setting(
     choice("auto", "transformers"),
     ("prefill", "decode"),
     "Which forward pass runs the model. auto: pdchat's own for Llama-architecture models in float32 (transformers' "
-    "numbers to rounding, in fewer ops, its projections of many rows on oneDNN's blocked weights) and, on CPU in "
-    "float32, decode's work between its GEMMs and its greedy argmax in C on the pass's threads (the same to "
-    "rounding), built at setup by `pdchat prepare kernels` into cache_dir (a server that finds no build for its host "
+    "numbers to rounding, in fewer ops, its projections on oneDNN's blocked weights, each row's result the same "
+    "bits in any batch) and, on CPU in float32, decode's work between its GEMMs, a prompt's attention (AVX-512) "
+    "and its greedy argmax in C on the pass's threads (the same to rounding), built at setup by `pdchat prepare "
+    "kernels` into cache_dir (a server that finds no build for its host "
     "logs so and builds it at load with the host's C compiler; the torch path where none is found); "
     "transformers: transformers' forward with torch attention, for every model "
     "(docs/architecture.md#the-forward-pass).",
