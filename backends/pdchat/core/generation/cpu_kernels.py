@@ -97,7 +97,7 @@ _SIGNATURES = {
     "argmax": ([_P, _N, _N, _P], None),
     "pack_head_bf16": ([_P, _N, _N, _P], None),
     "head_screens": ([], ctypes.c_int),
-    "prompt_attention_available": ([], ctypes.c_int),
+    "prompt_attention_max_dim": ([], ctypes.c_int),
     "set_threads": ([ctypes.c_int], None),
 }
 # Called through a GIL-releasing handle (see GreedyHead).
@@ -106,8 +106,6 @@ _RELEASING_SIGNATURES = {
     "decide_rows": ([_P, _N, _N, _P, _P, _N, _P, _F, _F, _N, _P], None),
     "prompt_attention": ([_P, _N, _P, _P, _P] + [_N] * 5 + [_F, _P], ctypes.c_int),
 }
-# The largest head dim decode_kernels.c's prompt attention takes (MAX_DIM there).
-PROMPT_ATTENTION_MAX_DIM = 256
 # Row-count buckets the GreedyHead times its ways in, once each, on its first batch: a
 # batch takes its bucket's winner (the smallest bucket at least its size; the last beyond it).
 SCREEN_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -133,7 +131,8 @@ class DecodeKernels:
         screens = self._head_screens()
         self.head_screens = tuple(name for name, code in _HEAD_SCREENS.items() if screens & code)
         self.isa = instruction_set()  # what -march=native compiled them for, by name
-        self.prompt_attention_compiled = bool(self._prompt_attention_available())  # AVX-512
+        # The largest head dim the prompt attention takes (MAX_DIM in the C source); 0: not compiled (no AVX-512).
+        self.prompt_attention_max_dim = self._prompt_attention_max_dim()
 
     def set_threads(self, threads: int) -> None:
         """Let the row kernels and the head's screen split their work over `threads` (the
@@ -191,8 +190,8 @@ class DecodeKernels:
 
     def takes_prompt_attention(self, dim: int) -> bool:
         """Whether `prompt_attention` serves heads of `dim`: compiled (AVX-512), dim a
-        multiple of 16 and at most PROMPT_ATTENTION_MAX_DIM."""
-        return self.prompt_attention_compiled and dim % 16 == 0 and 0 < dim <= PROMPT_ATTENTION_MAX_DIM
+        multiple of 16 and at most `prompt_attention_max_dim`."""
+        return dim % 16 == 0 and 0 < dim <= self.prompt_attention_max_dim
 
     def prompt_attention(
         self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, read: torch.Tensor, scale: float

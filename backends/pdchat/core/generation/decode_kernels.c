@@ -122,8 +122,8 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* Whether pdchat_prompt_attention was compiled (AVX-512). */
-int pdchat_prompt_attention_available(void) { return 1; }
+/* The largest head dim pdchat_prompt_attention takes; 0 where it was not compiled (no AVX-512). */
+int pdchat_prompt_attention_max_dim(void) { return MAX_DIM; }
 
 /* One head's block of `rows` queries (at most QUERY_BLOCK; row r at `position` + r, its q
  * at q + r * q_stride) over its kv head's packed tiles (pdchat_prompt_attention), each
@@ -230,13 +230,13 @@ int pdchat_prompt_attention(const float *restrict q, int64_t q_stride, const flo
     return 0;
 }
 #else
-int pdchat_prompt_attention_available(void) { return 0; }
+int pdchat_prompt_attention_max_dim(void) { return 0; }
 int pdchat_prompt_attention(const float *q, int64_t q_stride, const float *keys, const float *values,
                             const int64_t *read, int64_t queries, int64_t n, int64_t q_heads, int64_t kv_heads,
                             int64_t dim, float scale, float *out) {
     (void)q, (void)q_stride, (void)keys, (void)values, (void)read, (void)queries, (void)n;
     (void)q_heads, (void)kv_heads, (void)dim, (void)scale, (void)out;
-    return 1; /* never called: pdchat_prompt_attention_available says 0 */
+    return 1; /* never called: pdchat_prompt_attention_max_dim says 0 */
 }
 #endif
 
