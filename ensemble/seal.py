@@ -293,15 +293,14 @@ def _server_key(directory: Path) -> bytes:
 def live_server_directories(root: Path) -> dict[Path, int]:
     """This scope's server directories under `root` (server_directory's parent) whose process
     still runs, each with its tritonserver's pid."""
-    scope, live = _scope(), {}
-    for entry, pid in _scope_directories(root, scope):
-        try:
-            alive = procfs.alive(pid) and server_id(pid) == entry.name  # a zombie is gone
-        except ModelUnavailable:
-            alive = False
-        if alive:
-            live[entry] = pid
-    return live
+    return {entry: pid for entry, pid in _scope_directories(root, _scope()) if _runs(entry, pid)}
+
+
+def _runs(entry: Path, pid: int) -> bool:
+    try:
+        return procfs.alive(pid) and server_id(pid) == entry.name  # a zombie is gone
+    except ModelUnavailable:
+        return False
 
 
 def _scope_directories(root: Path, scope: str) -> list[tuple[Path, int]]:
@@ -318,8 +317,11 @@ def _scope_directories(root: Path, scope: str) -> list[tuple[Path, int]]:
 
 
 def _remove_gone_servers(root: Path) -> None:
-    """Remove the directories of this scope's servers whose process is gone (or is another now)."""
-    live = live_server_directories(root)
-    for entry, _ in _scope_directories(root, _scope()):
-        if entry not in live:
+    """Remove the directories of this scope's servers whose process is gone (or is another now).
+
+    NOTE: each directory is judged when it is listed, never against an earlier list of live
+    ones: a server that starts meanwhile makes its directory after that list, and would lose
+    its key to this sweep."""
+    for entry, pid in _scope_directories(root, _scope()):
+        if not _runs(entry, pid):
             shutil.rmtree(entry, ignore_errors=True)

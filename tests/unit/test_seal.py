@@ -11,6 +11,7 @@ import pytest
 
 from pdchat.core.errors import InvalidRequest, ModelUnavailable
 from pdchat.core.request.protocol import GenerationParams
+from pdchat.ensemble import seal as seal_module
 from pdchat.ensemble.seal import NonceLedger, SealRefusal, StageSeal, Unsealed, server_directory, server_id
 
 IDS = [5, 6, 7]
@@ -118,6 +119,26 @@ def test_each_server_has_a_key_of_its_own_that_all_its_models_share(tmp_path):
     # Both servers are gone: the next server's key removes what they left.
     subprocess.run([sys.executable, "-c", SERVER], env=env, check=True, capture_output=True)
     assert len(os.listdir(tmp_path / "stage")) == 1
+
+
+def test_a_server_that_starts_while_another_sweeps_keeps_its_key(tmp_path, monkeypatch):
+    """The sweep of gone servers' directories, racing a server that starts meanwhile: the
+    new server's directory (made after the sweep listed the old ones) stays, key and all."""
+    monkeypatch.setenv("PDCHAT_CACHE_DIR", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone_directory = server_directory(gone.pid)
+    gone.wait()
+    real_alive, started = seal_module.procfs.alive, []
+
+    def a_server_starts_meanwhile(pid: int) -> bool:  # once, at the sweep's first check
+        monkeypatch.setattr(seal_module.procfs, "alive", real_alive)
+        started.append(StageSeal.for_this_server({}).key_id)  # this process's parent: its server
+        return real_alive(pid)
+
+    monkeypatch.setattr(seal_module.procfs, "alive", a_server_starts_meanwhile)
+    seal_module._remove_gone_servers(tmp_path / "stage")
+    assert not gone_directory.exists() and started
+    assert StageSeal.for_this_server({}).key_id == started[0]
 
 
 def test_the_key_file_is_private_and_read_by_tools_of_the_same_user(tmp_path, monkeypatch):
