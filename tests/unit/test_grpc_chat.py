@@ -48,7 +48,7 @@ class Silent(service_pb2_grpc.GRPCInferenceServiceServicer):
 
 class Scripted(service_pb2_grpc.GRPCInferenceServiceServicer):
     """Answers a streamed request with the responses put in `responses`, as they are put;
-    the stream ends at a None, or once the client half-closes it."""
+    the stream ends at a None, or once the client half-closes or cancels it."""
 
     def __init__(self):
         self.responses: queue.Queue = queue.Queue()
@@ -61,8 +61,11 @@ class Scripted(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.requests.append(first)
 
         def until_closed() -> None:
-            for request in request_iterator:
-                self.requests.append(request)
+            try:
+                for request in request_iterator:
+                    self.requests.append(request)
+            except grpc.RpcError:  # the client cancelled the stream rather than half-closed it
+                pass
             self.responses.put(None)
 
         threading.Thread(target=until_closed, daemon=True).start()
