@@ -6,8 +6,9 @@ prompt's pass runs on half of them while decode steps its rows on the rest: the 
 come fast and the first tokens slowly. With prefill_takes_cores_ms, a pass takes every core
 and decode, before its next step, waits for the pass to end: the way vLLM's steps share
 the cores between prompts and rows. Each running row then waits at most one pass per step
-(decode steps once between two passes of a long prompt), and no pass is waited for longer
-than MAX_TURN_S, so a prefill that died mid-pass stalls no stream.
+(decode steps once between two passes of a long prompt), for no longer than MAX_TURN_S,
+and a prefill that dies mid-pass is waited for no more (its process is looked at every
+_ALIVE_POLL_S).
 
 Each prefill instance marks its passes in a file of its own, `prefill-pass.<pid>` in
 the server's directory (pdchat.ensemble.seal.server_directory): the passes it began and the
@@ -39,10 +40,14 @@ from pdchat.ensemble.seal import live_server_directories
 FILE_PREFIX = "prefill-pass."
 WAITER_PREFIX = "decode-turns."
 _PASS = struct.Struct("<qd")  # passes begun, the running pass's deadline (0.0: none runs)
-MAX_TURN_S = 1.0  # the longest decode waits for one pass, whatever its prefill expects
+# The longest decode waits for one pass, whatever its prefill expects. NOTE: a step beside a
+# pass on every core slows both, so it must cover a whole pass of prefill_pass_tokens on a
+# small model: SmolLM2's take 1.7 s on 2 cores (docs/batching.md#prefill).
+MAX_TURN_S = 2.0
 MIN_TURN_S = 0.25  # the shortest deadline a pass gets, whatever its prefill expects
 _TURN_SLACK = 1.5  # a longer pass's deadline: this many times its expected duration after it began
 _POLL_S = 0.0005  # how often a waiting decode looks again
+_ALIVE_POLL_S = 0.05  # how often it looks whether the prefill it waits for still runs
 _RESCAN_S = 1.0  # how often decode looks for prefill instances that came or went
 IN_USE_S = 10.0  # a decode that waits counts while it holds sequences or held some this recently
 
@@ -165,9 +170,14 @@ class PassTurns:
             if deadline <= now or self._waited.get(path) == mark:
                 continue
             self._waited[path] = mark
+            looked_alive_at = now
             while _PASS.unpack_from(marks, 0) == mark and now < deadline:
                 self._sleep(_POLL_S)
                 now = self._clock()
+                if now - looked_alive_at >= _ALIVE_POLL_S:
+                    if not procfs.alive(_pid_of(path)):  # died mid-pass
+                        break
+                    looked_alive_at = now
         return now - started
 
     def _rescan(self, now: float) -> None:
@@ -196,6 +206,11 @@ class PassTurns:
 def _waits(directory: Path) -> bool:
     """Whether a live decode of the server in `directory` waits for marked passes."""
     return bool(_live(directory, WAITER_PREFIX))
+
+
+def _pid_of(path: Path) -> int:
+    """The process a `<prefix><pid>` file is named by."""
+    return int(path.name.rsplit(".", 1)[1])
 
 
 def _live(directory: Path, prefix: str) -> list[Path]:

@@ -225,6 +225,35 @@ def test_one_step_waits_at_most_max_turn_s_for_all_the_prefills_on_its_cores(tmp
             child.wait()
 
 
+def test_a_prefill_that_dies_mid_pass_is_waited_for_no_more(tmp_path):
+    """kill -9 of a prefill mid-pass leaves its mark running: decode stops waiting once it
+    sees the process gone (within _ALIVE_POLL_S), not at the pass's deadline."""
+    import struct
+    import subprocess
+
+    from pdchat.ensemble.core_turns import _ALIVE_POLL_S
+
+    clock = Clock()
+    prefill = subprocess.Popen(["sleep", "30"])
+    (tmp_path / f"prefill-pass.{prefill.pid}").write_bytes(struct.pack("<qd", 1, clock.now + MAX_TURN_S))
+    polls = []
+
+    def sleep(seconds: float) -> None:
+        clock.now += seconds
+        polls.append(seconds)
+        if len(polls) == 10:
+            prefill.kill()
+            prefill.wait()
+
+    turns = PassTurns(tmp_path, clock=clock, sleep=sleep)
+    try:
+        assert 0 < turns.wait() <= 2 * _ALIVE_POLL_S < MAX_TURN_S
+    finally:
+        turns.close()
+        prefill.kill()
+        prefill.wait()
+
+
 def test_a_dead_processs_files_count_for_nothing(tmp_path):
     """A decode stub killed with kill -9 leaves its decode-turns file and a busy load: no
     pass is marked for it; a prefill killed mid-pass leaves its mark: no decode waits for it."""

@@ -330,7 +330,7 @@ PREFILL_TAKES_CORES_MS = Setting(
     "core-seconds per token of the passes before it) takes the cores in turns with decode, as vLLM's steps do: "
     "it runs on prefill_threads_when_idle threads while the decodes in use on those cores (this server's, or "
     "another server's on the same host: a P/D pair) wait for it before their next step (up to 1.5 times what "
-    "the pass is expected to take, within 0.25-1 s, and stepping once between two passes of a long prompt), so "
+    "the pass is expected to take, within 0.25-2 s, and stepping once between two passes of a long prompt), so "
     "first tokens come sooner under load, each running "
     "row waiting up to one pass. Shorter passes run beside decode's steps on torch_threads. A decode with a CPU "
     "of its own (decode_cpus), or with this setting at 0, does not wait, and while it holds sequences no pass "
