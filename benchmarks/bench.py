@@ -403,6 +403,7 @@ def bench_batching(args: argparse.Namespace) -> None:
 STEP_VARIANTS = {
     "ms_per_step": "pdchat's step: its own forward pass, C kernels between the GEMMs, greedy tokens by the GreedyHead",
     "ms_per_step_full_projection": "the same, the vocabulary projected in full (fp32) and a C argmax",
+    "ms_per_step_torch_gemms": "pdchat's step with its layers' GEMMs on torch's (plain weights: MKL's)",
     "ms_per_step_torch_ops": "its own forward pass, torch ops between the GEMMs",
     "ms_per_step_transformers": "transformers' forward, torch attention",
     "ms_per_step_nn_linear": "transformers' forward and its nn.Linear vocabulary projection",
@@ -425,18 +426,23 @@ def _forward_alone(
     round times the STEP_VARIANTS one after the other, so they are compared side by side."""
     import torch
 
+    from pdchat.core.generation import llama
+
     ours = _stage_engine(model_dir, device, dtype, threads=threads)
     theirs = _stage_engine(model_dir, device, dtype, forward="transformers", threads=threads)
-    kernels, head = ours.decode_kernels, theirs.model.get_output_embeddings()
+    kernels, head, own_forward = ours.decode_kernels, theirs.model.get_output_embeddings(), ours.llama
     stock = torch.nn.Linear(head.weight.shape[1], head.weight.shape[0], bias=head.bias is not None)
     stock.weight, stock.bias = head.weight, head.bias
     variants = {
-        "ms_per_step": (ours, lambda: _set_step(ours, kernels, greedy_head=True)),
-        "ms_per_step_full_projection": (ours, lambda: _set_step(ours, kernels, greedy_head=False)),
-        "ms_per_step_torch_ops": (ours, lambda: _set_step(ours, None, greedy_head=False)),
+        "ms_per_step": (ours, lambda: _set_step(ours, kernels, own_forward, greedy_head=True)),
+        "ms_per_step_full_projection": (ours, lambda: _set_step(ours, kernels, own_forward, greedy_head=False)),
+        "ms_per_step_torch_ops": (ours, lambda: _set_step(ours, None, own_forward, greedy_head=False)),
         "ms_per_step_transformers": (theirs, lambda: theirs.model.set_output_embeddings(head)),
         "ms_per_step_nn_linear": (theirs, lambda: theirs.model.set_output_embeddings(stock)),
     }
+    if own_forward is not None:  # a model pdchat's own pass takes; its plain GEMMs over transformers' weights
+        plain = llama.LlamaForward(theirs.model, blocked_gemms=False)
+        variants["ms_per_step_torch_gemms"] = (ours, lambda: _set_step(ours, kernels, plain, greedy_head=True))
     timed = {}
     for rows in row_counts:
         batches = {engine: _decoding(engine, prompt_tokens, rows) for engine in (ours, theirs)}
@@ -445,7 +451,7 @@ def _forward_alone(
             for name, (engine, set_up) in variants.items():
                 set_up()
                 best[name] = min(best[name], _step_time(batches[engine], rows, steps))
-        _set_step(ours, kernels, greedy_head=True)
+        _set_step(ours, kernels, own_forward, greedy_head=True)
         theirs.model.set_output_embeddings(head)
         for batch in batches.values():
             batch.leave(list(range(rows)))
@@ -456,8 +462,8 @@ def _forward_alone(
     return timed
 
 
-def _set_step(engine, kernels, *, greedy_head: bool) -> None:
-    engine.decode_kernels = kernels
+def _set_step(engine, kernels, forward, *, greedy_head: bool) -> None:
+    engine.decode_kernels, engine.llama = kernels, forward
     engine.use_greedy_head(greedy_head)
 
 
@@ -469,7 +475,7 @@ def _print_forward_alone(engine_alone: dict[int, dict[str, float]]) -> None:
         table(
             ["rows", *STEP_VARIANTS, "output tokens/s", "transformers / pdchat"],
             [
-                [rows, *(r[name] for name in STEP_VARIANTS), r["output_tokens_per_s"]]
+                [rows, *(r.get(name, float("nan")) for name in STEP_VARIANTS), r["output_tokens_per_s"]]
                 + [r["ms_per_step_transformers"] / r["ms_per_step"]]
                 for rows, r in engine_alone.items()
             ],
