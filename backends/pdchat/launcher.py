@@ -342,9 +342,30 @@ class TritonServer:
         atexit.register(self.stop)  # a launcher that exits on an exception takes its server along
 
     def start(self, timeout: float = 300.0) -> TritonServer:
+        """Start it and wait until it is ready; raise ServerError if it is not.
+
+        NOTE: a server killed by a signal while it starts is started once more, on the same
+        ports, and only once. Triton 2.51's python backend rarely loses a stub as instances
+        initialize, and the server then aborts on the stub's mutex
+        (docs/notes/python-backend-concurrency.md); a server that exits (a model failed to
+        load) or does not get ready in time is not tried again."""
+        deadline = time.monotonic() + timeout
         self.spawn()
         try:
-            self.wait_ready(timeout)
+            try:
+                self.wait_ready(timeout)
+            except ServerError:
+                if self.process.poll() is None or self.process.returncode >= 0:
+                    raise
+                print(
+                    f"[pdchat] {describe_exit(self._what, self.process, self.log_path, lines=5)}\n"
+                    "[pdchat] starting it once more",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self.reap()
+                self.spawn()
+                self.wait_ready(max(deadline - time.monotonic(), 1.0))
         except BaseException:
             self.stop()
             raise
@@ -431,11 +452,14 @@ class TritonServer:
 
     def exit_report(self) -> str:
         """Why the server exited, with the end of its log (for a supervisor's message)."""
-        what = f"tritonserver ({self.role}, gRPC {self.grpc_url})"
         if self.process.poll() is None and (instance := self.dead_stub()) is not None:
             how = "died; the server stays up, failing every request to that model"
-            return describe_exit(f"the python stub of {instance} in {what}", self.process, self.log_path, how=how)
-        return describe_exit(what, self.process, self.log_path)
+            return describe_exit(f"the python stub of {instance} in {self._what}", self.process, self.log_path, how=how)
+        return describe_exit(self._what, self.process, self.log_path)
+
+    @property
+    def _what(self) -> str:
+        return f"tritonserver ({self.role}, gRPC {self.grpc_url})"
 
     def leaked_shm(self) -> list[Path]:
         """Shared-memory regions of this server (none once it has stopped cleanly)."""
