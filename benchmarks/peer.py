@@ -1,7 +1,8 @@
 """`bench peer`: pdchat beside vLLM's own CPU build, same machine, model and client.
 
-Every system is up at once and each run has the machine to itself (the others idle; it
-starts once the CPUs are quiet: `wait_for_quiet_host`), driven
+Every system is up at once and each run has the machine to itself (the others stopped with
+SIGSTOP, since vLLM's idle engines poll; it starts once the CPUs are quiet:
+`wait_for_quiet_host`), driven
 by vLLM's own load generator (`vllm bench serve --backend openai-chat`, random prompts,
 `--ignore-eos`, temperature 0 unless `--temperature`/`--top-p` say to sample) at each
 concurrency; the runs compared follow each other
@@ -12,8 +13,9 @@ pdchat monolithic with decode's scheduler thread on a CPU of its own (setting
 decode_cpus=auto); with `pdchat-transformers`, pdchat monolithic on transformers' forward
 pass (setting forward=transformers); with `pdchat-vllm` and `pdchat-vllm-pd`, pdchat
 monolithic and P/D on vLLM's engine (setting engine=vllm, its models in .venv-vllm: what
-the Triton pipeline costs beside `vllm serve` on the same engine; run `pdchat-vllm-pd` apart
-on a small host: its idle engines keep four threads polling).
+the Triton pipeline costs beside `vllm serve` on the same engine); with `vllm-pd`, vLLM's
+own P/D (a prefill and a decode `vllm serve` over its NixlConnector behind its proxy protocol), which
+the P/D systems are then compared with.
 Every system gets the same prompts, none of which it served before (prompt_seed); with
 `--rounds`, each round turns the systems' order by one, backwards in odd rounds
 (round_order). Besides each
@@ -35,6 +37,7 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -72,6 +75,7 @@ METRICS = {
 }
 SYSTEMS = (
     "vllm",
+    "vllm-pd",
     "pdchat",
     "pdchat-pd",
     "pdchat-cpus",
@@ -85,9 +89,9 @@ SYSTEMS = (
 # CPU of its own (decode_cpus), transformers' forward pass in place of pdchat's (forward),
 # an idle decode prefilling a lone request's prompt itself or every prompt prefill's (local_prefill_when_idle on, off).
 # pdchat's models on vLLM's engine (setting engine=vllm), configured as `vllm serve` below.
+# Its max_model_len is the run's (max_model_len), as `vllm serve`'s.
 ON_VLLM = {
     ENGINE.env: "vllm",
-    VLLM_ENGINE_ARGS.env: json.dumps({"max_model_len": 4096}),
     DECODE_KV_MB.env: "2048",
     PREFILL_KV_MB.env: "2048",
 }
@@ -100,6 +104,11 @@ MONOLITHIC = {
     "pdchat-vllm": ON_VLLM,
 }
 PD = {"pdchat-pd": {}, "pdchat-vllm-pd": ON_VLLM}  # P/D variants, as MONOLITHIC's
+PD_PEER = "vllm-pd"  # what the P/D systems are compared with where it ran (vLLM otherwise)
+# vLLM's own P/D: vLLM's NixlConnector with the KV in host memory; each prompt in one pass, as
+# pdchat's models ask of vLLM's engine on a CPU, so that the two differ in the path around it.
+NIXL_ON_CPU = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
+THAW_SETTLE_S = 2.0  # after a system is let run again, before its run: its timers catch up
 # A run starts once the host's CPUs were busy less than this many cores over 0.2 s (wait_for_quiet_host).
 QUIET_CORES = 0.25
 QUIET_WAIT_S = 10.0  # at most this long
@@ -173,11 +182,34 @@ def ensure_vllm(venv: Path) -> Path:
     return vllm
 
 
-class System:
-    """One served system on loopback, started and stopped around its benchmark runs."""
+def max_model_len(args: argparse.Namespace) -> int:
+    """Every system's context: 4,096 tokens, or a run's prompt and answer where longer."""
+    return max(4096, args.input_tokens + args.output_tokens + 64)
 
-    def __init__(self, name: str, model: str, model_dir: Path, vllm: Path, log_dir: Path):
+
+def vllm_serve_command(serve: list[str], port: int, context: int) -> list[str]:
+    """vLLM's OpenAI server as the systems run it; `serve`: the command up to the model."""
+    return [
+        *serve,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(context),
+        "--served-model-name",
+        SERVED_NAME,
+        "--port",
+        str(port),
+    ]
+
+
+class System:
+    """One served system on loopback, started and stopped around its benchmark runs, and
+    stopped (SIGSTOP) while another system runs, so that each run has the host to itself
+    (vLLM's idle engines poll)."""
+
+    def __init__(self, name: str, model: str, model_dir: Path, vllm: Path, log_dir: Path, context: int):
         self.name, self.model, self.model_dir, self.vllm, self.log_dir = name, model, model_dir, vllm, log_dir
+        self.context = context  # max_model_len
         self.url = ""  # its OpenAI API, once started
         self._stops: list = []
         self.groups: list[int] = []  # the process groups of its processes, for their CPU time
@@ -185,26 +217,16 @@ class System:
     def start(self) -> None:
         port = free_port()
         if self.name == "vllm":
-            command = [
-                str(self.vllm),
-                "serve",
-                str(self.model_dir),
-                "--dtype",
-                "float32",
-                "--max-model-len",
-                "4096",
-                "--served-model-name",
-                SERVED_NAME,
-                "--port",
-                str(port),
-            ]
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
             self.url = f"http://127.0.0.1:{port}"
+            command = vllm_serve_command([str(self.vllm), "serve", str(self.model_dir)], port, self.context)
             service = Service("vllm", command, f"{self.url}/health", self.log_dir / "vllm.log").start(600)
             self._stops.append(service.stop)
             self.groups = [service.process.pid]
+        elif self.name == PD_PEER:
+            self._start_vllm_pd(port)
         elif self.name in MONOLITHIC:
-            variant = MONOLITHIC[self.name]
+            variant = self._variant(MONOLITHIC[self.name])
             env = {MODEL.env: self.model, SERVED_MODEL_NAME.env: SERVED_NAME, **variant}
             server = TritonServer(env=env, log_path=self.log_dir / f"{self.name}.log").start()
             try:
@@ -220,7 +242,7 @@ class System:
                 model=self.model,
                 router_port=port,
                 served_model_names=(SERVED_NAME,),
-                env=PD[self.name],
+                env=self._variant(PD[self.name]),
                 log_dir=self.log_dir,
             )
             stack.start()
@@ -228,7 +250,67 @@ class System:
             self._stops.append(stack.stop)
             self.groups = [stack.prefill.process.pid, stack.decode.process.pid, stack.router.pid]
 
+    def _variant(self, variant: dict[str, str]) -> dict[str, str]:
+        """A pdchat system's settings; on vLLM's engine, with this run's max_model_len."""
+        if variant.get(ENGINE.env) != "vllm":
+            return variant
+        return {**variant, VLLM_ENGINE_ARGS.env: json.dumps({"max_model_len": self.context})}
+
+    def _start_vllm_pd(self, port: int) -> None:
+        """A prefill (kv_producer) and a decode (kv_consumer) `vllm serve` over NIXL_ON_CPU,
+        behind vLLM's P/D proxy protocol (benchmarks.vllm_pd_proxy). On the vLLM that pdchat's
+        engine=vllm runs on (.venv-vllm: it has NIXL)."""
+        from pdchat.launcher import vllm_python
+
+        python = vllm_python(dict(os.environ))
+        if python == Path(sys.executable):
+            raise SystemExit(f"{PD_PEER} runs on .venv-vllm, with NIXL: build it with scripts/bootstrap.sh --vllm")
+        # Its `vllm` command looks for package metadata of that name, which vllm-cpu does not have.
+        serve = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir)]
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        urls = []
+        for role in ("prefill", "decode"):
+            serve_port = free_port()
+            kv = {**NIXL_ON_CPU, "kv_role": "kv_producer" if role == "prefill" else "kv_consumer"}
+            command = vllm_serve_command(serve, serve_port, self.context)
+            command += ["--no-enable-chunked-prefill", "--kv-transfer-config", json.dumps(kv)]
+            url = f"http://127.0.0.1:{serve_port}"
+            env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+            service = Service(f"vllm {role}", command, f"{url}/health", self.log_dir / f"vllm-{role}.log", env=env)
+            self.pause()  # NOTE: an idle engine with the NixlConnector polls (a core): not while the next compiles
+            try:
+                self._stops.insert(0, service.start(600).stop)
+            finally:
+                self.resume()
+            self.groups.append(service.process.pid)
+            urls.append(url)
+        self.url = f"http://127.0.0.1:{port}"
+        command = [sys.executable, "-m", "benchmarks.vllm_pd_proxy", "--prefill", urls[0], "--decode", urls[1]]
+        proxy = Service(
+            "vLLM's P/D proxy",
+            [*command, "--port", str(port)],
+            f"{self.url}/health",
+            self.log_dir / "vllm-pd-proxy.log",
+        )
+        self._stops.insert(0, proxy.start().stop)
+        self.groups.append(proxy.process.pid)
+
+    def pause(self) -> None:
+        """SIGSTOP every process of it (its engines stop polling)."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, signum: int) -> None:
+        for group in self.groups:
+            try:
+                os.killpg(group, signum)
+            except ProcessLookupError:
+                pass
+
     def stop(self) -> None:
+        self.resume()  # a stopped process would not act on SIGTERM
         for stop in self._stops:
             stop()
         self._stops.clear()
@@ -319,6 +401,8 @@ def run(args: argparse.Namespace) -> None:
     if args.shared_prefixes and not 0 < args.prefix_tokens < args.input_tokens:
         raise SystemExit("--prefix-tokens must be above 0 and below --input-tokens (each prompt has a suffix)")
     vllm = ensure_vllm(Path(args.vllm_venv))
+    # SIGTERM as an exception: `finally` stops the systems, the paused ones too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     log_dir = cache_dir() / "logs" / "peer"
     log_dir.mkdir(parents=True, exist_ok=True)
     rounds: dict[str, dict] = {}  # model -> system -> concurrency -> each round's measurements
@@ -328,16 +412,20 @@ def run(args: argparse.Namespace) -> None:
         try:
             for name in args.systems:
                 print(f"{model}: starting {name}", file=sys.stderr, flush=True)
-                running[name] = System(name, model, model_dir, vllm, log_dir)
+                running[name] = System(name, model, model_dir, vllm, log_dir, max_model_len(args))
                 running[name].start()
                 bench_serve(vllm, running[name], args, 1, 4, WARM_SEED)  # warm: first-call compilation, caches
+                running[name].pause()
             for round_, concurrency, name in schedule(args.systems, args.concurrency, args.rounds):
                 prompts = max(args.min_prompts, args.prompts_per_stream * concurrency)
+                running[name].resume()
+                time.sleep(THAW_SETTLE_S)
                 if wait_for_quiet_host() >= QUIET_WAIT_S:
                     print(
                         f"  the host stayed busy for {QUIET_WAIT_S:.0f} s; running anyway", file=sys.stderr, flush=True
                     )
                 measured = measure(vllm, running[name], args, concurrency, prompts, prompt_seed(round_, concurrency))
+                running[name].pause()
                 rounds.setdefault(model, {}).setdefault(name, {}).setdefault(str(concurrency), []).append(measured)
                 print(
                     f"{model} round {round_ + 1} of {args.rounds}, c={concurrency}, {name}: "
@@ -374,7 +462,7 @@ def measure(vllm: Path, system: System, args: argparse.Namespace, concurrency: i
     try:
         return bench_serve(vllm, system, args, concurrency, prompts, seed)
     except IncompleteRun as incomplete:
-        if system.name != "vllm":  # pdchat's failed requests are a fault to see, not noise
+        if not system.name.startswith("vllm"):  # pdchat's failed requests are a fault to see, not noise
             raise
         # vLLM's server drops a connection now and then ("Server disconnected")
         print(f"  {incomplete}; once more", file=sys.stderr, flush=True)
@@ -398,6 +486,7 @@ def median_of(runs: list[dict]) -> dict:
 def report(results: dict[str, dict], args: argparse.Namespace) -> None:
     ratios: dict[str, dict] = {}
     paired: dict[str, dict] = {}
+    compared: dict[str, dict] = {}  # model -> system -> the system its ratios are to
     for model, systems in results.items():
         print(
             f"\n{model}: {prompts_described(args)}, {args.output_tokens} output tokens, "
@@ -412,10 +501,12 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
             spent = by_c[str(top)]["cpu_ms_per_token"]
             parts = ", ".join(f"{kind} {ms:.2f}" for kind, ms in spent.items() if ms >= 0.01)
             print(f"  {name}: total {sum(spent.values()):.2f} = {parts}")
-        peer = systems.get("vllm")
         for name, by_c in systems.items():
-            if name == "vllm" or peer is None:
+            peer_name = peer_of(name, systems)
+            peer = systems.get(peer_name)
+            if peer is None:
                 continue
+            compared.setdefault(model, {})[name] = peer_name
             ratios.setdefault(model, {})[name] = {
                 c: {key: m[key] / peer[c][key] for key in METRICS} for c, m in by_c.items() if c in peer
             }
@@ -426,7 +517,7 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
                 shown = ", ".join(
                     f"{key} {by_round[key]['median']:.2f}x" for key in ("output_tok_s", "ttft_p50_ms", "itl_p50_ms")
                 )
-                print(f"  {name} c={c} against the vLLM run beside it, median over rounds: {shown}")
+                print(f"  {name} c={c} against the {peer_name} run beside it, median over rounds: {shown}")
         plot(
             f"{args.results}-{model}",
             f"{model}: output tokens/s by concurrency (vllm bench serve)",
@@ -440,6 +531,7 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
         )
     setup = {
         "vllm": f"vllm-cpu {VLLM_VERSION}, --dtype float32",
+        **({"max_model_len": max_model_len(args)} if max_model_len(args) != 4096 else {}),
         "input_tokens": args.input_tokens,
         "output_tokens": args.output_tokens,
         **({"shared_prefixes": prompts_described(args)} if args.shared_prefixes else {}),
@@ -457,8 +549,19 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
             "results": {**kept.get("results", {}), **results},
             "ratio_to_vllm": {**kept.get("ratio_to_vllm", {}), **ratios},
             "paired_ratio_to_vllm": {**kept.get("paired_ratio_to_vllm", {}), **paired},
+            "compared_with": {**kept.get("compared_with", {}), **compared},
         },
     )
+
+
+def peer_of(name: str, systems: Iterable[str]) -> str | None:
+    """What `name`'s ratios are to: vLLM's own P/D (PD_PEER) for a P/D system where it ran,
+    `vllm serve` otherwise; None for `vllm serve` itself."""
+    if name == "vllm":
+        return None
+    if name in PD and PD_PEER in systems:
+        return PD_PEER
+    return "vllm"
 
 
 def paired_ratios(system: dict, peer: dict) -> dict[str, dict]:
@@ -497,7 +600,7 @@ def _earlier_models(setup: dict, rerun: set[str], name: str) -> dict:
         return {}
     return {
         key: {m: v for m, v in earlier.get(key, {}).items() if m not in rerun}
-        for key in ("results", "ratio_to_vllm", "paired_ratio_to_vllm")
+        for key in ("results", "ratio_to_vllm", "paired_ratio_to_vllm", "compared_with")
     }
 
 

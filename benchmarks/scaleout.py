@@ -22,6 +22,7 @@ from pdchat.launcher import free_port, start_service
 def vllm_router_command(prefill_urls: list[str], decode_urls: list[str], port: int) -> list[str]:
     """vllm-router in P/D mode over pdchat fronts, ejecting a dead worker within a second or two."""
     command = [f"{sys.prefix}/bin/vllm-router", "--vllm-pd-disaggregation", "--port", str(port)]
+    command += ["--prometheus-port", str(free_port())]  # its default, 29000, is one per host
     for url in prefill_urls:
         command += ["--prefill", url]  # one URL each: a second word would be its bootstrap port
     for url in decode_urls:

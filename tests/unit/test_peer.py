@@ -1,9 +1,21 @@
 """`bench peer`'s plan: which prompts each measured run draws, and the systems' order per round."""
 
+from argparse import Namespace
+
 import numpy as np
 import pytest
 
-from benchmarks.peer import WARM_SEED, paired_ratios, prompt_seed, round_order, schedule, wait_for_quiet_host
+from benchmarks.peer import (
+    WARM_SEED,
+    max_model_len,
+    paired_ratios,
+    peer_of,
+    prompt_seed,
+    round_order,
+    schedule,
+    wait_for_quiet_host,
+)
+from benchmarks.vllm_pd_proxy import prefill_body
 
 
 def _offsets(seed: int, prompts: int, vocab: int = 49152) -> list[int]:
@@ -78,3 +90,27 @@ def test_paired_ratios_compare_each_round_with_the_vllm_run_beside_it():
     ratios = paired_ratios(ours, theirs)
     assert ratios["output_tok_s"]["rounds"] == [0.9, 2.0, 1.1]
     assert ratios["ttft_p50_ms"]["median"] == 1.1
+
+
+def test_p_d_systems_are_compared_with_vllms_own_p_d_where_it_ran():
+    both = ["vllm", "vllm-pd", "pdchat", "pdchat-pd", "pdchat-vllm-pd"]
+    assert [peer_of(name, both) for name in both] == [None, "vllm", "vllm", "vllm-pd", "vllm-pd"]
+    assert peer_of("pdchat-vllm-pd", ["vllm", "pdchat-vllm-pd"]) == "vllm"
+
+
+def test_the_context_fits_the_runs_prompts_and_answers():
+    assert max_model_len(Namespace(input_tokens=256, output_tokens=64)) == 4096
+    assert max_model_len(Namespace(input_tokens=16000, output_tokens=32)) >= 16032
+
+
+def test_vllms_p_d_proxy_asks_prefill_for_one_unstreamed_token_and_its_kv_kept():
+    body = {"model": "m", "messages": [], "max_completion_tokens": 64, "stream": True, "stream_options": {}}
+    leg = prefill_body(body)
+    assert leg == {
+        "model": "m",
+        "messages": [],
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    assert body["stream"] is True  # the decode leg is the client's request as sent
