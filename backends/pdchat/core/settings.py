@@ -280,8 +280,7 @@ VLLM_KV_CONNECTOR = Setting(
     FLAG,
     ("prefill", "decode", "pdchat"),
     "With engine vllm: give the engine vLLM's NixlConnector, which a P/D pair's prefill and decode servers need. "
-    "The launcher sets it false on a server that serves alone: an idle engine with the connector keeps about two "
-    "cores busy (UCX's progress thread and vLLM's engine loop poll).",
+    "The launcher sets it false on a server that serves alone, which has no KV to move.",
 )
 VLLM_VENV = Setting(
     "vllm_venv",
