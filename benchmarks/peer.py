@@ -1,7 +1,7 @@
 """`bench peer`: pdchat beside vLLM's own CPU build, same machine, model and client.
 
 Every system is up at once and each run has the machine to itself (the others stopped with
-SIGSTOP, since vLLM's idle engines poll; it starts once the CPUs are quiet:
+SIGSTOP, so that nothing they leave running takes from it; it starts once the CPUs are quiet:
 `wait_for_quiet_host`), driven
 by vLLM's own load generator (`vllm bench serve --backend openai-chat`, random prompts,
 `--ignore-eos`, temperature 0 unless `--temperature`/`--top-p` say to sample) at each
@@ -105,8 +105,9 @@ MONOLITHIC = {
 }
 PD = {"pdchat-pd": {}, "pdchat-vllm-pd": ON_VLLM}  # P/D variants, as MONOLITHIC's
 PD_PEER = "vllm-pd"  # what the P/D systems are compared with where it ran (vLLM otherwise)
-# vLLM's own P/D: vLLM's NixlConnector with the KV in host memory; each prompt in one pass, as
-# pdchat's models ask of vLLM's engine on a CPU, so that the two differ in the path around it.
+# vLLM's own P/D: vLLM's NixlConnector with the KV in host memory; each prompt in one pass and
+# the model in the engine core's process, as pdchat runs vLLM's engine on a CPU, so that the two
+# differ in the path around the engine.
 NIXL_ON_CPU = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
 THAW_SETTLE_S = 2.0  # after a system is let run again, before its run: its timers catch up
 # A run starts once the host's CPUs were busy less than this many cores over 0.2 s (wait_for_quiet_host).
@@ -204,8 +205,7 @@ def vllm_serve_command(serve: list[str], port: int, context: int) -> list[str]:
 
 class System:
     """One served system on loopback, started and stopped around its benchmark runs, and
-    stopped (SIGSTOP) while another system runs, so that each run has the host to itself
-    (vLLM's idle engines poll)."""
+    stopped (SIGSTOP) while another system runs, so that each run has the host to itself."""
 
     def __init__(self, name: str, model: str, model_dir: Path, vllm: Path, log_dir: Path, context: int):
         self.name, self.model, self.model_dir, self.vllm, self.log_dir = name, model, model_dir, vllm, log_dir
@@ -275,9 +275,10 @@ class System:
             command = vllm_serve_command(serve, serve_port, self.context)
             command += ["--no-enable-chunked-prefill", "--kv-transfer-config", json.dumps(kv)]
             url = f"http://127.0.0.1:{serve_port}"
-            env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+            # The model in the engine core's process, as pdchat runs vLLM's engine (engine.prepare_process).
+            env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
             service = Service(f"vllm {role}", command, f"{url}/health", self.log_dir / f"vllm-{role}.log", env=env)
-            self.pause()  # NOTE: an idle engine with the NixlConnector polls (a core): not while the next compiles
+            self.pause()  # NOTE: the next engine compiles its graphs on the cores to itself
             try:
                 self._stops.insert(0, service.start(600).stop)
             finally:
