@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import random
 import re
 import shutil
 import signal
@@ -44,10 +45,28 @@ class ServerError(RuntimeError):
     """tritonserver could not be started or did not become ready."""
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+LOWEST_PORT = 10000  # free_port's range begins here and ends below the kernel's ephemeral ports
+
+
+def free_port(port_range: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
+    """A TCP port free on loopback now, below the kernel's ephemeral range.
+
+    NOTE: a server binds its port long after it is chosen (tritonserver its metrics port once
+    every model loaded), while other processes (vLLM's engines, UCX) bind port 0 meanwhile. A
+    port of the ephemeral range could be handed to one of them; a port below it never is."""
+    try:
+        ephemeral = int(port_range.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768  # Linux's default
+    for _ in range(100):
+        port = random.randrange(LOWEST_PORT, max(ephemeral, LOWEST_PORT + 1000))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # in use
+                continue
+            return port
+    raise ServerError(f"no free TCP port found between {LOWEST_PORT} and {ephemeral}")
 
 
 def _pytriton_root() -> Path:
