@@ -61,7 +61,7 @@ from pdchat.core.settings import (
     VLLM_ENGINE_ARGS,
     cache_dir,
 )
-from pdchat.launcher import PDStack, Service, TritonServer, free_port, process_group
+from pdchat.launcher import PDStack, Service, TritonServer, free_port, process_group, vllm_python
 
 VLLM_VERSION = "0.32.0"
 SERVED_NAME = "peer"
@@ -217,7 +217,6 @@ class System:
     def start(self) -> None:
         port = free_port()
         if self.name == "vllm":
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
             self.url = f"http://127.0.0.1:{port}"
             command = vllm_serve_command([str(self.vllm), "serve", str(self.model_dir)], port, self.context)
             service = Service("vllm", command, f"{self.url}/health", self.log_dir / "vllm.log").start(600)
@@ -260,14 +259,11 @@ class System:
         """A prefill (kv_producer) and a decode (kv_consumer) `vllm serve` over NIXL_ON_CPU,
         behind vLLM's P/D proxy protocol (benchmarks.vllm_pd_proxy). On the vLLM that pdchat's
         engine=vllm runs on (.venv-vllm: it has NIXL)."""
-        from pdchat.launcher import vllm_python
-
         python = vllm_python(dict(os.environ))
         if python == Path(sys.executable):
             raise SystemExit(f"{PD_PEER} runs on .venv-vllm, with NIXL: build it with scripts/bootstrap.sh --vllm")
         # Its `vllm` command looks for package metadata of that name, which vllm-cpu does not have.
         serve = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir)]
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         urls = []
         for role in ("prefill", "decode"):
             serve_port = free_port()
@@ -402,6 +398,7 @@ def run(args: argparse.Namespace) -> None:
     if args.shared_prefixes and not 0 < args.prefix_tokens < args.input_tokens:
         raise SystemExit("--prefix-tokens must be above 0 and below --input-tokens (each prompt has a suffix)")
     vllm = ensure_vllm(Path(args.vllm_venv))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # every `vllm serve`'s KV cache (GiB)
     # SIGTERM as an exception: `finally` stops the systems, the paused ones too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     log_dir = cache_dir() / "logs" / "peer"
