@@ -19,8 +19,10 @@ import uuid
 
 import pytest
 
+from benchmarks import load
 from pdchat.launcher import PDStack
 from tests.conversations import PARITY_CASES, SAMPLING_CASES
+from tests.integration import soak
 from tests.integration.adversarial import ADVERSARIAL
 from tests.integration.helpers import (
     ask,
@@ -269,6 +271,14 @@ def test_a_sampled_request_with_a_long_prompt_is_served_plain_and_through_pd(sta
     through_router = router_answer(stack, {**body, "seed": 5, "return_token_ids": True})
     assert through_router["ids"] == plain.output_token_ids
     assert ask(clients["grpc"], {"max_tokens": 2, **PARITY_CASES["single_turn"]}).finish_reason == "length"
+
+
+def test_pd_on_vllms_engine_soaks_through_the_router(stack):
+    """tests/integration/soak.py's soak (hundreds of streams at concurrency 16, then streams
+    abandoned mid-way) through the router, then no request left in either engine."""
+    soak.soak(load.RouterStreams(stack.router_url), [stack.prefill, stack.decode], stack.decode, abandon_cancels=True)
+    for server in (stack.prefill, stack.decode):
+        assert wait_for(lambda s=server: metric(s, "vllm:num_requests_running") == 0, timeout=30)
 
 
 def test_prefill_killed_under_load_fails_no_request(stack, clients):
