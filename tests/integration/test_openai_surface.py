@@ -21,7 +21,7 @@ from pdchat.clients.openai_api import HttpSettings
 from pdchat.clients.router import PDRouter
 from pdchat.launcher import free_port
 from tests.integration.conftest import SERVED_NAMES
-from tests.integration.helpers import metric
+from tests.integration.helpers import metric, wait_for
 from tests.raw_http import running_fronts
 
 NAMES = SERVED_NAMES  # the decode server's
@@ -137,6 +137,7 @@ def vllm_series(server) -> dict[str, float]:
 
 def test_vllm_metric_names_appear_with_sane_values_after_a_request(fronts, decode_server):
     before = metric(decode_server, "vllm:generation_tokens_total", model_name=NAMES[0])
+    finished = {name: metric(decode_server, name) for name in FINISHED_REQUEST_SERIES}
     status, answer = chat(fronts["openai"], max_tokens=6, ignore_eos=True, temperature=0)
     assert status == 200, answer
     series = vllm_series(decode_server)
@@ -152,6 +153,12 @@ def test_vllm_metric_names_appear_with_sane_values_after_a_request(fronts, decod
         "vllm:time_to_first_token_seconds_count",
         "vllm:inter_token_latency_seconds_bucket",
         "vllm:e2e_request_latency_seconds_sum",
+        "vllm:request_queue_time_seconds_bucket",
+        "vllm:request_prefill_time_seconds_sum",
+        "vllm:request_decode_time_seconds_count",
+        "vllm:request_inference_time_seconds_count",
+        "vllm:request_time_per_output_token_seconds_count",
+        *FINISHED_REQUEST_SERIES,
     ):
         assert name in names, sorted(names)
     assert all(f'model_name="{NAMES[0]}"' in key and 'engine="' in key for key in series)
@@ -163,9 +170,28 @@ def test_vllm_metric_names_appear_with_sane_values_after_a_request(fronts, decod
     )
     assert all(0 <= v <= 1 for k, v in series.items() if k.startswith("vllm:kv_cache_usage_perc"))
     assert metric(decode_server, "vllm:num_requests_running") == 0
-    assert metric(decode_server, "vllm:time_to_first_token_seconds_count") >= 2  # prefill's and decode's
-    assert metric(decode_server, "vllm:e2e_request_latency_seconds_count") >= 2
     assert metric(decode_server, "vllm:inter_token_latency_seconds_count") >= 5
+    # Per finished request, over the engines that served it (prefill's and decode's, or decode's alone):
+    # the answer's 6 tokens each sampled once, its prompt seen by each, one success each.
+    # NOTE: decode ends a stream just after its last response: its figures may come a moment after.
+    generated = "vllm:request_generation_tokens_sum"
+    assert wait_for(lambda: metric(decode_server, generated) - finished[generated] == 6, timeout=5)
+    grown = {name: metric(decode_server, name) - finished[name] for name in FINISHED_REQUEST_SERIES}
+    engines = grown["vllm:request_prompt_tokens_count"]
+    assert engines in (1, 2), grown
+    assert grown["vllm:request_success_total"] == engines
+    assert grown["vllm:time_to_first_token_seconds_count"] == grown["vllm:e2e_request_latency_seconds_count"] == engines
+    assert grown["vllm:request_prompt_tokens_sum"] == engines * answer["usage"]["prompt_tokens"]
+
+
+FINISHED_REQUEST_SERIES = (
+    "vllm:request_success_total",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:request_prompt_tokens_count",
+    "vllm:request_prompt_tokens_sum",
+    "vllm:request_generation_tokens_sum",
+)
 
 
 def completion(port: int, body: dict) -> tuple[int, list[dict]]:

@@ -41,14 +41,14 @@ class Observer:
     def __init__(self):
         self.events: list = []
 
-    def started(self):
-        self.events.append(("started",))
+    def started(self, key):
+        self.events.append(("started", key))
 
     def emitted(self, key, tokens):
         self.events.append(("emitted", key, tokens))
 
-    def ended(self, key, outcome, started):
-        self.events.append(("ended", key, outcome, started))
+    def ended(self, key, outcome, started, finish_reason=None):
+        self.events.append(("ended", key, outcome, started, finish_reason))
 
 
 class EchoAssembler:
@@ -103,11 +103,11 @@ def test_outputs_go_on_the_stream_and_the_last_ends_it(parts):
     }
     # prefill sampled its first token: decode counts 0, 2, 1
     assert observer.events == [
-        ("started",),
+        ("started", "r1"),
         ("emitted", "r1", 0),
         ("emitted", "r1", 2),
         ("emitted", "r1", 1),
-        ("ended", "r1", "finished", True),
+        ("ended", "r1", "finished", True, "stop"),
     ]
     assert kv.ended == 1 and unwatched == [one] and not one.open
 
@@ -143,7 +143,7 @@ def test_a_failed_send_stops_the_row_and_ends_the_stream_failed_once(parts):
     streams.send(gone, delta("a"))
     streams.send(gone, delta("b"))
     assert cancelled == ["r1"] and not gone.open
-    assert observer.events == [("ended", "r1", "failed", False)]
+    assert observer.events == [("ended", "r1", "failed", False, None)]
 
 
 @pytest.mark.parametrize(
@@ -156,7 +156,7 @@ def test_a_closed_stream_ends_once_with_its_last_response(parts, outcome, error,
     streams.close(one, outcome, error)
     streams.close(one, "failed", RuntimeError("again"))
     assert transport.log == {"sender-r1": [last]} and kv.ended == 1
-    assert observer.events == [("ended", "r1", outcome, False)]
+    assert observer.events == [("ended", "r1", outcome, False, None)]
 
 
 def test_a_whole_answer_gets_a_heartbeat_after_its_quiet_time(parts):
@@ -188,4 +188,5 @@ def test_an_engine_s_callbacks_hand_each_event_over_in_order(parts):
     for function, args in posted:
         function(*args)
     assert transport.log == {"sender-r1": [("output", "a", False, None), ("output", "b", True, None)]}
-    assert observer.events[0] == ("started",) and observer.events[-1] == ("ended", "r1", "finished", True)
+    assert observer.events[0] == ("started", "r1")
+    assert observer.events[-1] == ("ended", "r1", "finished", True, "stop")

@@ -272,13 +272,14 @@ class VllmMetrics:
     `now` is time.monotonic()'s.
 
     The feeds: `pool` (a PoolUsage, where KVPoolMetrics gets it), `requests` (running,
-    waiting), and per request `arrived`, `emitted` (an output of `sampled` tokens computed
-    here), `ended`."""
+    waiting), and per request `arrived`, `admitted`, `emitted` (an output of `sampled`
+    tokens computed here), `ended`."""
 
     _KINDS = {"gauge": "GAUGE", "counter": "COUNTER", "histogram": "HISTOGRAM"}
     _FLUSH_S = 0.1
+    _TOKEN_COUNTS = (engine_stats.REQUEST_PROMPT_TOKENS, engine_stats.REQUEST_GENERATION_TOKENS)
 
-    def __init__(self, served_name: str, instance_name: str):
+    def __init__(self, served_name: str, instance_name: str, context_length: int):
         labels = {"model_name": served_name, "engine": instance_name}
         self._families = {
             spec.name: pb_utils.MetricFamily(
@@ -286,8 +287,17 @@ class VllmMetrics:
             )
             for spec in engine_stats.VLLM_METRICS
         }
+        token_buckets = engine_stats.request_token_buckets(context_length)
         self._metrics = {
-            spec.name: _Metric(self._families[spec.name], labels, spec.buckets) for spec in engine_stats.VLLM_METRICS
+            spec.name: _Metric(
+                self._families[spec.name], labels, token_buckets if spec in self._TOKEN_COUNTS else spec.buckets
+            )
+            for spec in engine_stats.VLLM_METRICS
+            if spec is not engine_stats.SUCCESS
+        }
+        self._success = {
+            reason: _Metric(self._families[engine_stats.SUCCESS.name], {**labels, "finished_reason": reason})
+            for reason in engine_stats.FINISH_REASONS
         }
         self._timeline = RequestTimeline()
         self._counted = {"prompt": 0, "queries": 0, "hits": 0}
@@ -318,8 +328,12 @@ class VllmMetrics:
         self._metric(engine_stats.RUNNING).set(running)
         self._metric(engine_stats.WAITING).set(waiting)
 
-    def arrived(self, key: str, now: float) -> None:
-        self._timeline.arrived(key, now)
+    def arrived(self, key: str, now: float, prompt_tokens: int) -> None:
+        self._timeline.arrived(key, now, prompt_tokens)
+
+    def admitted(self, key: str, now: float | None = None) -> None:
+        """`key` entered the engine's batch (the end of its queue time)."""
+        self._timeline.admitted(key, time.monotonic() if now is None else now)
 
     @property
     def in_flight(self) -> int:
@@ -329,23 +343,36 @@ class VllmMetrics:
     def emitted(self, key: str, sampled: int, now: float | None = None) -> None:
         """An output of `key`, of which `sampled` tokens were sampled by this engine."""
         now = time.monotonic() if now is None else now
-        observed = self._timeline.emitted(key, now)
+        observed = self._timeline.emitted(key, now, sampled)
         if observed is not None:
             self._metric(observed[0]).observe(observed[1])
         self._unsent_tokens += sampled
         if now - self._sent_at >= self._FLUSH_S:
             self._send_tokens(now)
 
-    def ended(self, key: str, finished: bool, now: float | None = None) -> None:
-        """`key` ended: its end-to-end latency if it `finished` (not failed or cancelled)."""
+    def ended(self, key: str, finish_reason: str | None, now: float | None = None) -> None:
+        """`key` ended: finished for `finish_reason` (stop, length), or failed or cancelled (None)."""
         now = time.monotonic() if now is None else now
         self._send_tokens(now)
-        if not finished:
+        if finish_reason is None:
             self._timeline.dropped(key)
             return
-        seconds = self._timeline.finished(key, now)
-        if seconds is not None:
-            self._metric(engine_stats.E2E).observe(seconds)
+        request = self._timeline.finished(key, now, finish_reason)
+        if request is None:
+            return
+        # NOTE: vLLM's reasons; a tool call's end is its engine's stop.
+        self._success[finish_reason if finish_reason in self._success else "stop"].increment(1)
+        for spec, value in (
+            (engine_stats.E2E, request.e2e),
+            (engine_stats.QUEUE_TIME, request.queued),
+            (engine_stats.PREFILL_TIME, request.prefill),
+            (engine_stats.DECODE_TIME, request.decode),
+            (engine_stats.INFERENCE_TIME, request.inference),
+            (engine_stats.TPOT, request.time_per_output),
+            (engine_stats.REQUEST_PROMPT_TOKENS, request.prompt_tokens),
+            (engine_stats.REQUEST_GENERATION_TOKENS, request.generation_tokens),
+        ):
+            self._metric(spec).observe(value)
 
     def _send_tokens(self, now: float) -> None:
         if self._unsent_tokens > 0:
@@ -356,6 +383,7 @@ class VllmMetrics:
     def close(self) -> None:
         """Drop metrics before their families, as the python backend requires."""
         self._metrics.clear()
+        self._success.clear()
         self._families.clear()
 
     def _metric(self, spec: VllmMetric) -> _Metric:
@@ -375,24 +403,25 @@ class DecodeServerMetrics:
     observer (core.output.decode_streams.StreamObserver), the engine's state and pool, KV
     pulls and the engine's path (EngineInfo). Call from the outbox thread."""
 
-    def __init__(self, model_name: str, instance_name: str, served_name: str, path):
+    def __init__(self, model_name: str, instance_name: str, served_name: str, path, context_length: int):
         self.decode = DecodeMetrics(model_name)
         self.pool = KVPoolMetrics(model_name, instance_name)
-        self.vllm = VllmMetrics(served_name, instance_name)  # vLLM's names
+        self.vllm = VllmMetrics(served_name, instance_name, context_length)  # vLLM's names
         self.info = EngineInfo(model_name, instance_name, path)
 
-    def arrived(self, key: str, now: float) -> None:
-        self.vllm.arrived(key, now)
+    def arrived(self, key: str, now: float, prompt_tokens: int) -> None:
+        self.vllm.arrived(key, now, prompt_tokens)
 
-    def started(self) -> None:
+    def started(self, key: str) -> None:
         self.decode.started()
+        self.vllm.admitted(key)
 
     def emitted(self, key: str, tokens: int) -> None:
         self.vllm.emitted(key, tokens)
 
-    def ended(self, key: str, outcome: str, started: bool) -> None:
+    def ended(self, key: str, outcome: str, started: bool, finish_reason: str | None = None) -> None:
         self.decode.ended(outcome, started)
-        self.vllm.ended(key, outcome == "finished")
+        self.vllm.ended(key, finish_reason if outcome == "finished" else None)
 
     def kv_pull(self, outcome: str) -> None:
         self.decode.kv_pull(outcome)

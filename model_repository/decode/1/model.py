@@ -54,7 +54,9 @@ class TritonPythonModel:
         instance = args["model_instance_name"]
         self.engine = open_engine(DECODE, settings, parameters, instance, cpus)
         pb_utils.Logger.log_info(f"{instance}: {self.engine.path.describe()}")
-        self.metrics = DecodeServerMetrics(args["model_name"], instance, settings.served_name, self.engine.path)
+        self.metrics = DecodeServerMetrics(
+            args["model_name"], instance, settings.served_name, self.engine.path, self.engine.context_length
+        )
         self.seal = StageSeal.for_this_server()
         self.connectors = Connectors(**kv_options(parameters))
         self.kv_events = KVEvents("decode", parameters, args, self.engine.kv_pool)  # off unless its endpoint is set
@@ -138,7 +140,7 @@ class TritonPythonModel:
         first_sent = first is not None and bool(io.input_scalar(request, tensors.FIRST_OUTPUT_SENT))
         assembler = engine.assembler(ids, params, first_output_sent=first_sent)
         stream = io.decode_stream(request, sender, params.request_id, assembler, given_first=first is not None, kv=kv)
-        self.outbox.post(functools.partial(self.metrics.arrived, stream.key, time.monotonic()))
+        self.outbox.post(functools.partial(self.metrics.arrived, stream.key, time.monotonic(), len(ids)))
         self.outbox.watch(stream, sender.is_cancelled, functools.partial(self.engine.cancel, stream.key))
         source = {} if kv is None else kv.decode_source(stream.key, functools.partial(self._post, self.metrics.kv_pull))
         if handle is not None and handle.connector == ENGINE_KV:

@@ -52,7 +52,8 @@ class TritonPythonModel:
         self.seal = StageSeal.for_this_server()
         self.metrics = KVHeldMetrics(args["model_name"], args["model_instance_name"])
         self.pool_metrics = KVPoolMetrics(args["model_name"], args["model_instance_name"])
-        self.vllm_metrics = VllmMetrics(settings.served_name, args["model_instance_name"])  # vLLM's names
+        # vLLM's names
+        self.vllm_metrics = VllmMetrics(settings.served_name, args["model_instance_name"], self.engine.context_length)
         options = kv_options(parameters)
         self.kv_ttl_s = options["ttl_s"]
         self.connectors = Connectors(on_sweep=self._on_sweep, **options)
@@ -76,7 +77,9 @@ class TritonPythonModel:
             except Exception as exc:  # noqa: BLE001
                 self.outbox.post(functools.partial(sender.send, io.error_response(exc), flags=FINAL))
                 continue
-            self.outbox.post(functools.partial(self._arrived, stage.params.request_id, time.monotonic()))
+            self.outbox.post(
+                functools.partial(self._arrived, stage.params.request_id, time.monotonic(), len(stage.prompt_token_ids))
+            )
             self.engine.prefill(
                 PrefillRequest(stage.prompt_token_ids, stage.params),
                 done=functools.partial(
@@ -151,17 +154,17 @@ class TritonPythonModel:
 
     # vLLM's metrics (VllmMetrics): a prompt is a request running until its first token.
 
-    def _arrived(self, key: str, now: float) -> None:
-        self.vllm_metrics.arrived(key, now)
+    def _arrived(self, key: str, now: float, prompt_tokens: int) -> None:
+        self.vllm_metrics.arrived(key, now, prompt_tokens)
         self.vllm_metrics.requests(self.vllm_metrics.in_flight, 0)
 
     def _prefilled(self, key: str, usage, now: float) -> None:
         self.vllm_metrics.pool(usage)
         self.vllm_metrics.emitted(key, 1, now)  # the first token, sampled here
-        self._ended(key, finished=True, now=now)
+        self._ended(key, "length", now)  # one token asked, as vLLM's prefill in P/D
 
-    def _ended(self, key: str, finished: bool = False, now: float | None = None) -> None:
-        self.vllm_metrics.ended(key, finished, now)
+    def _ended(self, key: str, finish_reason: str | None = None, now: float | None = None) -> None:
+        self.vllm_metrics.ended(key, finish_reason, now)
         self.vllm_metrics.requests(self.vllm_metrics.in_flight, 0)
 
     def _on_sweep(self, held: dict[str, int]) -> None:

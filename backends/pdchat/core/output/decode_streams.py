@@ -42,16 +42,16 @@ class StreamTransport(FeedTransport, Protocol):
 
 
 class StreamObserver(Protocol):
-    def started(self) -> None:
-        """A stream was admitted into decode's batch."""
+    def started(self, key: str) -> None:
+        """Stream `key` was admitted into decode's batch."""
         ...
 
     def emitted(self, key: str, tokens: int) -> None:
         """Stream `key` sent an output of `tokens` tokens decode generated."""
         ...
 
-    def ended(self, key: str, outcome: str, started: bool) -> None:
-        """Stream `key` ended: `outcome` finished, failed or cancelled."""
+    def ended(self, key: str, outcome: str, started: bool, finish_reason: str | None = None) -> None:
+        """Stream `key` ended: `outcome` finished (for `finish_reason`: stop, length), failed or cancelled."""
         ...
 
 
@@ -76,6 +76,7 @@ class DecodeStream:
     started: bool = False  # admitted: counted until it ends
     open: bool = True
     outputs: int = 0  # outputs sent
+    finish_reason: str | None = None  # its last delta's, once sent
     fed: int = 0  # outputs sent through the feed
 
 
@@ -113,7 +114,7 @@ class DecodeStreams:
 
     def started(self, stream: DecodeStream) -> None:
         stream.started = True
-        self.observer.started()
+        self.observer.started(stream.key)
 
     def send(self, stream: DecodeStream, delta: Delta) -> None:
         """The outputs of one delta: through its feed (all but the last, when fed) or on its
@@ -134,6 +135,7 @@ class DecodeStreams:
         stream.outputs += 1
         self.observer.emitted(stream.key, max(len(delta.token_ids) - given, 0))
         if delta.finish_reason:
+            stream.finish_reason = delta.finish_reason
             self.close(stream, "finished", send=False)  # its last output was sent final
 
     def _send_outputs(self, stream: DecodeStream, delta: Delta) -> None:
@@ -162,7 +164,7 @@ class DecodeStreams:
         if stream.kv is not None:
             stream.kv.end()
         self._unwatch(stream)
-        self.observer.ended(stream.key, outcome, stream.started)
+        self.observer.ended(stream.key, outcome, stream.started, stream.finish_reason)
         if not send:
             return
         try:
