@@ -32,3 +32,19 @@ def test_the_agents_progress_thread_waits_instead_of_polling(installed):
 def test_an_agent_made_as_vllm_makes_it_still_serves_its_metadata(installed):
     agent = api.nixl_agent(f"test-{uuid.uuid4().hex[:8]}", api.nixl_agent_config(num_threads=4))
     assert agent.get_agent_metadata()
+
+
+def test_a_classs_init_keeps_thread_affinities_and_is_wrapped_once():
+    import os
+
+    class Pinning:
+        def __init__(self, cpus):
+            os.sched_setaffinity(0, cpus)
+            self.made = True
+
+    before = os.sched_getaffinity(0)
+    quiet_nixl.keep_thread_affinity(Pinning)
+    quiet_nixl.keep_thread_affinity(Pinning)
+    assert Pinning({min(before)}).made
+    assert os.sched_getaffinity(0) == before and os.sched_setaffinity.__name__ == "sched_setaffinity"
+    assert Pinning.__init__.__wrapped__.__qualname__.endswith("Pinning.__init__")  # one wrapper
