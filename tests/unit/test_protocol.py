@@ -119,6 +119,8 @@ def test_sampling_controls_are_parsed_normalized_and_reach_generation_params():
         ({"min_tokens": 9, "max_tokens": 4}, "'min_tokens' (9) must not exceed max_tokens (4)"),
         ({"stop_token_ids": [1, -2]}, "'stop_token_ids' must be a list of token ids"),
         ({"stop_token_ids": 5}, "'stop_token_ids' must be a list of token ids"),
+        ({"stop_token_ids": list(range(129))}, "'stop_token_ids' has 129 token ids; at most 128"),
+        ({"logit_bias": {str(i): 1 for i in range(1025)}}, "'logit_bias' has 1025 entries; at most 1024"),
         ({"top_k": -2}, "'top_k' must be -1 or 0 (off) or a positive integer"),
         ({"top_k": 1.5}, "'top_k' must be -1 or 0 (off) or a positive integer"),
         ({"min_p": 1.1}, "'min_p' must be a number in [0, 1]"),

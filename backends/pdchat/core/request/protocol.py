@@ -117,6 +117,10 @@ MAX_TOP_LOGPROBS = 20
 # Decode looks for every stop string in the text held back at each token, in its batch loop:
 # 100,000 of them (1.2 MB) cost 13 ms per token per sequence, slowing every request batched beside.
 MAX_STOP_STRINGS = 64
+# vLLM's GPU model runner fails its whole engine core on a request over these (logit_bias
+# entries; stop_token_ids with min_tokens): refused here, on either engine.
+MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_STOP_TOKEN_IDS = 128
 # The completions API (/v1/completions): the shared fields plus its own; anything else is refused by name.
 COMPLETION_FIELDS = SHARED_FIELDS | {"prompt", "echo"}
 # OpenAI completions fields this server does not do, refused by name (unless null) with why.
@@ -462,7 +466,7 @@ def _sampling_controls(data: dict[str, Any]) -> dict[str, Any]:
         "top_k": _top_k(data.get("top_k")),
         "min_p": _number("min_p", data.get("min_p"), 0.0, 0.0, 1.0),
         "min_tokens": _bounded_int("min_tokens", data.get("min_tokens"), 0, None),
-        "stop_token_ids": _token_ids("stop_token_ids", data.get("stop_token_ids")),
+        "stop_token_ids": _token_ids("stop_token_ids", data.get("stop_token_ids"), MAX_STOP_TOKEN_IDS),
         "logprobs": logprobs,
         "top_logprobs": top_logprobs,
         "parallel_tool_calls": _typed(data, "parallel_tool_calls", bool, True),
@@ -766,6 +770,8 @@ def _logit_bias(value: Any) -> dict[str, float]:
         return {}
     if not isinstance(value, dict):
         raise InvalidRequest("'logit_bias' must be an object mapping token ids (as strings) to biases in [-100, 100]")
+    if len(value) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidRequest(f"'logit_bias' has {len(value)} entries; at most {MAX_LOGIT_BIAS_TOKENS} are allowed")
     bias = {}
     for key, amount in value.items():
         if not isinstance(key, str) or not key.isascii() or not key.isdigit():
@@ -778,13 +784,15 @@ def _logit_bias(value: Any) -> dict[str, float]:
     return bias
 
 
-def _token_ids(key: str, value: Any) -> tuple[int, ...]:
+def _token_ids(key: str, value: Any, most: int) -> tuple[int, ...]:
     if value is None:
         return ()
     if not isinstance(value, (list, tuple)) or not all(
         isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value
     ):
         raise InvalidRequest(f"'{key}' must be a list of token ids (non-negative integers), got {value!r}")
+    if len(value) > most:
+        raise InvalidRequest(f"'{key}' has {len(value)} token ids; at most {most} are allowed")
     return tuple(value)
 
 
