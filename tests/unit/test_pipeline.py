@@ -69,6 +69,20 @@ def test_stop_string_ends_the_answer_early(pipeline):
     assert stopped.text_output == whole[: whole.index(stop)]
 
 
+def test_no_stop_string_ends_within_min_tokens_as_in_vllm(pipeline):
+    plain = pipeline.run(chat(max_tokens=16, temperature=0, ignore_eos=True))[-1]
+    first = pipeline.renderer.tokenizer.decode(plain.output_token_ids[:1])
+    stop = first.strip()[:1]  # ends within the first token
+    assert (
+        pipeline.run(chat(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop]))[-1].output_token_ids
+        == (plain.output_token_ids[:1])
+    )
+    held = pipeline.run(chat(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop], min_tokens=3))[-1]
+    assert held.output_token_ids == plain.output_token_ids[: len(held.output_token_ids)]
+    assert len(held.output_token_ids) >= 3 and plain.text_output.startswith(held.text_output)
+    assert stop in held.text_output[: len(first)]  # kept: it ended within min_tokens
+
+
 def generation_starting_with(pipeline, first_token, **fields):
     rendered = pipeline.renderer.render(chat(temperature=0, **fields))
     kv = pipeline.model.prefill(rendered.prompt_token_ids, rendered.params).kv

@@ -120,7 +120,8 @@ class AnswerText:
     """What one request's output tokens show its client, token by token: a stop token (EOS,
     stop_token_ids) ends the answer without adding text, as in vLLM; text is detokenized
     incrementally and held back where a stop string may begin; the answer ends at a stop
-    string, the first complete tool call (parallel_tool_calls false) or max_tokens.
+    string (one ending after its first min_tokens tokens), the first complete tool call
+    (parallel_tool_calls false) or max_tokens.
 
     NOTE: it reads no engine state: decode runs it for every token (`Generation`), prefill
     for the first one alone (`TextModel.first_output`), and both show the same delta."""
@@ -145,7 +146,8 @@ class AnswerText:
         finish = self._finish(stopped, text)
         if finish:
             text += self._detokenizer.flush()
-        released, hit_stop = self._stops.feed(text)
+        # NOTE: as vLLM's min_tokens: no stop string ends within the answer's first min_tokens tokens.
+        released, hit_stop = self._stops.feed(text, match=len(self.token_ids) > self.params.min_tokens)
         if hit_stop:
             finish = FINISH_STOP
         elif finish:
