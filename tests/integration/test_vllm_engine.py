@@ -20,6 +20,8 @@ import uuid
 import pytest
 
 from benchmarks import load
+from pdchat import tensors
+from pdchat.clients.chat import ChatError, chat_inputs
 from pdchat.launcher import PDStack
 from tests.conversations import PARITY_CASES, SAMPLING_CASES
 from tests.integration import soak
@@ -184,6 +186,21 @@ def test_a_prefill_leg_sent_to_the_decode_server_is_refused_saying_why(clients):
     message = refusal(clients["grpc"], body, kv_transfer_params={"do_remote_decode": True})
     assert "does not serve the prefill stage" in message and "Traceback" not in message
     assert ask(clients["grpc"], body).finish_reason == "length"
+
+
+def test_first_output_sent_is_refused_where_prefill_gives_no_first_output(clients):
+    """vLLM's decode makes the first token again and prefill shows none: a decode leg saying
+    the client has it would drop the answer's first token unseen."""
+    body = {"max_tokens": 4, "temperature": 0, **PARITY_CASES["single_turn"]}
+    handed = prefill_leg(clients, body)
+    with pytest.raises(ChatError) as info:
+        ask_with(clients["grpc"], body, {tensors.FIRST_OUTPUT_SENT: True}, **forwarded(handed))
+    assert f"'{tensors.FIRST_OUTPUT_SENT}': engine vllm sends no first output" in str(info.value)
+    assert ask(clients["grpc"], body, **forwarded(prefill_leg(clients, body))).finish_reason == "length"
+
+
+def ask_with(client, body: dict, parameters: dict, **inputs):
+    return list(client.stream(chat_inputs(body, **inputs), parameters=parameters))
 
 
 def test_a_replayed_handoff_is_refused(clients):

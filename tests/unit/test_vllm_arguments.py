@@ -132,3 +132,5 @@ def test_a_setting_vllms_engine_would_not_apply_is_refused_at_load_by_name():
     assert "decode_kv_share (PDCHAT_DECODE_KV_SHARE)" in message and "engine vllm" in message
     with pytest.raises(ModelUnavailable, match="torch_threads"):
         refuse_unapplied_settings("prefill", {}, environ={"PDCHAT_TORCH_THREADS": "4"})
+    with pytest.raises(ModelUnavailable, match="grammar_compile_timeout_s"):  # vLLM compiles grammars its own way
+        refuse_unapplied_settings("decode", {}, environ={"PDCHAT_GRAMMAR_COMPILE_TIMEOUT_S": "30"})

@@ -24,6 +24,9 @@ from pdchat.core.settings import (
     DECODE_CPUS,
     DECODE_KV_SHARE,
     FORWARD,
+    GRAMMAR_CACHE_MB,
+    GRAMMAR_COMPILE_TIMEOUT_S,
+    GRAMMAR_WORKER_MB,
     KV_TTL_S,
     MAX_RUNNING,
     PREFILL_BATCH_TOKENS,
@@ -49,7 +52,8 @@ KV_LOAD_FAILURE_POLICY = "recompute"
 LEASE_MARGIN_S = 15
 # Prefill's request to vLLM's NixlConnector: keep the prompt's blocks for a decode engine to read.
 REMOTE_DECODE = {"do_remote_decode": True}
-# pdchat's engine's own forward, threads, scheduling and admission: vLLM's engine has its own.
+# pdchat's engine's own forward, threads, scheduling, admission and grammar compiler: vLLM's
+# engine has its own (its structured-output backend compiles the grammars).
 NOT_APPLIED = (
     FORWARD,
     TORCH_THREADS,
@@ -61,6 +65,9 @@ NOT_APPLIED = (
     PREFILL_CHUNK,
     DECODE_KV_SHARE,
     QUEUE_TIMEOUT_S,
+    GRAMMAR_COMPILE_TIMEOUT_S,
+    GRAMMAR_CACHE_MB,
+    GRAMMAR_WORKER_MB,
 )
 
 

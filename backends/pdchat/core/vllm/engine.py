@@ -34,6 +34,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from pdchat import tensors
 from pdchat.core import procfs
 from pdchat.core.engine_api import (
     DECODE,
@@ -343,7 +344,14 @@ class VllmEngine:
         return self._stats.usage(self.total_blocks, self.block_tokens)
 
     def assembler(self, prompt_token_ids, params, *, first_output_sent: bool = False):
-        return self.answers.assembler(prompt_token_ids, params, first_output_sent=first_output_sent)
+        """InvalidRequest for `first_output_sent`: no prefill on this engine gives a first output
+        (`first_output`), so decode's first delta is the answer's first token and is never skipped."""
+        if first_output_sent:
+            raise InvalidRequest(
+                f"'{tensors.FIRST_OUTPUT_SENT}': engine vllm sends no first output from prefill (decode makes "
+                "the answer's first token again); leave it unset"
+            )
+        return self.answers.assembler(prompt_token_ids, params)
 
     def first_output(self, prompt_token_ids, params, first, cached_tokens):
         """None: decode generates the first token again (module docstring), so it shows it."""
