@@ -275,6 +275,9 @@ def test_min_tokens_holds_back_eos(pipeline):
     held = answer(pipeline, max_tokens=8, logit_bias={str(eos): 100}, min_tokens=3)
     assert len(held.output_token_ids) == 4 and held.output_token_ids[-1] == eos and eos not in held.output_token_ids[:3]
     assert held.finish_reason == "stop"
+    # With ignore_eos too, as vLLM: EOS stays out of the first min_tokens tokens, then ends nothing.
+    ignoring = answer(pipeline, max_tokens=8, logit_bias={str(eos): 100}, min_tokens=3, ignore_eos=True)
+    assert eos not in ignoring.output_token_ids[:3] and ignoring.output_token_ids[3:] == [eos] * 5
 
 
 def test_stop_token_ids_end_the_answer_without_their_text(pipeline):

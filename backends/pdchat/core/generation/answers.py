@@ -64,6 +64,11 @@ class Answers:
         """Tokens that end an answer: EOS (unless ignore_eos) and the request's stop_token_ids."""
         return (frozenset() if params.ignore_eos else self.eos_ids) | frozenset(params.stop_token_ids)
 
+    def min_tokens_suppressed(self, params: GenerationParams) -> frozenset[int]:
+        """Tokens min_tokens keeps out of the answer's first tokens: EOS, even with ignore_eos
+        (as vLLM's), and the request's stop_token_ids."""
+        return self.eos_ids | frozenset(params.stop_token_ids)
+
     def output_parser(
         self, prompt_token_ids: list[int], params: GenerationParams
     ) -> OutputParser | HarmonyOutputParser:

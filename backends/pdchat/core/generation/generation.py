@@ -174,7 +174,7 @@ class TextModel(Answers):
         """One request's token choice: its grammar, penalties and biases, its seeded draw."""
         if self.harmony is not None:
             self.check_harmony(params)
-        shaper = LogitsShaper(params, prompt_token_ids, self.engine.vocab_size, self.stop_ids(params))
+        shaper = LogitsShaper(params, prompt_token_ids, self.engine.vocab_size, self.min_tokens_suppressed(params))
         return TokenChooser(params, shaper, self.constraints.constraint(params.constraint))
 
 

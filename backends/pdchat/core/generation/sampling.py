@@ -124,11 +124,14 @@ class LogitsShaper:
     """
 
     def __init__(
-        self, options: SamplingOptions, prompt_token_ids: list[int], vocab_size: int, stop_ids: frozenset[int]
+        self, options: SamplingOptions, prompt_token_ids: list[int], vocab_size: int, suppressed: frozenset[int]
     ):
+        """`suppressed`: the tokens kept out until min_tokens tokens are out."""
         self._options = options
         self.produced = 0  # output tokens chosen (or replayed) so far
-        self._suppressed = torch.tensor(sorted(stop_ids), dtype=torch.long) if options.min_tokens and stop_ids else None
+        self._suppressed = (
+            torch.tensor(sorted(suppressed), dtype=torch.long) if options.min_tokens and suppressed else None
+        )
         self._bias = None
         if options.logit_bias:
             self._bias = (
