@@ -22,7 +22,7 @@ import pytest
 from benchmarks import load
 from pdchat import tensors
 from pdchat.clients.chat import ChatError, chat_inputs
-from pdchat.launcher import PDStack
+from pdchat.launcher import PDStack, process_group
 from tests.conversations import PARITY_CASES, SAMPLING_CASES
 from tests.integration import soak
 from tests.integration.adversarial import ADVERSARIAL
@@ -259,6 +259,29 @@ def test_vllms_kv_events_come_out_on_pdchats_endpoint(clients):
     tokens = [token for event in stored for token in event.token_ids]
     full = len(answer.prompt_token_ids) // block * block
     assert tokens[:full] == answer.prompt_token_ids[:full]
+
+
+def test_no_engine_thread_is_pinned_narrower_than_its_server(stack):
+    """vLLM's NIXL worker pins its thread (the forward pass's) to the last core on a CPU;
+    pdchat's plugin keeps every engine thread on its server's CPUs (docs/engines.md)."""
+    for server in (stack.prefill, stack.decode):
+        allowed = _cpus_allowed(server.process.pid)
+        cores = [pid for pid in process_group(server.process.pid) if _name(pid) == "VLLM::EngineCor"]
+        assert cores, f"no engine core in the {server.role} server"
+        for pid in cores:
+            threads = {tid: _cpus_allowed(pid, tid) for tid in os.listdir(f"/proc/{pid}/task")}
+            assert set(threads.values()) == {allowed}, threads
+
+
+def _cpus_allowed(pid: int, tid: str | None = None) -> str:
+    path = f"/proc/{pid}/status" if tid is None else f"/proc/{pid}/task/{tid}/status"
+    with open(path) as status:
+        return next(line.split()[-1] for line in status if line.startswith("Cpus_allowed_list"))
+
+
+def _name(pid: int) -> str:
+    with open(f"/proc/{pid}/comm") as comm:
+        return comm.read().strip()
 
 
 def test_a_client_leaving_aborts_vllms_request(stack):
