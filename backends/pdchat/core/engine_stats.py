@@ -127,7 +127,9 @@ VLLM_METRICS = (
     INFERENCE_TIME,
     TPOT,
 )
-FINISH_REASONS = ("stop", "length")  # vLLM's finished_reason label values a finished pdchat request takes
+# vLLM's finished_reason label values a finished pdchat request takes (a delta's finish_reason;
+# a tool call's end is a stop, as on vLLM's engine).
+FINISH_REASONS = ("stop", "length")
 
 
 def request_token_buckets(context_length: int) -> tuple[float, ...]:

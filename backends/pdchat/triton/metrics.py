@@ -360,8 +360,7 @@ class VllmMetrics:
         request = self._timeline.finished(key, now, finish_reason)
         if request is None:
             return
-        # NOTE: vLLM's reasons; a tool call's end is its engine's stop.
-        self._success[finish_reason if finish_reason in self._success else "stop"].increment(1)
+        self._success[finish_reason].increment(1)
         for spec, value in (
             (engine_stats.E2E, request.e2e),
             (engine_stats.QUEUE_TIME, request.queued),

@@ -13,9 +13,8 @@ core and worker processes): NIXL that leaves the CPUs to the engine.
   off the forward pass's cores). In an engine core that runs its model itself (vLLM's uniproc
   executor, as engine=vllm and `vllm serve` with one worker run it on a CPU) that thread is
   the forward pass's, and every engine on the host ends up on the same core: a P/D pair's
-  prefill and decode engines, or the two engines of one pdchat server, take turns on one core
-  while the others idle. The worker's affinity calls are ignored; its threads keep the
-  process's CPUs.
+  prefill and decode engines on one host take turns on one core while the others idle. The
+  worker's affinity calls are ignored; its threads keep the process's CPUs.
 
 Installed with pdchat into the venv of engine=vllm's models, it applies to every vLLM process
 started from that venv (`vllm serve` too). Nothing changes where nixl is not installed.
@@ -68,7 +67,7 @@ def install() -> None:
 
 def keep_thread_affinity(cls: type) -> None:
     """Make `cls.__init__` leave thread CPU affinities as they are: its calls to
-    os.sched_setaffinity are ignored (logged once). Idempotent.
+    os.sched_setaffinity are ignored (each logged). Idempotent.
 
     NOTE: os.sched_setaffinity is swapped for the duration of the call, so an affinity another
     thread sets meanwhile is ignored too; vLLM makes its connector worker while its engine
